@@ -1,0 +1,9 @@
+"""Errors that reach the user as one line, never as a traceback."""
+
+
+class DdilocoError(Exception):
+    """Base class: the CLI prints ``ddiloco: error: <message>`` and exits non-zero."""
+
+
+class ConfigError(DdilocoError, ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
