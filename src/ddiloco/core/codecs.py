@@ -1,0 +1,234 @@
+"""Wire codecs for outer gradients: 1-D float32 vectors to exact-size ``bytes`` and back.
+
+Every codec's output length is a pure function of the vector length (``encoded_size``), so
+the bandwidth model can count bytes without encoding anything, and a receiver can reject a
+truncated payload before decoding it. All byte layouts are little-endian.
+
+Blockwise codecs (int8, int4, int2, int1) lay out a payload as
+``[one float32 scale per block][bit-packed codes, LSB first]``; the codes of the whole
+vector are packed back to back, so only the final byte can carry padding bits. They reject
+non-finite input: no finite scale could represent it.
+
+- int8/int4/int2: symmetric absmax quantization, scale = absmax / qmax with
+  qmax = 2**(bits-1) - 1 (127, 7, 1); values round to nearest (ties to even) in
+  [-qmax, qmax], so each element is off by at most scale / 2, and are stored offset by qmax
+  as unsigned codes. int2 therefore has the three levels {-1, 0, +1} * absmax, stored as the
+  2-bit codes 0, 1, 2 (code 3 is never produced): it wastes a fraction of a bit but keeps
+  one rule for every width, and an exact zero.
+- int1: one sign bit per element (set for x < 0), scale = mean |x| of the block, so a
+  decoded block has the same L1 mass as the original (signSGD-style with a per-block scale).
+
+A zero block has scale 0 and decodes to exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ddiloco.errors import ConfigError
+
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2", "int1")
+
+
+class Codec(ABC):
+    """Turns a 1-D float32 vector into ``encoded_size(numel)`` bytes and back."""
+
+    name: str
+
+    @abstractmethod
+    def encoded_size(self, numel: int) -> int:
+        """Exact number of bytes ``encode`` produces for a vector of ``numel`` elements."""
+
+    @abstractmethod
+    def _encode(self, x: Tensor) -> bytes: ...
+
+    @abstractmethod
+    def _decode(self, data: bytes, numel: int) -> Tensor: ...
+
+    def encode(self, x: Tensor) -> bytes:
+        """Serialize the 1-D float32 vector ``x`` (any length, including 0)."""
+        if x.dim() != 1 or x.dtype != torch.float32:
+            raise ValueError(f"{self.name} encodes 1-D float32, got {x.dtype} {tuple(x.shape)}")
+        return self._encode(x.detach().contiguous())
+
+    def decode(self, data: bytes, numel: int) -> Tensor:
+        """A new 1-D float32 tensor of ``numel`` elements from ``encode``'s output."""
+        expected = self.encoded_size(numel)
+        if len(data) != expected:
+            raise ValueError(
+                f"{self.name} payload for {numel} elements must be {expected} bytes, "
+                f"got {len(data)}"
+            )
+        return self._decode(data, numel)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def _check_numel(numel: int) -> None:
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+
+
+def _from_bytes(data: bytes | memoryview, dtype: str, torch_dtype: torch.dtype) -> Tensor:
+    """Copy little-endian ``data`` into a new tensor (np.frombuffer alone is read-only)."""
+    array = np.frombuffer(data, dtype=dtype).astype(dtype[1:], copy=True)
+    return torch.from_numpy(array).view(torch_dtype)
+
+
+class Fp32Codec(Codec):
+    """Raw float32: the lossless reference."""
+
+    name = "fp32"
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return 4 * numel
+
+    def _encode(self, x: Tensor) -> bytes:
+        return x.numpy().astype("<f4", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> Tensor:
+        return _from_bytes(data, "<f4", torch.float32)
+
+
+class Bf16Codec(Codec):
+    """bfloat16 (round to nearest even): half the bytes, relative error <= 2**-8."""
+
+    name = "bf16"
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return 2 * numel
+
+    def _encode(self, x: Tensor) -> bytes:
+        return x.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> Tensor:
+        return _from_bytes(data, "<i2", torch.bfloat16).to(torch.float32)
+
+
+class _BlockCodec(Codec):
+    """Shared layout of the blockwise codecs: float32 scales, then packed ``bits``-bit codes."""
+
+    bits: int
+
+    def __init__(self, *, block_size: int) -> None:
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+
+    def encoded_size(self, numel: int) -> int:
+        _check_numel(numel)
+        return 4 * math.ceil(numel / self.block_size) + math.ceil(numel * self.bits / 8)
+
+    @abstractmethod
+    def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        """(uint8 codes of shape blocks.shape, float32 scale per block)."""
+
+    @abstractmethod
+    def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """Dequantize (blocks, block_size) uint8 codes to float32."""
+
+    def _encode(self, x: Tensor) -> bytes:
+        numel = x.numel()
+        blocks = _pad_to_blocks(x, self.block_size)
+        codes, scales = self._codes_and_scales(blocks, numel)
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"{self.name} cannot encode non-finite values")
+        packed = _pack(codes.reshape(-1)[:numel], self.bits)
+        return scales.numpy().astype("<f4", copy=False).tobytes() + packed.numpy().tobytes()
+
+    def _decode(self, data: bytes, numel: int) -> Tensor:
+        num_blocks = math.ceil(numel / self.block_size)
+        view = memoryview(data)
+        scales = _from_bytes(view[: 4 * num_blocks], "<f4", torch.float32)
+        packed = _from_bytes(view[4 * num_blocks :], "<u1", torch.uint8)
+        codes = _unpack(packed, self.bits, numel)
+        codes = torch.nn.functional.pad(codes, (0, num_blocks * self.block_size - numel))
+        values = self._values(codes.view(num_blocks, self.block_size), scales)
+        return values.reshape(-1)[:numel]
+
+
+class AbsmaxCodec(_BlockCodec):
+    """Blockwise symmetric absmax quantization to ``bits`` bits (int8, int4, int2)."""
+
+    def __init__(self, *, bits: int, block_size: int) -> None:
+        if bits not in (2, 4, 8):
+            raise ConfigError(f"absmax quantization supports 2, 4 or 8 bits, got {bits}")
+        super().__init__(block_size=block_size)
+        self.bits = bits
+        self.name = f"int{bits}"
+        self.qmax = 2 ** (bits - 1) - 1
+
+    def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        scales = blocks.abs().amax(dim=1) / self.qmax
+        # A zero block keeps scale 0; dividing its zeros by 1 instead yields exact zero codes.
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+        q = (blocks / divisor).round_().clamp_(-self.qmax, self.qmax).add_(self.qmax)
+        return q.to(torch.uint8), scales
+
+    def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return (codes.to(torch.float32) - self.qmax) * scales.unsqueeze(1)
+
+
+class SignCodec(_BlockCodec):
+    """int1: sign bits with a per-block scale of mean |x|, preserving each block's L1 mass."""
+
+    name = "int1"
+    bits = 1
+
+    def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        counts = torch.full((blocks.shape[0],), float(self.block_size))
+        if numel % self.block_size:
+            counts[-1] = numel % self.block_size  # the short last block's padding is no data
+        scales = blocks.abs().sum(dim=1) / counts
+        return (blocks < 0).to(torch.uint8), scales
+
+    def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return (1.0 - 2.0 * codes.to(torch.float32)) * scales.unsqueeze(1)
+
+
+def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
+    pad = -x.numel() % block_size
+    padded = torch.nn.functional.pad(x, (0, pad)) if pad else x  # pad copies: only if needed
+    return padded.view(-1, block_size)
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack uint8 codes < 2**bits into bytes, first code in the lowest bits."""
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    padded = torch.nn.functional.pad(codes, (0, -codes.numel() % per_byte))
+    lanes = padded.view(-1, per_byte)
+    packed = lanes[:, 0].clone()
+    for lane in range(1, per_byte):  # at most 8 lanes: a loop over bit positions, not elements
+        packed |= lanes[:, lane] << (lane * bits)
+    return packed
+
+
+def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
+    if bits == 8:
+        return packed[:numel]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    lanes = (packed.unsqueeze(1) >> shifts) & (2**bits - 1)
+    return lanes.reshape(-1)[:numel]
+
+
+def get_codec(name: str, *, block_size: int = 128) -> Codec:
+    """The codec called ``name`` (one of CODEC_NAMES); ``block_size`` is for the int codecs."""
+    if name == "fp32":
+        return Fp32Codec()
+    if name == "bf16":
+        return Bf16Codec()
+    if name in ("int8", "int4", "int2"):
+        return AbsmaxCodec(bits=int(name[3:]), block_size=block_size)
+    if name == "int1":
+        return SignCodec(block_size=block_size)
+    raise ConfigError(f"unknown codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
