@@ -1,0 +1,48 @@
+"""Options shared by the commands that train the reference workload (run, compare, learner)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddiloco.config import MODES, PRESETS, Config, build_config
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """Preset, config file, overrides, seed and corpus: what defines the workload."""
+    parser.add_argument("--preset", default="default", help=f"size preset: {', '.join(PRESETS)} (default: default)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with [run], [model], [train], [protocol], ...")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. --set protocol.quorum=2")
+    parser.add_argument("--seed", type=int, help="seed for weights, data order, jitter and failures")
+    parser.add_argument("--corpus", metavar="DIR", help="train on this directory of text files")
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True) -> None:
+    """Everything a virtual run needs on top of the workload."""
+    add_workload_options(parser)
+    if with_mode:
+        parser.add_argument("--mode", help=f"one of {', '.join(MODES)} (default: decoupled)")
+    parser.add_argument("--learners", type=int, metavar="M", help="number of learners (default 4)")
+    parser.add_argument("--mtbf", type=float, metavar="SECONDS",
+                        help="mean virtual seconds between failures of each learner; 0 = none")
+    parser.add_argument("--downtime", type=float, metavar="SECONDS", help="mean virtual seconds a failed learner stays down")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=int, metavar="N", help="budget: tokens over all learners (preset's by default)")
+    budget.add_argument("--time", type=float, metavar="SECONDS", help="budget: virtual seconds instead of tokens")
+    parser.add_argument("--out", metavar="DIR", help="output directory")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return build_config(
+        preset=args.preset,
+        config_file=args.config,
+        overrides=tuple(args.overrides),
+        run__mode=getattr(args, "mode", None),
+        run__learners=getattr(args, "learners", None),
+        run__seed=args.seed,
+        run__tokens=getattr(args, "tokens", None),
+        run__time_s=getattr(args, "time", None),
+        faults__mtbf_s=getattr(args, "mtbf", None),
+        faults__downtime_s=getattr(args, "downtime", None),
+        train__corpus=args.corpus,
+    )

@@ -1,0 +1,264 @@
+"""A run's configuration, composed from one dataclass per component.
+
+Layers, later ones winning: built-in defaults, the preset (``tiny`` or ``default``), a TOML
+file, ``--set section.key=value`` overrides, then the explicit CLI flags. The TOML file is a
+thin loader onto the dataclasses: sections and keys are the field names, unknown ones are
+errors, and every mistake is one line naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.errors import ConfigError
+from ddiloco.workload.model import ModelConfig
+
+MODES = ("decoupled", "diloco", "dp", "dp-elastic")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Inner training of every learner (and of the data-parallel baselines)."""
+
+    batch_size: int = 16
+    """Sequences per inner step per learner (per replica for data parallel)."""
+    lr: float = 3e-3
+    """Inner AdamW learning rate (after warm-up)."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up, in inner steps of each learner."""
+    weight_decay: float = 0.1
+    """Inner AdamW weight decay."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    evals: int = 12
+    """Evaluations of the global model spread over the run (plus one at the end)."""
+    corpus: str = ""
+    """Directory of the user's text files; empty means the built-in corpus (Python's stdlib sources)."""
+    corpus_max_bytes: int = 8 * 2**20
+    """Cap on corpus bytes read."""
+
+    def validate(self) -> None:
+        for key in ("batch_size", "eval_batches", "evals", "corpus_max_bytes"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterConfig:
+    """The virtual cluster: hardware speed, jitter and network, in virtual seconds."""
+
+    step_time_s: float = 1.0
+    """Inner-step time of a learner on the reference hardware."""
+    jitter: float = 0.05
+    """Log-normal sigma of per-step time noise."""
+    slow_fraction: float = 0.0
+    """Share of learners on an older, slower hardware generation."""
+    slow_factor: float = 1.18
+    """Step-time multiplier of the slow generation (the paper's mixed-hardware case: ~18%)."""
+    bandwidth_bps: float = 1e8
+    """Link bandwidth between a learner and the synchronizer, bits per second."""
+    latency_s: float = 0.05
+    """One-way message latency."""
+    heartbeat_s: float = 2.0
+    """Interval between a learner's heartbeats."""
+
+    def validate(self) -> None:
+        for key in ("step_time_s", "slow_factor", "bandwidth_bps", "heartbeat_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"cluster.{key} must be > 0, got {getattr(self, key)}")
+        for key in ("jitter", "latency_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cluster.{key} must be >= 0, got {getattr(self, key)}")
+        if not 0.0 <= self.slow_fraction <= 1.0:
+            raise ConfigError(f"cluster.slow_fraction must be in [0, 1], got {self.slow_fraction}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultConfig:
+    """Seeded failures, identical for every mode of a comparison (virtual seconds)."""
+
+    mtbf_s: float = 0.0
+    """Mean time between failures of each learner (exponential); 0 disables failures."""
+    downtime_s: float = 60.0
+    """Mean time a failed learner stays down (uniform in [0.5, 1.5] times this)."""
+    restart_s: float = 20.0
+    """Non-elastic data parallel: time to restart the whole job and load its checkpoint."""
+    checkpoint_interval_s: float = 60.0
+    """Non-elastic data parallel: interval between checkpoints (progress since is lost)."""
+    reconfigure_s: float = 5.0
+    """Elastic data parallel: pause to reconfigure when a replica leaves or returns."""
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value < 0:
+                raise ConfigError(f"faults.{f.name} must be >= 0, got {value}")
+        if self.checkpoint_interval_s <= 0:
+            raise ConfigError(f"faults.checkpoint_interval_s must be > 0, got {self.checkpoint_interval_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """What to run and for how long."""
+
+    mode: str = "decoupled"
+    """decoupled, diloco (synchronous), dp (data parallel) or dp-elastic."""
+    learners: int = 4
+    """M: learners (replicas for data parallel)."""
+    seed: int = 0
+    """Seeds the model, the data order, step-time jitter and the failure trace."""
+    tokens: int = 0
+    """Budget: tokens processed by all learners together; 0 means the preset's."""
+    time_s: float = 0.0
+    """Budget in virtual seconds instead of tokens; 0 means use the token budget."""
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"run.mode: unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.learners < 1:
+            raise ConfigError(f"run.learners must be >= 1, got {self.learners}")
+        if self.tokens < 0:
+            raise ConfigError(f"run.tokens must be >= 0, got {self.tokens}")
+        if self.time_s < 0:
+            raise ConfigError(f"run.time_s must be >= 0, got {self.time_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """A whole run; sections mirror the TOML file."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def validate(self) -> "Config":
+        self.run.validate()
+        self.model.validate()
+        self.train.validate()
+        self.protocol.validate_for(self.run.learners)
+        self.cluster.validate()
+        self.faults.validate()
+        if self.run.tokens == 0 and self.run.time_s == 0:
+            raise ConfigError("no budget: set run.tokens or run.time_s (or use a preset)")
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # Seconds on 2 CPU cores: for smoke tests and CI.
+    "tiny": {
+        "model": {"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2},
+        "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "eval_batches": 2, "evals": 4,
+                  "corpus_max_bytes": 2**20},
+        "protocol": {"fragments": 3, "period": 6},
+        "run": {"tokens": 4 * 48 * 8 * 32},
+    },
+    # A few minutes on 2 CPU cores: the main job.
+    "default": {
+        "model": {"seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4},
+        "train": {"batch_size": 16},
+        "run": {"tokens": 4 * 300 * 16 * 128},
+    },
+}
+
+
+def apply_section(config: Config, section: str, values: Mapping[str, Any], *, origin: str) -> Config:
+    """Return ``config`` with ``values`` set in ``section``, type-checked against the fields."""
+    if section not in {f.name for f in fields(Config)}:
+        raise ConfigError(f"{origin}: unknown section {section!r} (sections: {', '.join(f.name for f in fields(Config))})")
+    current = getattr(config, section)
+    hints = typing.get_type_hints(type(current))
+    known = {f.name for f in fields(current)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{origin}: unknown key {section}.{key} (keys: {', '.join(sorted(known))})")
+        changes[key] = _coerce(f"{section}.{key}", value, hints[key], origin)
+    return replace(config, **{section: replace(current, **changes)})
+
+
+def _coerce(key: str, value: Any, hint: Any, origin: str) -> Any:
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{origin}: {key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def load_toml(config: Config, path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+        config = apply_section(config, section, values, origin=str(path))
+    return config
+
+
+def apply_override(config: Config, assignment: str) -> Config:
+    """Apply one ``section.key=value``; the value is read as TOML, else as a bare string."""
+    name, sep, raw = assignment.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return apply_section(config, section, {key: value}, origin="--set")
+
+
+def build_config(
+    *,
+    preset: str = "default",
+    config_file: str | None = None,
+    overrides: tuple[str, ...] = (),
+    **flags: Any,
+) -> Config:
+    """Compose a validated Config. ``flags`` are ``section__key=value`` from explicit CLI options."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    config = Config()
+    for section, values in PRESETS[preset].items():
+        config = apply_section(config, section, values, origin=f"preset {preset}")
+    if config_file:
+        config = load_toml(config, config_file)
+    for assignment in overrides:
+        config = apply_override(config, assignment)
+    for name, value in flags.items():
+        if value is None:
+            continue
+        section, key = name.split("__")
+        config = apply_section(config, section, {key: value}, origin=f"--{key.replace('_', '-')}")
+    if flags.get("run__time_s") and not flags.get("run__tokens"):
+        config = replace(config, run=replace(config.run, tokens=0))  # a time budget replaces the preset's tokens
+    return config.validate()

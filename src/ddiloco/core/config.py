@@ -1,0 +1,103 @@
+"""Configuration of the protocol itself: what learners and the synchronizer agree on.
+
+Both drivers (virtual cluster and gRPC runtime) build their cores from one
+:class:`ProtocolConfig`, so an experiment in simulation and a real run mean the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddiloco.core.codecs import CODEC_NAMES
+from ddiloco.core.fragments import STRATEGIES
+from ddiloco.core.merge import MERGE_RULES
+from ddiloco.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProtocolConfig:
+    """Decoupled DiLoCo knobs (DESIGN.md section 2); names follow the paper's symbols."""
+
+    fragments: int = 4
+    """P: number of parameter fragments; the token embedding gets one of its own."""
+    period: int = 12
+    """H: inner steps between two synchronizations of the same fragment."""
+    overlap: int = 2
+    """τ: inner steps a fragment may be in flight before learners would notice; bounds the grace window."""
+    quorum: int = 1
+    """K: minimum number of learners whose contributions a round needs before it may close."""
+    strict_quorum: bool = False
+    """Keep waiting for K learners even when fewer are alive (synchronous DiLoCo baseline)."""
+    blocking: bool = False
+    """Learners wait for the new global value of a fragment they sent (synchronous DiLoCo)."""
+    alpha: float = 0.5
+    """α: on arrival θ ← α·θ + (1−α)·Θ; 0 adopts the global value, 0.5 keeps half the overlap progress."""
+    fragmentation: str = "balanced"
+    """How parameters are split into fragments: balanced, layerwise or strided."""
+    codec: str = "int4"
+    """Uplink codec for outer gradients."""
+    downlink_codec: str = "int4"
+    """Codec for the outer updates the synchronizer sends back (with error feedback)."""
+    block_size: int = 128
+    """Elements per quantization block (one float32 scale each)."""
+    merge: str = "rda"
+    """Merge rule for non-embedding fragments: rda or mean (the embedding always uses mean)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum."""
+    grace_gamma: float = 0.5
+    """γ < 1: share of the measured slack the grace window may use."""
+    grace_max_s: float = 30.0
+    """Upper bound on the grace window, seconds."""
+    staleness_max: int = 4
+    """Contributions whose base version lags the current one by more than this are rejected."""
+    lease_s: float = 10.0
+    """A learner not heard from for this long is no longer waited for."""
+    delta_norm_ratio_max: float = 10.0
+    """Reject an outer gradient whose norm exceeds this multiple of max(‖Θ_p‖, 1): absurd updates."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field."""
+        _positive_int("protocol.fragments", self.fragments)
+        _positive_int("protocol.period", self.period)
+        _positive_int("protocol.quorum", self.quorum)
+        _positive_int("protocol.block_size", self.block_size)
+        if self.overlap < 0:
+            raise ConfigError(f"protocol.overlap must be >= 0, got {self.overlap}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"protocol.alpha must be in [0, 1], got {self.alpha}")
+        for key, value, valid in (
+            ("protocol.codec", self.codec, CODEC_NAMES),
+            ("protocol.downlink_codec", self.downlink_codec, CODEC_NAMES),
+            ("protocol.merge", self.merge, MERGE_RULES),
+            ("protocol.fragmentation", self.fragmentation, STRATEGIES),
+        ):
+            if value not in valid:
+                raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(valid)})")
+        if self.outer_lr <= 0:
+            raise ConfigError(f"protocol.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"protocol.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0.0 <= self.grace_gamma < 1.0:
+            raise ConfigError(f"protocol.grace_gamma must be in [0, 1), got {self.grace_gamma}")
+        for key, value in (
+            ("protocol.grace_max_s", self.grace_max_s),
+            ("protocol.lease_s", self.lease_s),
+            ("protocol.delta_norm_ratio_max", self.delta_norm_ratio_max),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        if self.staleness_max < 0:
+            raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+
+    def validate_for(self, learners: int) -> None:
+        """Checks that depend on the number of learners M."""
+        self.validate()
+        if self.quorum > learners:
+            raise ConfigError(f"protocol.quorum (K={self.quorum}) exceeds the number of learners (M={learners})")
+
+
+def _positive_int(key: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")

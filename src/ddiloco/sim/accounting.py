@@ -1,0 +1,66 @@
+"""Goodput and uptime, from what actually happened in a run (DESIGN.md section 4).
+
+Every finished inner step is recorded with its virtual start and end. A step is *credited*
+once its work reaches the global model — for Decoupled DiLoCo when the contribution that
+carries it is merged (each fragment credits its share of the parameters), for data parallel
+when the step is committed (at once if elastic, at the next checkpoint if not). Work lost to
+a crash or a rollback is never credited.
+
+- goodput = credited chip-time / provisioned chip-time (every learner, the whole run);
+- uptime = share of wall time covered by at least one credited step: the global model advances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Accounting:
+    def __init__(self, learners: int) -> None:
+        self._start: list[list[float]] = [[] for _ in range(learners)]
+        self._end: list[list[float]] = [[] for _ in range(learners)]
+        self._busy: list[list[float]] = [[] for _ in range(learners)]
+        self._credit: list[list[float]] = [[] for _ in range(learners)]
+
+    def add_step(self, learner: int, step: int, start_s: float, end_s: float, busy_s: float | None = None) -> None:
+        """Record learner's ``step``-th finished step (1-based, contiguous per learner).
+
+        ``busy_s`` is the chip's own compute inside [start_s, end_s] (defaults to all of it);
+        time spent waiting for others or for the network is provisioned but not useful.
+        """
+        if step != len(self._start[learner]) + 1:
+            raise ValueError(f"learner {learner}: step {step} recorded out of order")
+        self._start[learner].append(start_s)
+        self._end[learner].append(end_s)
+        self._busy[learner].append(end_s - start_s if busy_s is None else busy_s)
+        self._credit[learner].append(0.0)
+
+    def credit(self, learner: int, first_step: int, last_step: int, fraction: float) -> None:
+        """Credit ``fraction`` of steps first_step..last_step (inclusive) of ``learner``."""
+        credits = self._credit[learner]
+        for i in range(max(first_step, 1) - 1, min(last_step, len(credits))):
+            credits[i] = min(1.0, credits[i] + fraction)
+
+    def steps(self, learner: int) -> int:
+        return len(self._start[learner])
+
+    def goodput(self, wall_s: float) -> float:
+        if wall_s <= 0:
+            return 0.0
+        useful = sum(float(np.dot(b, c)) for b, c in zip(self._busy, self._credit) if b)
+        return useful / (len(self._start) * wall_s)
+
+    def uptime(self, wall_s: float) -> float:
+        intervals = sorted(
+            (s, e)
+            for starts, ends, credits in zip(self._start, self._end, self._credit)
+            for s, e, c in zip(starts, ends, credits)
+            if c > 0
+        )
+        covered, reach = 0.0, 0.0
+        for s, e in intervals:
+            s = max(s, reach)
+            if e > s:
+                covered += e - s
+                reach = e
+        return min(1.0, covered / wall_s) if wall_s > 0 else 0.0

@@ -1,0 +1,22 @@
+"""Per-learner speed profiles: hardware generation times seeded jitter."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class StepTimer:
+    """Draws inner-step durations. Learner m is slow when m >= M·(1 − slow_fraction), so the
+    slow generation is the same set of learners in every mode."""
+
+    def __init__(
+        self, *, learners: int, step_time_s: float, jitter: float, slow_fraction: float, slow_factor: float, seed: int
+    ) -> None:
+        first_slow = learners - round(learners * slow_fraction)
+        self.base_s = [step_time_s * (slow_factor if m >= first_slow else 1.0) for m in range(learners)]
+        self.jitter = jitter
+        self._rngs = [np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x57E9]).spawn(learners)]
+
+    def draw(self, learner: int) -> float:
+        noise = float(self._rngs[learner].lognormal(0.0, self.jitter)) if self.jitter else 1.0
+        return self.base_s[learner] * noise
