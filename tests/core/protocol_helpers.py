@@ -1,0 +1,52 @@
+"""Small learners wired to a synchronizer over a perfect in-memory link, for core tests."""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.fragments import flatten, plan_fragments
+from ddiloco.core.learner import Learner
+from ddiloco.core.messages import Broadcast
+from ddiloco.core.synchronizer import Synchronizer
+
+SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("b1", (8,)), ("b2", (8,)), ("w3", (4, 8))]
+
+
+def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES}
+
+
+def make_cluster(config: ProtocolConfig, learners: int = 3):
+    plan = plan_fragments(SHAPES, num_fragments=config.fragments, period=config.period, embedding_names=["embed"])
+    init = make_params()
+    sync = Synchronizer(
+        config,
+        [flatten([init[n] for n in f.param_names]) for f in plan.fragments],
+        embedding_fragments=[f.index for f in plan.fragments if f.is_embedding],
+    )
+    params = [make_params() for _ in range(learners)]
+    cores = [Learner(f"l{m}", config, plan, params[m]) for m in range(learners)]
+    for core in cores:
+        core.adopt(sync.register(core.learner_id, now=0.0))
+    return plan, sync, cores, params
+
+
+def local_step(params: dict[str, torch.Tensor], seed: int, scale: float = 0.01) -> None:
+    """Stand-in for an inner optimizer step: move every parameter a little."""
+    g = torch.Generator().manual_seed(seed)
+    for p in params.values():
+        p.add_(torch.randn(p.shape, generator=g), alpha=scale)
+
+
+def deliver(actions, cores) -> int:
+    """Apply every Broadcast to its recipients; return how many updates were applied."""
+    by_name = {c.learner_id: c for c in cores}
+    applied = 0
+    for a in actions:
+        if isinstance(a, Broadcast):
+            for name in a.recipients:
+                by_name[name].apply_update(a.update)
+                applied += 1
+    return applied
