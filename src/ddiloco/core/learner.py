@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from ddiloco.core.codecs import get_codec
+from ddiloco.core.codecs import Codec, get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
 from ddiloco.core.grace import MovingAverage
@@ -28,6 +28,38 @@ class UpdateResult(enum.Enum):
     """Already held (duplicate or older); nothing changed."""
     GAP = "gap"
     """A version was missed: the learner needs the full state (``adopt``) before it can go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class UnencodedContribution:
+    """A due contribution whose Δ is computed but not yet compressed (see ``record_step_unencoded``)."""
+
+    learner_id: str
+    fragment: int
+    base_version: int
+    seq: int
+    tokens: int
+    steps: int
+    compute_s: float
+    step_time_s: float
+    first_step: int
+    delta: torch.Tensor
+    codec: Codec
+
+    def encode(self) -> Contribution:
+        return Contribution(
+            learner_id=self.learner_id,
+            fragment=self.fragment,
+            base_version=self.base_version,
+            seq=self.seq,
+            tokens=self.tokens,
+            steps=self.steps,
+            compute_s=self.compute_s,
+            step_time_s=self.step_time_s,
+            codec=self.codec.name,
+            payload=self.codec.encode(self.delta),
+            first_step=self.first_step,
+        )
 
 
 @dataclass(slots=True)
@@ -91,6 +123,14 @@ class Learner:
 
     def record_step(self, tokens: int, duration_s: float) -> list[Contribution]:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
+        return [d.encode() for d in self.record_step_unencoded(tokens, duration_s)]
+
+    def record_step_unencoded(self, tokens: int, duration_s: float) -> list[UnencodedContribution]:
+        """Like :meth:`record_step`, but leaves the compression to the caller.
+
+        Δ is taken now (the parameters move on with the next step); ``encode()`` may then
+        run on another thread, so a real learner never compresses inside its training loop.
+        """
         if not self.joined:
             raise RuntimeError("learner stepped before adopting the global state")
         self.step += 1
@@ -101,10 +141,10 @@ class Learner:
             c.compute_s += duration_s
         return [self._contribution(p) for p in self.plan.due(self.step)]
 
-    def _contribution(self, p: int) -> Contribution:
+    def _contribution(self, p: int) -> UnencodedContribution:
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters = self._counters[p]
-        contribution = Contribution(
+        contribution = UnencodedContribution(
             learner_id=self.learner_id,
             fragment=p,
             base_version=self.versions[p],
@@ -113,9 +153,9 @@ class Learner:
             steps=counters.steps,
             compute_s=counters.compute_s,
             step_time_s=self.step_time.get(),
-            codec=self._uplink.name,
-            payload=self._uplink.encode(delta),
             first_step=counters.first_step,
+            delta=delta,
+            codec=self._uplink,
         )
         self._seq[p] += 1
         self._counters[p] = _Counters(first_step=self.step + 1)
@@ -125,9 +165,13 @@ class Learner:
 
     def flush(self) -> list[Contribution]:
         """End of training: send every fragment that has unsent steps, due or not."""
+        return [d.encode() for d in self.flush_unencoded()]
+
+    def flush_unencoded(self) -> list[UnencodedContribution]:
+        """:meth:`flush` without the compression (see :meth:`record_step_unencoded`)."""
         return [self._contribution(p) for p, c in enumerate(self._counters) if c.steps > 0]
 
-    def requeue(self, contribution: Contribution) -> None:
+    def requeue(self, contribution: Contribution | UnencodedContribution) -> None:
         """A contribution could not be delivered: fold its counters into the fragment's next one.
 
         Its Δ needs no keeping — the next Δ is measured from the same anchor and contains it.
