@@ -1,0 +1,279 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FragmentLayout(_message.Message):
+    __slots__ = ("index", "param_names", "numel", "offset", "is_embedding")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARAM_NAMES_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IS_EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    param_names: _containers.RepeatedScalarFieldContainer[str]
+    numel: int
+    offset: int
+    is_embedding: bool
+    def __init__(self, index: _Optional[int] = ..., param_names: _Optional[_Iterable[str]] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., is_embedding: _Optional[bool] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("learner_id", "layout_sha256")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    layout_sha256: str
+    def __init__(self, learner_id: _Optional[str] = ..., layout_sha256: _Optional[str] = ...) -> None: ...
+
+class JoinHeader(_message.Message):
+    __slots__ = ("instance_id", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "heartbeat_s", "run_json")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_JSON_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    protocol_json: str
+    period: int
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    learner_index: int
+    finished: bool
+    layout_sha256: str
+    heartbeat_s: float
+    run_json: str
+    def __init__(self, instance_id: _Optional[str] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., run_json: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("fragment", "version", "offset", "total_bytes", "data")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    offset: int
+    total_bytes: int
+    data: bytes
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: JoinHeader
+    chunk: StateChunk
+    def __init__(self, header: _Optional[_Union[JoinHeader, _Mapping]] = ..., chunk: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("learner_id", "tokens", "steps", "instance_id")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    tokens: int
+    steps: int
+    instance_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("stop", "versions")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stop: _Optional[bool] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ContributionHeader(_message.Message):
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "instance_id")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    fragment: int
+    base_version: int
+    seq: int
+    tokens: int
+    steps: int
+    compute_s: float
+    step_time_s: float
+    codec: str
+    payload_bytes: int
+    first_step: int
+    instance_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class ContributionChunk(_message.Message):
+    __slots__ = ("header", "offset", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ContributionHeader
+    offset: int
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ContributeReply(_message.Message):
+    __slots__ = ("versions", "stop")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    stop: bool
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class UpdatesRequest(_message.Message):
+    __slots__ = ("learner_id", "have_versions", "instance_id")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    have_versions: _containers.RepeatedScalarFieldContainer[int]
+    instance_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class Update(_message.Message):
+    __slots__ = ("fragment", "version", "codec", "payload", "stop")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    codec: str
+    payload: bytes
+    stop: bool
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., payload: _Optional[bytes] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("learner_id",)
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    def __init__(self, learner_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LearnerStatus(_message.Message):
+    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    alive: bool
+    last_seen_s_ago: float
+    accepted: int
+    rejected: int
+    registrations: int
+    tokens: int
+    bytes_up: int
+    bytes_down: int
+    step_time_s: float
+    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+
+class FragmentStatus(_message.Message):
+    __slots__ = ("id", "version", "numel", "pending", "bytes_up", "bytes_down")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    version: int
+    numel: int
+    pending: int
+    bytes_up: int
+    bytes_down: int
+    def __init__(self, id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., pending: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+
+class CountEntry(_message.Message):
+    __slots__ = ("key", "count")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    count: int
+    def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("instance_id", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    GRACE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    GRACE_QUORUM_S_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SYNC_S_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_UPTIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    protocol_version: int
+    uptime_s: float
+    learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
+    quorum: int
+    effective_quorum: int
+    rounds_closed: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    grace_window_s: float
+    grace_quorum_s: float
+    grace_sync_s: float
+    rejections: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    bytes_up: int
+    bytes_down: int
+    tokens: int
+    token_budget: int
+    finished: bool
+    goodput: float
+    model_uptime: float
+    last_checkpoint_s_ago: float
+    checkpoints: int
+    mode: str
+    def __init__(self, instance_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
