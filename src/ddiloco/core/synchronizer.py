@@ -149,6 +149,11 @@ class Synchronizer:
         """Renew a lease. A learner whose lease expired must register again (it missed updates)."""
         self._renew(self._live_record(learner_id), now)
 
+    def leave(self, learner_id: str, now: float) -> list[Action]:
+        """A learner is done: stop waiting for it now rather than when its lease runs out."""
+        self._live_record(learner_id).lease_until_s = now
+        return self.tick(now)
+
     def contribute(self, c: Contribution, now: float) -> list[Action]:
         """Validate and queue a contribution; close the round if that completes it.
 
