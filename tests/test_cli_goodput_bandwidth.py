@@ -21,7 +21,7 @@ def test_goodput_json_rows_have_the_documented_schema(capsys):
     assert {(r["config"], r["chips"]) for r in rows} == {
         (c, n) for c in ("dp", "dp-elastic", "decoupled-M2", "decoupled-M4", "decoupled-M8", "decoupled-M16")
         for n in (150_000, 1_200_000)
-    }  # fmt: skip
+    }
     for row in rows:
         assert {"config", "chips", "goodput", "uptime", "goodput_std"} <= row.keys()
         assert 0.0 <= row["goodput"] <= 1.0 and 0.0 <= row["uptime"] <= 1.0 and row["goodput_std"] >= 0.0
@@ -29,7 +29,7 @@ def test_goodput_json_rows_have_the_documented_schema(capsys):
 
 def test_goodput_sweeps_failure_rates(capsys):
     rows = run_json(capsys, "goodput", "--chips", "600k", "--configs", "dp-elastic", "--mtbi-days", "90", "365.25",
-                    "--json", *FAST)  # fmt: skip
+                    "--json", *FAST)
     by_mtbi = {round(r["mtbi_days"], 2): r["goodput"] for r in rows}
     assert by_mtbi[90.0] < by_mtbi[365.25]
 

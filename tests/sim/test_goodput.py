@@ -54,7 +54,8 @@ def test_dp_goodput_falls_as_the_cluster_grows(default_table):
 def test_decoupled_goodput_rises_with_learners(default_table):
     cells = goodput_by_cell(default_table)
     for n in DEFAULT_CHIPS:
-        series = [cells[(c, n)] for c in ("dp-elastic", "decoupled-M2", "decoupled-M4", "decoupled-M8", "decoupled-M16")]
+        configs = ("dp-elastic", "decoupled-M2", "decoupled-M4", "decoupled-M8", "decoupled-M16")
+        series = [cells[(c, n)] for c in configs]
         assert all(a < b for a, b in zip(series, series[1:])), (n, series)
         assert cells[("dp", n)] < cells[("dp-elastic", n)]
 
@@ -78,7 +79,7 @@ def test_more_frequent_failures_cost_goodput():
 def test_stalls_alone_match_the_renewal_formula():
     # No stragglers, instant slice recovery, tiny steps: goodput = 1 / (1 + rate * stall).
     model = ClusterModel(straggler_sigma=0.0, recovery_mean_s=1e-3, step_s=1e-3, checkpoint_interval_s=1e-3,
-                         reconfig_s=20.0, restart_s=60.0)  # fmt: skip
+                         reconfig_s=20.0, restart_s=60.0)
     for config, stall_s in (("dp", 60.0), ("dp-elastic", 20.0), ("decoupled-M4", 20.0)):
         learners = parse_config(config).learners
         rate = 1_200_000 / model.mtbi_s / learners
@@ -144,7 +145,7 @@ def test_smallest_learners_answers_the_planning_question():
 def test_fit_recovers_known_constants_from_their_own_column():
     truth = replace(MODEL, reconfig_s=25.0, restart_s=80.0, recovery_mean_s=3000.0)
     targets = {r.config: r.goodput for r in simulate_table(DEFAULT_CONFIGS, [CALIBRATION_CHIPS], truth, seeds=1,
-                                                           horizon_s=SHORT_S)}  # fmt: skip
+                                                           horizon_s=SHORT_S)}
     fitted = fit_recovery_constants(MODEL, seeds=1, horizon_s=SHORT_S, targets=targets)
     assert fitted.reconfig_s == pytest.approx(25.0, rel=0.1)
     assert fitted.restart_s == pytest.approx(80.0, rel=0.1)

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and their step times on a given link. See docs/bandwidth.md.",
     )
     parser.add_argument("--preset", default="paper-8dc",
-                        help=f"starting inputs: {', '.join(bw.PRESETS)} (default paper-8dc)")  # fmt: skip
+                        help=f"starting inputs: {', '.join(bw.PRESETS)} (default paper-8dc)")
     x = parser.add_argument_group("inputs (override the preset)")
     x.add_argument("--params", metavar="N", help="model parameters, e.g. 12B, 350M, 1.5e10")
     x.add_argument("--step-s", type=float, metavar="S", help="compute time of one inner step")
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--backward-share", type=float, metavar="F", help="share of a step the all-reduce can hide in")
     x.add_argument("--latency-ms", type=float, metavar="MS", help="one-way latency between sites")
     parser.add_argument("--link-gbps", type=float, nargs="+", metavar="GBPS",
-                        help="also report step times and speed-up on these links (preset's by default)")  # fmt: skip
+                        help="also report step times and speed-up on these links (preset's by default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -86,14 +86,14 @@ def _print(result: bw.BandwidthResult, preset: str, unchanged: bool) -> None:
     table.add_row("Decoupled DiLoCo", f"{result.decoupled_gbps:.4g}")
     console.print(table)
     console.print(f"reduction: {result.reduction:.0f}x; one learner sends (and receives) "
-                  f"{result.learner_bytes_per_step / 1e6:.4g} MB per inner step")  # fmt: skip
+                  f"{result.learner_bytes_per_step / 1e6:.4g} MB per inner step")
     if result.links:
         links = Table(title="on a given link")
         for col in ("link Gbit/s", "dp step s", "decoupled step s", "dp util", "decoupled util", "speed-up"):
             links.add_column(col, justify="right")
         for r in result.links:
             links.add_row(f"{r.link_gbps:g}", f"{r.dp_step_s:.3g}", f"{r.decoupled_step_s:.3g}",
-                          f"{r.dp_utilization:.1%}", f"{r.decoupled_utilization:.1%}", f"{r.speedup:.1f}x")  # fmt: skip
+                          f"{r.dp_utilization:.1%}", f"{r.decoupled_utilization:.1%}", f"{r.speedup:.1f}x")
         console.print(links)
     if unchanged and preset in bw.PUBLISHED:
         console.print(f"published: {bw.PUBLISHED[preset]}")

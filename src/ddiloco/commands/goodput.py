@@ -15,6 +15,7 @@ import os
 import re
 from typing import Sequence
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -35,15 +36,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     what = parser.add_argument_group("what to simulate")
     what.add_argument("--chips", nargs="+", metavar="N", help="cluster sizes, e.g. 150k 1.2M 5000000 "
-                      "(default: 150k 300k 600k 1.2M 2.4M)")  # fmt: skip
+                      "(default: 150k 300k 600k 1.2M 2.4M)")
     what.add_argument("--configs", nargs="+", metavar="CONFIG",
-                      help="dp, dp-elastic, decoupled-M<n> (default: dp dp-elastic decoupled-M2 M4 M8 M16)")  # fmt: skip
+                      help="dp, dp-elastic, decoupled-M<n> (default: dp dp-elastic decoupled-M2 M4 M8 M16)")
     what.add_argument("--mtbi-days", nargs="+", type=float, metavar="DAYS",
-                      help="mean time between interruptions of one chip; several values sweep it (default 365.25)")  # fmt: skip
+                      help="mean time between interruptions of one chip; several values sweep it (default 365.25)")
     what.add_argument("--seeds", type=int, default=gp.DEFAULT_SEEDS, help="seeded runs per cell (default 5)")
     what.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     what.add_argument("--horizon-hours", type=float, default=gp.DEFAULT_HORIZON_S / 3600,
-                      help="simulated wall time per run (default 24)")  # fmt: skip
+                      help="simulated wall time per run (default 24)")
 
     model = parser.add_argument_group("failure and recovery model (defaults: docs/goodput.md)")
     defaults = gp.ClusterModel()
@@ -60,16 +61,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ("--quorum", "quorum", "K: learners needed to close a round"),
     ):
         kind = int if isinstance(getattr(defaults, field), int) else float
-        model.add_argument(flag, dest=field, type=kind, metavar="X", help=f"{help_text} (default {getattr(defaults, field)})")
+        default = getattr(defaults, field)
+        model.add_argument(flag, dest=field, type=kind, metavar="X", help=f"{help_text} (default {default})")
     model.add_argument("--grace-s", dest="grace_s", type=float, metavar="X",
-                       help="fixed grace window (default: adaptive, half the overlap slack)")  # fmt: skip
+                       help="fixed grace window (default: adaptive, half the overlap slack)")
 
     mode = parser.add_argument_group("planning and calibration")
     mode.add_argument("--target-goodput", type=float, metavar="G",
-                      help="print the smallest M (power of two) whose goodput reaches G on each cluster size")  # fmt: skip
+                      help="print the smallest M (power of two) whose goodput reaches G on each cluster size")
     mode.add_argument("--max-learners", type=int, default=1024, metavar="M", help="upper bound for --target-goodput")
     mode.add_argument("--calibrate", action="store_true",
-                      help="re-fit reconfig-s, restart-s and recovery-mean-s on the published 1.2M-chip column")  # fmt: skip
+                      help="re-fit reconfig-s, restart-s and recovery-mean-s on the published 1.2M-chip column")
 
     out = parser.add_argument_group("output")
     out.add_argument("--plot", metavar="FILE", help="also write a PNG of goodput against cluster size")
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         return _plan(models, chips, args, horizon_s)
 
     rows = [r for m in models for r in gp.simulate_table(configs, chips, m, seeds=args.seeds, seed=args.seed,
-                                                         horizon_s=horizon_s)]  # fmt: skip
+                                                         horizon_s=horizon_s)]
     if args.plot:
         plot_goodput(rows, args.plot)
     if args.json:
@@ -135,16 +137,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(rows: Sequence[gp.Row], model: gp.ClusterModel, configs: Sequence[str], chips: Sequence[int],
-           metric: str, seeds: int) -> Table:  # fmt: skip
+           metric: str, seeds: int) -> Table:
     title = f"{metric} % (mean ± std over {seeds} seeds), MTBI {model.mtbi_s / DAY_S:g} days per chip"
-    table = Table(title=title)
+    table = Table(title=title, box=box.SIMPLE_HEAD)
     table.add_column("config", no_wrap=True)
     for n in chips:
         table.add_column(_chips_label(n), justify="right", no_wrap=True)
     cells = {(r.config, r.chips): r for r in rows if r.mtbi_s == model.mtbi_s}
     for name in configs:
         values = [cells[(name, n)] for n in chips]
-        table.add_row(name, *(f"{100 * getattr(r, metric):.1f} ± {100 * getattr(r, metric + '_std'):.1f}" for r in values))
+        mean_std = ((getattr(r, metric), getattr(r, f"{metric}_std")) for r in values)
+        table.add_row(name, *(f"{100 * mean:.1f}±{100 * std:.1f}" for mean, std in mean_std))
     return table
 
 
@@ -159,9 +162,9 @@ def _plan(models: Sequence[gp.ClusterModel], chips: Sequence[int], args: argpars
     for m in models:
         for n in chips:
             learners, goodput = gp.smallest_learners(args.target_goodput, n, m, max_learners=args.max_learners,
-                                                     seeds=args.seeds, seed=args.seed, horizon_s=horizon_s)  # fmt: skip
+                                                     seeds=args.seeds, seed=args.seed, horizon_s=horizon_s)
             answers.append({"chips": n, "mtbi_days": m.mtbi_s / DAY_S, "target_goodput": args.target_goodput,
-                            "learners": learners, "goodput": goodput})  # fmt: skip
+                            "learners": learners, "goodput": goodput})
     if args.json:
         print(json.dumps(answers, indent=1))
         return 0
@@ -170,7 +173,7 @@ def _plan(models: Sequence[gp.ClusterModel], chips: Sequence[int], args: argpars
         where = f"{_chips_label(int(a['chips']))} chips, MTBI {a['mtbi_days']:g} days"
         if a["learners"] is None:
             console.print(f"{where}: no M up to {args.max_learners} reaches {a['target_goodput']:.0%} "
-                          f"(best {a['goodput']:.1%})")  # fmt: skip
+                          f"(best {a['goodput']:.1%})")
         else:
             console.print(f"{where}: M = {a['learners']} reaches {a['goodput']:.1%} (target {a['target_goodput']:.0%})")
     return 0
@@ -191,7 +194,7 @@ def _calibrate(model: gp.ClusterModel, args: argparse.Namespace, horizon_s: floa
         table.add_column(col, justify="left" if col == "config" else "right")
     for c in cells:
         table.add_row(c["config"], f"{c['goodput']:.1%}", f"{c['published']:.0%}",
-                      f"{100 * (c['goodput'] - c['published']):+.1f}")  # fmt: skip
+                      f"{100 * (c['goodput'] - c['published']):+.1f}")
     console.print(table)
     return 0
 
@@ -211,12 +214,12 @@ def plot_goodput(rows: Sequence[gp.Row], path: str) -> None:
             series = sorted((r for r in rows if r.mtbi_s == mtbi and r.config == name), key=lambda r: r.chips)
             x = [r.chips for r in series]
             ax.errorbar(x, [100 * r.goodput for r in series], yerr=[100 * r.goodput_std for r in series],
-                        marker="o", capsize=3, label=name)  # fmt: skip
+                        marker="o", capsize=3, label=name)
             published = gp.PUBLISHED_GOODPUT_1_2M.get(name)
             if published is not None and abs(mtbi - gp.SECONDS_PER_YEAR) < 1:
                 color = ax.lines[-1].get_color()
                 ax.scatter([gp.CALIBRATION_CHIPS], [100 * published], marker="*", s=140, color=color,
-                           edgecolor="black", zorder=5)  # fmt: skip
+                           edgecolor="black", zorder=5)
         ax.set_xscale("log")
         ticks = sorted({r.chips for r in rows})
         ax.set_xticks(ticks, [_chips_label(t) for t in ticks])
@@ -226,7 +229,7 @@ def plot_goodput(rows: Sequence[gp.Row], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.set_ylim(0, 100)
     axes[0][0].set_ylabel("goodput (%)")
-    axes[0][-1].legend(loc="lower left", fontsize=8)
+    axes[0][-1].legend(loc="lower left", fontsize=8, title="bars: ±1 std over seeds", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -46,7 +46,7 @@ CALIBRATION_CHIPS = 1_200_000
 PUBLISHED_GOODPUT_1_2M = {
     "dp": 0.27, "dp-elastic": 0.58, "decoupled-M2": 0.70,
     "decoupled-M4": 0.82, "decoupled-M8": 0.88, "decoupled-M16": 0.93,
-}  # fmt: skip
+}
 DEFAULT_SEEDS = 5
 DEFAULT_HORIZON_S = 24 * 3600.0
 
@@ -83,13 +83,13 @@ class ClusterModel:
 
     def __post_init__(self) -> None:
         positive = {"mtbi_s": self.mtbi_s, "recovery_mean_s": self.recovery_mean_s, "step_s": self.step_s,
-                    "checkpoint_interval_s": self.checkpoint_interval_s}  # fmt: skip
+                    "checkpoint_interval_s": self.checkpoint_interval_s}
         for name, value in positive.items():
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number, got {value}")
         non_negative = {"recovery_sigma": self.recovery_sigma, "reconfig_s": self.reconfig_s,
                         "restart_s": self.restart_s, "straggler_sigma": self.straggler_sigma,
-                        "grace_gamma": self.grace_gamma}  # fmt: skip
+                        "grace_gamma": self.grace_gamma}
         if self.grace_s is not None:
             non_negative["grace_s"] = self.grace_s
         for name, value in non_negative.items():
@@ -191,7 +191,7 @@ def _stream(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
 
 
 def simulate_cell(spec: ConfigSpec, chips: int, model: ClusterModel, *, horizon_s: float = DEFAULT_HORIZON_S,
-                  seed: int = 0) -> CellResult:  # fmt: skip
+                  seed: int = 0) -> CellResult:
     """One seeded run of ``spec`` on ``chips`` chips for ``horizon_s`` seconds of wall time."""
     check_cell(spec, chips, model)
     if not horizon_s > 0:
@@ -264,7 +264,7 @@ def simulate_cell(spec: ConfigSpec, chips: int, model: ClusterModel, *, horizon_
 
 
 def _quorum(fail: np.ndarray, stall_s: float, horizon_s: float, groups: int,
-            model: ClusterModel) -> tuple[float, float]:  # fmt: skip
+            model: ClusterModel) -> tuple[float, float]:
     """Decoupled learners: (seconds the global model advances, learner-seconds lost waiting).
 
     The global model advances while at least ``quorum`` learners run. A running learner does
@@ -301,7 +301,7 @@ def _quorum(fail: np.ndarray, stall_s: float, horizon_s: float, groups: int,
 
 
 def simulate_table(configs: Sequence[str], chips: Sequence[int], model: ClusterModel, *,
-                   seeds: int = DEFAULT_SEEDS, seed: int = 0, horizon_s: float = DEFAULT_HORIZON_S) -> list[Row]:  # fmt: skip
+                   seeds: int = DEFAULT_SEEDS, seed: int = 0, horizon_s: float = DEFAULT_HORIZON_S) -> list[Row]:
     """Every (config, chips) cell, ``seeds`` seeded runs each, as mean and standard deviation."""
     if seeds < 1:
         raise ConfigError(f"seeds must be >= 1, got {seeds}")
@@ -316,13 +316,13 @@ def simulate_table(configs: Sequence[str], chips: Sequence[int], model: ClusterM
             g = np.array([c.goodput for c in cells])
             u = np.array([c.uptime for c in cells])
             rows.append(Row(spec.name, int(n), model.mtbi_s, float(g.mean()), float(g.std()),
-                            float(u.mean()), float(u.std()), seeds))  # fmt: skip
+                            float(u.mean()), float(u.std()), seeds))
     return rows
 
 
 def smallest_learners(target: float, chips: int, model: ClusterModel, *, max_learners: int = 1024,
                       seeds: int = DEFAULT_SEEDS, seed: int = 0,
-                      horizon_s: float = DEFAULT_HORIZON_S) -> tuple[int | None, float]:  # fmt: skip
+                      horizon_s: float = DEFAULT_HORIZON_S) -> tuple[int | None, float]:
     """The smallest power-of-two M whose mean goodput reaches ``target`` on ``chips`` chips.
 
     Returns (M, its goodput), or (None, best goodput seen) if no M up to ``max_learners``
@@ -352,7 +352,7 @@ FIT_START = (20.0, 3600.0)  # reconfig_s, recovery_mean_s: a fixed start makes t
 
 def fit_recovery_constants(model: ClusterModel | None = None, *, seeds: int = DEFAULT_SEEDS,
                            horizon_s: float = DEFAULT_HORIZON_S,
-                           targets: dict[str, float] | None = None) -> ClusterModel:  # fmt: skip
+                           targets: dict[str, float] | None = None) -> ClusterModel:
     """Fit the three recovery-cost constants on the 1.2M-chip column only; return the model.
 
     Stage 1 fits ``reconfig_s`` and ``recovery_mean_s`` to dp-elastic and decoupled-M2..M16
@@ -422,7 +422,7 @@ class SmallClusterPrediction:
 
 
 def predict_small_cluster(*, learners: int, mtbf_s: float, downtime_s: float, step_s: float, inner_steps: int,
-                          rejoin_s: float = 0.0, quorum: int = 1) -> SmallClusterPrediction:  # fmt: skip
+                          rejoin_s: float = 0.0, quorum: int = 1) -> SmallClusterPrediction:
     """Long-run goodput and uptime of M whole learners that crash and come back.
 
     This is the small-scale counterpart of :func:`simulate_cell`, in the terms of the virtual
@@ -461,5 +461,5 @@ def predict_small_cluster(*, learners: int, mtbf_s: float, downtime_s: float, st
     goodput = step_s * useful_steps / cycle_s
     availability = mtbf_s / cycle_s
     uptime = sum(math.comb(learners, j) * availability**j * (1 - availability) ** (learners - j)
-                 for j in range(quorum, learners + 1))  # fmt: skip
+                 for j in range(quorum, learners + 1))
     return SmallClusterPrediction(goodput, uptime, availability)
