@@ -68,9 +68,9 @@ class ClusterConfig:
     """Share of learners on an older, slower hardware generation."""
     slow_factor: float = 1.18
     """Step-time multiplier of the slow generation (the paper's mixed-hardware case: ~18%)."""
-    bandwidth_bps: float = 1e8
+    bandwidth_bps: float = 1e9
     """Link bandwidth between a learner and the synchronizer, bits per second."""
-    latency_s: float = 0.05
+    latency_s: float = 0.01
     """One-way message latency."""
     heartbeat_s: float = 2.0
     """Interval between a learner's heartbeats."""
