@@ -14,7 +14,7 @@ from typing import NoReturn, Sequence
 
 from ddiloco.errors import DdilocoError
 
-COMMAND_MODULES = ("run", "compare", "goodput", "bandwidth")
+COMMAND_MODULES = ("run", "compare", "goodput", "bandwidth", "sync", "learner", "status")
 
 
 class OneLineParser(argparse.ArgumentParser):

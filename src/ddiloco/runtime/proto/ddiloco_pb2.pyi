@@ -6,27 +6,35 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Param(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class FragmentLayout(_message.Message):
-    __slots__ = ("index", "param_names", "numel", "offset", "is_embedding")
+    __slots__ = ("index", "params", "numel", "offset", "is_embedding")
     INDEX_FIELD_NUMBER: _ClassVar[int]
-    PARAM_NAMES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     IS_EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     index: int
-    param_names: _containers.RepeatedScalarFieldContainer[str]
+    params: _containers.RepeatedCompositeFieldContainer[Param]
     numel: int
     offset: int
     is_embedding: bool
-    def __init__(self, index: _Optional[int] = ..., param_names: _Optional[_Iterable[str]] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., is_embedding: _Optional[bool] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Param, _Mapping]]] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., is_embedding: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "layout_sha256")
+    __slots__ = ("learner_id", "probe")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
-    layout_sha256: str
-    def __init__(self, learner_id: _Optional[str] = ..., layout_sha256: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
     __slots__ = ("instance_id", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "heartbeat_s", "run_json")
@@ -95,7 +103,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "instance_id")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "instance_id", "trained_tokens", "trained_steps")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +116,8 @@ class ContributionHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -120,7 +130,9 @@ class ContributionHeader(_message.Message):
     payload_bytes: int
     first_step: int
     instance_id: str
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    trained_tokens: int
+    trained_steps: int
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., instance_id: _Optional[str] = ..., trained_tokens: _Optional[int] = ..., trained_steps: _Optional[int] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -151,18 +163,22 @@ class UpdatesRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "payload", "stop")
+    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
-    payload: bytes
+    data: bytes
     stop: bool
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., payload: _Optional[bytes] = ..., stop: _Optional[bool] = ...) -> None: ...
+    offset: int
+    total_bytes: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ()
@@ -207,20 +223,18 @@ class LearnerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("id", "version", "numel", "pending", "bytes_up", "bytes_down")
+    __slots__ = ("id", "version", "numel", "bytes_up", "bytes_down")
     ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
-    PENDING_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
     id: int
     version: int
     numel: int
-    pending: int
     bytes_up: int
     bytes_down: int
-    def __init__(self, id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., pending: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., version: _Optional[int] = ..., numel: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class CountEntry(_message.Message):
     __slots__ = ("key", "count")

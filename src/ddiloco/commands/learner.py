@@ -1,0 +1,138 @@
+"""``ddiloco learner``: train the reference workload as one learner of a real run.
+
+Run it once per learner (``--id`` names it); under ``torchrun`` it is one data-parallel job
+of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ddiloco.commands.options import add_workload_options, config_from_args
+from ddiloco.config import Config, apply_section
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.auth import load_token, parse_address
+from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
+from ddiloco.sim.harness import Workload
+from ddiloco.workload.corpus import BatchSampler
+
+log = logging.getLogger("ddiloco.learner")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "learner",
+        help="train the reference workload as one learner connected to `ddiloco sync`",
+        description="Train one learner of a Decoupled DiLoCo run against a synchronizer. Without "
+        "workload options it trains the synchronizer's own configuration; with them (the same as the "
+        "synchronizer's) it checks that both agree. Under torchrun it is data parallel over its ranks.",
+    )
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT", help="the synchronizer's address")
+    parser.add_argument("--id", required=True, metavar="NAME", help="this learner's id (stable across restarts)")
+    parser.add_argument("--index", type=int, metavar="N",
+                        help="data shard (default: the id's trailing number, else assigned by the synchronizer)")
+    add_workload_options(parser)
+    parser.set_defaults(preset=None)
+    parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads")
+    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: the run's budget)")
+    parser.add_argument("--min-step-s", type=float, default=0.0, metavar="SECONDS",
+                        help="pad every inner step to at least this long (emulates slower hardware)")
+    parser.add_argument("--join-timeout", type=float, metavar="SECONDS",
+                        help="give up if the synchronizer stays unreachable this long at start (default: never)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.set_defaults(func=run)
+
+
+def _config_from_sync(run_config: dict) -> Config:
+    config = Config()
+    for section, values in run_config.items():
+        config = apply_section(config, section, values, origin="the synchronizer's configuration")
+    return config.validate()
+
+
+def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
+    """The synchronizer's configuration, or the local options with the run's M (data shards)."""
+    local = any(getattr(args, k) for k in ("preset", "config", "overrides", "corpus")) or args.seed is not None
+    if not local:
+        return _config_from_sync(sync_config)
+    if args.preset is None:
+        args.preset = "default"
+    config = config_from_args(args)
+    learners = int(sync_config["run"]["learners"])
+    return replace(config, run=replace(config.run, learners=learners, mode=sync_config["run"]["mode"]))
+
+
+def run(args: argparse.Namespace) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {args.id}" + (f"/{rank}" if rank else "") + " %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    address = parse_address(args.connect, option="--connect")
+    client = None
+    if rank == 0:
+        # Probe first (no lease yet): building the workload may take longer than a lease.
+        client = SyncClient(address, token=load_token(args.token_file), tls_ca=args.tls_ca)
+        probe = join_with_backoff(client, args.id, timeout_s=args.join_timeout, probe=True)
+        box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
+    else:
+        box = [None, None]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    config = _resolve_config(args, box[0])
+    index = int(box[1])
+    if not 0 <= index < config.run.learners:
+        raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
+    workload = Workload.build(config)
+    model = workload.new_model()
+    trained = model
+    if world > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+    trainer = workload.new_trainer(trained)
+    if rank == 0:
+        sampler = workload.sampler(index)
+    else:  # the other ranks of this learner draw other batches from the same shard
+        sampler = BatchSampler(workload.corpus.train_shards[index], batch_size=config.train.batch_size,
+                               seq_len=config.model.seq_len, seed=(config.run.seed * 1_000_003 + index) * 7919 + rank)
+    runtime = LearnerRuntime(model, client, args.id, join_timeout_s=args.join_timeout)
+    if runtime.should_stop:
+        log.info("the run is already finished")
+        runtime.close(flush=False)
+        return 0
+    log.info("training as learner %s (shard %d of %d, %d parameters)", args.id, index, config.run.learners,
+             sum(p.numel() for p in model.parameters()))
+    steps, started = 0, time.perf_counter()
+    try:
+        while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
+            step_started = time.perf_counter()
+            x, y = sampler.next_batch()
+            loss = trainer.step(x, y)
+            if args.min_step_s:
+                time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - step_started)))
+            runtime.step(tokens=x.numel())
+            steps += 1
+            if rank == 0 and steps % 50 == 0:
+                log.info("step %d  loss %.3f  versions %s", steps, loss, runtime.versions)
+    finally:
+        runtime.close(flush=runtime._fatal is None)  # noqa: SLF001
+    elapsed = time.perf_counter() - started
+    if rank == 0:
+        s = runtime.stats
+        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
+                 steps, elapsed, s.contributions_sent, s.updates_applied, s.joins, dict(s.rejected) or "none")
+    if world > 1:
+        dist.destroy_process_group()
+    return 0

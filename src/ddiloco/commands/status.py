@@ -1,0 +1,79 @@
+"""``ddiloco status HOST:PORT``: what a running synchronizer knows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from ddiloco.commands.display import print_table
+from ddiloco.errors import DdilocoError
+from ddiloco.runtime.auth import load_token, parse_address
+from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "status",
+        help="learners, fragment versions, rejections and bytes of a running synchronizer",
+        description="Ask a running synchronizer (`ddiloco sync`) for its state.",
+    )
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    address = parse_address(args.address, option="address")
+    with SyncClient(address, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
+        try:
+            status = client.status_dict(timeout_s=args.timeout)
+        except Unreachable as err:
+            raise DdilocoError(f"cannot reach the synchronizer at {address}: {err}") from None
+        except Refused as err:
+            raise DdilocoError(f"the synchronizer at {address} refused: {err.detail}") from None
+    if args.json:
+        json.dump(status, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print_status(status)
+    return 0
+
+
+def print_status(s: dict) -> None:
+    out = Console()
+    state = "finished" if s["finished"] else "running"
+    budget = f" of {s['token_budget']:,}" if s["token_budget"] else ""
+    out.print(f"[bold]synchronizer[/bold] {s['instance_id'][:8]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
+              f"tokens {s['tokens']:,}{budget}  goodput {s['goodput']:.1%}  "
+              f"MB up {s['bytes_up'] / 1e6:.2f}  MB down {s['bytes_down'] / 1e6:.2f}  "
+              f"checkpoints {s['checkpoints']}")
+    q, g = s["quorum"], s["grace"]
+    rounds = ", ".join(f"{k} {v}" for k, v in q["rounds_closed"].items()) or "none"
+    out.print(f"quorum K={q['required']} (effective {q['effective']})  rounds: {rounds}  "
+              f"grace window {g['window_s'] * 1e3:.0f} ms (quorum {g['quorum_s'] * 1e3:.0f} ms, "
+              f"sync {g['sync_s'] * 1e3:.0f} ms)")
+    if s["rejections"]:
+        out.print("rejections: " + ", ".join(f"{k} {v}" for k, v in s["rejections"].items()))
+    learners = Table(title="learners")
+    for col in ("id", "alive", "last seen", "accepted", "rejected", "joins", "tokens", "step ms", "MB up", "MB down"):
+        learners.add_column(col, justify="left" if col == "id" else "right")
+    for lr in s["learners"]:
+        seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
+        learners.add_row(lr["id"], "yes" if lr["alive"] else "no", seen, str(lr["accepted"]), str(lr["rejected"]),
+                         str(lr["registrations"]), f"{lr['tokens']:,}", f"{lr['step_time_s'] * 1e3:.0f}",
+                         f"{lr['bytes_up'] / 1e6:.2f}", f"{lr['bytes_down'] / 1e6:.2f}")
+    print_table(learners)
+    fragments = Table(title="fragments")
+    for col in ("id", "version", "parameters", "MB up", "MB down"):
+        fragments.add_column(col, justify="right")
+    for f in s["fragments"]:
+        fragments.add_row(str(f["id"]), str(f["version"]), f"{f['numel']:,}", f"{f['bytes_up'] / 1e6:.2f}",
+                          f"{f['bytes_down'] / 1e6:.2f}")
+    print_table(fragments)

@@ -1,0 +1,83 @@
+"""``ddiloco sync``: the synchronizer service of a real (multi-process, multi-host) run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from ddiloco.commands.options import add_workload_options, config_from_args
+from ddiloco.config import MODES
+from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
+from ddiloco.runtime.service import ServiceOptions, SyncService, layout_from_file, serve
+
+DEFAULT_LISTEN = "127.0.0.1:7000"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "sync",
+        help="serve the synchronizer (gRPC) that learner processes connect to",
+        description="Run the Decoupled DiLoCo synchronizer as a gRPC service: learners started with "
+        "`ddiloco learner --connect HOST:PORT` stream their fragments to it. Give it the same workload "
+        "options as the learners (--preset, --config, --set, --seed) and the number of learners.",
+    )
+    add_workload_options(parser)
+    parser.add_argument("--learners", type=int, metavar="M", help="number of learners M (quorum, data shards)")
+    parser.add_argument("--mode", choices=("decoupled", "diloco"), help="decoupled (default) or diloco (synchronous)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=int, metavar="N", help="stop the run after N tokens over all learners")
+    budget.add_argument("--time", type=float, metavar="SECONDS", help="stop the run after this many wall seconds")
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                        help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks a free one)")
+    parser.add_argument("--state-dir", metavar="DIR", help="write checkpoints here (atomically)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --state-dir")
+    parser.add_argument("--checkpoint-every-rounds", type=int, default=20, metavar="N",
+                        help="checkpoint after N merged rounds (default 20) ...")
+    parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
+                        help="... or after this many seconds with merges, whichever first (default 30)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="shared auth token (else $DDILOCO_TOKEN); required beyond loopback")
+    parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate chain (PEM)")
+    parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
+    parser.add_argument("--init", metavar="FILE",
+                        help="serve your own model: initial weights from runtime.save_initial_state()")
+    parser.add_argument("--port-file", metavar="FILE", help="write the port actually bound to FILE")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="expose Prometheus metrics on this port")
+    parser.add_argument("--exit-when-finished", action="store_true",
+                        help="exit once the budget is spent and the last contributions are merged")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = config_from_args(args)
+    if config.run.mode not in ("decoupled", "diloco"):
+        from ddiloco.errors import ConfigError
+
+        raise ConfigError(f"run.mode {config.run.mode!r}: the synchronizer serves decoupled or diloco")
+    listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
+    token = load_token(args.token_file)
+    require_token_beyond_loopback(listen, token)
+    credentials = server_credentials(args.tls_cert, args.tls_key)
+    options = ServiceOptions(
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        resume=args.resume,
+        token=token,
+        checkpoint_every_rounds=max(1, args.checkpoint_every_rounds),
+        checkpoint_every_s=args.checkpoint_every,
+    )
+    from ddiloco.sim.cluster import protocol_for_mode
+
+    layout = None
+    if args.init:
+        layout = layout_from_file(args.init, protocol_for_mode(config.protocol, config.run.mode, config.run.learners))
+    service = SyncService(config, options, layout=layout)
+    if args.metrics_port is not None:
+        service.metrics.serve(args.metrics_port, host=listen.host if listen.is_loopback else "0.0.0.0")
+    asyncio.run(serve(service, listen, credentials=credentials,
+                      port_file=Path(args.port_file) if args.port_file else None,
+                      exit_when_finished=args.exit_when_finished))
+    return 0

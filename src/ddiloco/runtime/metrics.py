@@ -1,0 +1,134 @@
+"""What the synchronizer service measures: bytes on the wire, goodput, Prometheus counters.
+
+These are observations of a real run, kept outside the protocol core: the core decides,
+the service counts. Everything here is plain bookkeeping with bounded memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram, start_http_server
+
+GRPC_FRAME_BYTES = 5
+"""Every gRPC message is prefixed by 1 compression flag byte and a 4-byte length."""
+
+
+@dataclass(slots=True)
+class ByteLedger:
+    """Bytes on the wire per (learner, fragment, direction); fragment -1 is control traffic.
+
+    Counts serialized protobuf messages plus their gRPC frame prefix, as they cross the
+    socket (HTTP/2 frame headers and TLS records are not included).
+    """
+
+    counts: Counter[tuple[str, int, str]] = field(default_factory=Counter)
+
+    def add(self, learner: str, fragment: int, direction: str, message_bytes: int) -> None:
+        self.counts[(learner, fragment, direction)] += message_bytes + GRPC_FRAME_BYTES
+
+    def total(self, direction: str) -> int:
+        return sum(n for (_, _, d), n in self.counts.items() if d == direction)
+
+    def by(self, index: int, direction: str) -> dict[Any, int]:
+        out: dict[Any, int] = defaultdict(int)
+        for key, n in self.counts.items():
+            if key[2] == direction:
+                out[key[index]] += n
+        return dict(out)
+
+    def state_dict(self) -> list[list[Any]]:
+        return [[learner, fragment, direction, n] for (learner, fragment, direction), n in self.counts.items()]
+
+    def load_state_dict(self, rows: list[list[Any]]) -> None:
+        self.counts = Counter({(str(a), int(b), str(c)): int(n) for a, b, c, n in rows})
+
+
+@dataclass(slots=True)
+class GoodputMeter:
+    """Goodput and model uptime of a real run, from the rounds the synchronizer merged.
+
+    A merged contribution credits ``compute_s`` (the learner's measured inner-step seconds)
+    times the fragment's share of the parameters — the same crediting as the virtual
+    cluster's. Goodput = credited seconds / (M × wall seconds since the first join).
+    Uptime = share of wall time covered by credited work, the work of a contribution being
+    placed in the ``compute_s`` seconds before it arrived at the synchronizer.
+    """
+
+    learners: int
+    credited_s: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+    elapsed_before_s: float = 0.0
+    """Wall seconds of previous incarnations of the synchronizer (restored from a checkpoint)."""
+    _covered_s: float = 0.0
+    _reach: float = float("-inf")
+    max_intervals: int = 4096
+
+    def credit(self, compute_s: float, share: float, arrived_s: float) -> None:
+        self.credited_s += compute_s * share
+        self.intervals.append((arrived_s - compute_s, arrived_s))
+        if len(self.intervals) > self.max_intervals:
+            self._fold(len(self.intervals) // 2)
+
+    def _fold(self, n: int) -> None:
+        """Fold the oldest ``n`` intervals into the running coverage (bounded memory)."""
+        self.intervals.sort()
+        for start, end in self.intervals[:n]:
+            start = max(start, self._reach)
+            if end > start:
+                self._covered_s += end - start
+                self._reach = end
+        del self.intervals[:n]
+
+    def goodput(self, wall_s: float) -> float:
+        total = self.elapsed_before_s + wall_s
+        return self.credited_s / (self.learners * total) if total > 0 else 0.0
+
+    def uptime(self, started_s: float, now_s: float) -> float:
+        covered, reach = self._covered_s, self._reach
+        for start, end in sorted(self.intervals):
+            start = max(start, reach, started_s)
+            if end > start:
+                covered += min(end, now_s) - start
+                reach = end
+        total = self.elapsed_before_s + (now_s - started_s)
+        return min(1.0, covered / total) if total > 0 else 0.0
+
+    def state_dict(self, wall_s: float, uptime: float) -> dict[str, float]:
+        return {"credited_s": self.credited_s, "elapsed_s": self.elapsed_before_s + wall_s, "uptime": uptime}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.credited_s = float(state["credited_s"])
+        self.elapsed_before_s = float(state["elapsed_s"])
+        self._covered_s = float(state["uptime"]) * self.elapsed_before_s
+        self._reach = float("-inf")
+        self.intervals.clear()
+
+
+class ServiceMetrics:
+    """Prometheus counters of one synchronizer (own registry, so several can coexist in tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.contributions = PromCounter(
+            "ddiloco_contributions", "Contributions received, by outcome (accepted or rejection reason)",
+            ["outcome"], registry=self.registry)
+        self.rejections = PromCounter(
+            "ddiloco_rejections", "Rejected messages by reason", ["reason"], registry=self.registry)
+        self.bytes = PromCounter(
+            "ddiloco_wire_bytes", "Bytes on the wire by direction", ["direction"], registry=self.registry)
+        self.rounds = PromCounter(
+            "ddiloco_rounds_closed", "Rounds merged, by why they closed", ["reason"], registry=self.registry)
+        self.versions = Gauge(
+            "ddiloco_fragment_version", "Current version of each fragment", ["fragment"], registry=self.registry)
+        self.alive = Gauge("ddiloco_learners_alive", "Learners holding a lease", registry=self.registry)
+        self.merge_seconds = Histogram(
+            "ddiloco_merge_seconds", "Time to merge a round and hand its update to the streams",
+            registry=self.registry)
+        self.checkpoint_seconds = Histogram(
+            "ddiloco_checkpoint_seconds", "Time to write a checkpoint", registry=self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
