@@ -56,6 +56,16 @@ def test_grace_expiry_closes_without_the_straggler_whose_late_work_joins_next_ro
     assert record.reason == "grace" and record.tokens == c0.tokens + c1.tokens
     assert sync.contribute(c2, now=deadline + 1) == []  # late: pending for version 2, not dropped
     assert sync.pending_tokens() == c2.tokens
+    # ... and it does not open round 2 on its own: only contributions from version 1 count
+    assert sync.next_deadline() == min(r.lease_until_s for r in sync.learners.values())
+    deliver(actions, cores)
+    (fresh,) = contributions_for(cores[:1], params[:1], fragment=1, seed=7)
+    assert fresh.base_version == 1
+    assert sync.contribute(fresh, now=deadline + 2) == []  # K=2 fresh needed
+    (fresh1,) = contributions_for(cores[1:2], params[1:2], fragment=1, seed=8)
+    record = next(a for a in sync.contribute(fresh1, now=deadline + 3) if isinstance(a, RoundClosed))
+    assert record.reason == "all-live"  # everyone alive has work in it, the late one included
+    assert {m.learner_id for m in record.merged} == {"l0", "l1", "l2"}
 
 
 def test_merged_value_follows_token_weighted_rda_and_nesterov():

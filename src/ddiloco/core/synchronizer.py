@@ -262,14 +262,18 @@ class Synchronizer:
             # Synchronous DiLoCo: wait for K contributions, whoever is alive, then merge at once.
             return self._close(index, now, reason="quorum") if len(contributors) >= self.config.quorum else []
         alive = set(self.alive())
-        if len(contributors) < effective_quorum(self.config.quorum, len(alive), strict=False):
-            return []
         if alive <= contributors:
             return self._close(index, now, reason="all-live")
+        # Only contributions measured from the current version count toward its quorum. A late
+        # one (its round closed before it arrived) rides along with the next round but does
+        # not open it: otherwise every straggler would trigger a round of its own, and the
+        # outer optimizer would step twice per period on half the learners.
+        fresh = {key: p for key, p in frag.pending.items() if p.contribution.base_version == frag.version}
+        if len({learner for learner, _ in fresh}) < effective_quorum(self.config.quorum, len(alive), strict=False):
+            return []
         if frag.grace_deadline_s is None:
-            assert frag.first_arrival_s is not None
             frag.quorum_reached_s = now
-            self.grace.observe_quorum(now - frag.first_arrival_s)
+            self.grace.observe_quorum(now - min(p.arrived_s for p in fresh.values()))
             grace = self.grace.length_s(self._fastest_step_s())
             if grace <= 0.0:
                 return self._close(index, now, reason="no-grace")
