@@ -1,0 +1,65 @@
+"""Failure traces, goodput accounting and the invariant checker, on hand-made inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddiloco.core.messages import MergedContribution, RoundClosed
+from ddiloco.sim.accounting import Accounting
+from ddiloco.sim.faults import FailureTrace
+from ddiloco.sim.invariants import InvariantChecker, InvariantViolation
+
+
+def test_trace_is_seeded_per_learner_and_independent_of_learner_count():
+    a = FailureTrace(learners=4, mtbf_s=100.0, downtime_s=10.0, horizon_s=5000.0, seed=3)
+    b = FailureTrace(learners=4, mtbf_s=100.0, downtime_s=10.0, horizon_s=5000.0, seed=3)
+    c = FailureTrace(learners=4, mtbf_s=100.0, downtime_s=10.0, horizon_s=5000.0, seed=4)
+    assert a.all() == b.all() != c.all()
+    outages = a.outages[0]
+    assert 20 < len(outages) < 80  # ~5000 / 110
+    assert all(5.0 <= o.up_s - o.down_s <= 15.0 for o in outages)
+    o = outages[0]
+    assert a.outage_at(0, (o.down_s + o.up_s) / 2) == o and a.outage_at(0, o.up_s) is None
+    assert a.next_down(0, o.down_s - 1e-9) == o.down_s
+    assert FailureTrace(learners=2, mtbf_s=0.0, downtime_s=10.0, horizon_s=1e6, seed=0).all() == []
+
+
+def test_goodput_counts_credited_compute_and_uptime_the_covered_time():
+    acc = Accounting(learners=2)
+    for step in range(1, 5):
+        acc.add_step(0, step, start_s=step - 1.0, end_s=float(step))
+    acc.add_step(1, 1, start_s=0.0, end_s=1.0, busy_s=0.5)
+    acc.credit(0, 1, 2, 1.0)  # steps 3-4 of learner 0 were lost
+    acc.credit(1, 1, 1, 0.5)  # half of learner 1's fragments merged
+    assert acc.goodput(4.0) == pytest.approx((2.0 + 0.25) / 8.0)
+    assert acc.uptime(4.0) == pytest.approx(2.0 / 4.0)
+    with pytest.raises(ValueError):
+        acc.add_step(1, 5, 0.0, 1.0)
+
+
+def _round(fragment, version, learners, quorum, reason="grace"):
+    merged = tuple(MergedContribution(name, 0, 10, 1, 1.0, 1, version - 1) for name in learners)
+    return RoundClosed(fragment, version, merged, quorum, reason, 0.0, 0.0, 0.0)
+
+
+class _FakeSync:
+    def value(self, fragment):
+        return torch.zeros(3)
+
+    def pending_tokens(self):
+        return 0
+
+
+def test_invariant_checker_catches_a_merge_below_quorum_and_a_skipped_version():
+    checker = InvariantChecker(seed=7)
+    checker.on_round(_round(0, 1, ["a", "b"], quorum=2), _FakeSync())
+    with pytest.raises(InvariantViolation, match="quorum.*seed 7"):
+        checker.on_round(_round(0, 2, ["a"], quorum=2), _FakeSync())
+    with pytest.raises(InvariantViolation, match="version 3 after 0"):
+        InvariantChecker(seed=0).on_round(_round(0, 3, ["a"], quorum=1), _FakeSync())
+    checker2 = InvariantChecker(seed=0)
+    checker2.on_round(_round(1, 1, ["a"], quorum=1), _FakeSync())
+    checker2.on_anchor("a", 1, 1, torch.zeros(3))  # matches the global value
+    with pytest.raises(InvariantViolation, match="differs"):
+        checker2.on_anchor("a", 1, 1, torch.ones(3))
