@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from ddiloco.errors import ConfigError
 
@@ -140,14 +140,16 @@ def decoupled_bits_per_step(x: BandwidthInputs) -> float:
     return _ring_share(x.sites) * x.params * x.wire_bits / x.inner_steps
 
 
-def learner_bytes_per_step(x: BandwidthInputs) -> float:
-    """Bytes one learner uploads (and downloads) per inner step, payload only.
+def learner_bytes_per_step(x: BandwidthInputs, *, header_bytes: float = 0.0) -> float:
+    """Bytes one learner uploads (and downloads) per inner step.
 
     This is what the runtime's wire counters should show per learner and direction: the
     learner sends every parameter once per H steps at ``wire_bits`` and receives the merged
-    fragments back the same way (message headers not included).
+    fragments back the same way. ``header_bytes`` is the framing of one message (P messages
+    per H steps); 0 gives the payload alone. :func:`check_counted_bytes` compares it with
+    what a run counted.
     """
-    return x.params * x.wire_bits / x.inner_steps / 8.0
+    return (x.params * x.wire_bits / 8.0 + header_bytes * x.fragment_count) / x.inner_steps
 
 
 def dp_step_s(x: BandwidthInputs, link_bps: float) -> float:
@@ -240,3 +242,74 @@ def evaluate(x: BandwidthInputs, links_gbps: tuple[float, ...] = ()) -> Bandwidt
         learner_bytes_per_step=learner_bytes_per_step(x),
         links=tuple(results),
     )
+
+
+# --- cross-check against counted bytes (virtual cluster, gRPC runtime) ------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ByteCheck:
+    """Fragment bytes one direction of a run counted, against :func:`learner_bytes_per_step`."""
+
+    direction: str
+    learners: int
+    steps: int
+    """Inner steps the run completed, summed over learners."""
+    counted_bytes: int
+    """Bytes on fragments >= 0 (fragment -1, registration and heartbeats, is left out)."""
+    predicted_bytes: float
+    """Model bytes per learner and step x ``steps`` x ``rounds_per_period``."""
+    end_allowance_bytes: float
+    """What the end of a run may add on top: one message per fragment and learner (the final
+    flush of unsent progress, or the last broadcast)."""
+    rounds_per_period: float
+
+    @property
+    def counted_per_step(self) -> float:
+        return self.counted_bytes / self.steps if self.steps else 0.0
+
+    @property
+    def predicted_per_step(self) -> float:
+        return self.predicted_bytes / self.steps if self.steps else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Counted / predicted; slightly above 1 by the end allowance and codec padding."""
+        return self.counted_bytes / self.predicted_bytes if self.predicted_bytes > 0 else math.inf
+
+    def agrees(self, rel_tol: float = 1e-3) -> bool:
+        """Counted lies in [predicted, predicted + end allowance], up to ``rel_tol``
+        (per-block scales and packed codes round up to whole bytes in each message)."""
+        low = self.predicted_bytes * (1.0 - rel_tol)
+        high = (self.predicted_bytes + self.end_allowance_bytes) * (1.0 + rel_tol)
+        return low <= self.counted_bytes <= high
+
+
+def check_counted_bytes(counts: Mapping[tuple[str, int, str], int], steps_per_learner: Mapping[str, int],
+                        x: BandwidthInputs, *, header_bytes: float = 0.0,
+                        rounds_per_period: float = 1.0) -> dict[str, ByteCheck]:
+    """Compare a run's byte counters with the model, per direction ("up", "down").
+
+    ``counts`` maps (learner, fragment, direction) to bytes, as the virtual cluster's
+    ``ByteCounter.counts`` and the runtime's ``ByteLedger.counts`` both do; fragment -1
+    (control traffic: registration, full-state fetches, heartbeats) is left out.
+    ``steps_per_learner`` maps each learner to the inner steps it completed; ``x`` holds the
+    run's parameter count, bits, ``block_size``, period H and fragments P; ``header_bytes``
+    is the framing of one message. The uplink carries each fragment once per H steps. The
+    downlink carries every merged version of each fragment, ``rounds_per_period`` of them
+    per H steps: 1 when the grace window gathers all learners into one round (the model's
+    assumption), up to M when their phases drift apart.
+    """
+    if not rounds_per_period > 0:
+        raise ConfigError(f"rounds_per_period must be positive, got {rounds_per_period}")
+    learners = sorted(steps_per_learner)
+    steps = int(sum(steps_per_learner.values()))
+    per_step = learner_bytes_per_step(x, header_bytes=header_bytes)
+    one_of_each = x.params * x.wire_bits / 8.0 + header_bytes * x.fragment_count
+    checks = {}
+    for direction, rounds in (("up", 1.0), ("down", rounds_per_period)):
+        counted = sum(n for (learner, fragment, d), n in counts.items()
+                      if d == direction and fragment >= 0 and learner in steps_per_learner)
+        checks[direction] = ByteCheck(direction, len(learners), steps, int(counted), per_step * steps * rounds,
+                                      one_of_each * len(learners), rounds)
+    return checks

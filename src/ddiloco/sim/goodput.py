@@ -429,11 +429,13 @@ def predict_small_cluster(*, learners: int, mtbf_s: float, downtime_s: float, st
     cluster (``ddiloco.sim.cluster``): each learner fails after an exponential up time of mean
     ``mtbf_s``, stays down ``downtime_s`` on average, spends ``rejoin_s`` fetching the global
     state, then trains again. A step is useful once the fragment contributions carrying it are
-    merged; with P = H fragments sent one per step, a crash loses the partial step and every
-    fragment's progress since its last send, (H - 1) / 2 steps on average (exactly
-    n(n + 1) / 2H of n steps when a learner dies before H steps). The global model advances
-    while at least ``quorum`` learners are up. Steady state: a finite run also leaves about
-    H + tau steps per learner uncredited at its end, which this does not subtract.
+    merged; with each fragment sent once per H steps (any P <= H, staggered offsets), a crash
+    loses the partial step and every fragment's progress since its last send, (H - 1) / 2
+    steps on average (a learner that dies after n < H steps keeps n(n + 1) / 2H of them). The
+    global model advances while at least ``quorum`` learners are up. Steady state: the
+    virtual cluster flushes every live learner at the end of a run, and a finite run of a few
+    hundred steps expects this value to within half a point (it starts with every learner
+    up); benchmarks/bench_crosscheck.py compares the two (docs/goodput.md, "Cross-checks").
     """
     if learners < 1:
         raise ConfigError(f"learners must be >= 1, got {learners}")
