@@ -7,7 +7,9 @@ of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import os
 import time
 from dataclasses import replace
@@ -73,6 +75,7 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.id}" + (f"/{rank}" if rank else "") + " %(levelname)s %(message)s")
@@ -125,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
             runtime.step(tokens=x.numel())
             steps += 1
             if rank == 0 and steps % 50 == 0:
-                log.info("step %d  loss %.3f  versions %s", steps, loss, runtime.versions)
+                st = runtime.stats
+                log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  requeued %d  "
+                         "unreachable %d", steps, loss, runtime.versions, st.contributions_sent, st.updates_applied,
+                         runtime.backlog, st.requeued, st.unreachable)
     finally:
         runtime.close(flush=runtime._fatal is None)  # noqa: SLF001
     elapsed = time.perf_counter() - started

@@ -61,7 +61,7 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 log = logging.getLogger("ddiloco.learner")
 
 BACKOFF_START_S = 0.2
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 2.0
 _STOP = object()
 
 
@@ -199,6 +199,8 @@ class LearnerRuntime:
         self._inbox: queue.Queue = queue.Queue()
         self._send_lock = threading.Lock()
         self._join_needed = threading.Event()
+        self._resubscribe = threading.Event()
+        """Set after a (re)join: the receiver stops backing off and subscribes at once."""
         self._join_epoch = 0
         self._adopted_epoch = 0
         self._adopted_instance = join.header.instance_id
@@ -240,6 +242,11 @@ class LearnerRuntime:
     def should_stop(self) -> bool:
         """True once the synchronizer says the run's budget is spent."""
         return self._stop_flag.is_set()
+
+    @property
+    def backlog(self) -> int:
+        """Contributions waiting for the sender thread."""
+        return self._outbox.qsize() if self.core is not None else 0
 
     @property
     def versions(self) -> list[int]:
@@ -296,6 +303,7 @@ class LearnerRuntime:
                 log.info("leave failed: %s", err)
         self._closing.set()
         self._join_needed.set()
+        self._resubscribe.set()
         stream = self._stream
         if stream is not None:
             stream.cancel()
@@ -416,13 +424,21 @@ class LearnerRuntime:
                 self.stats.bytes_up += len(contribution.payload)
                 if reply.stop:
                     self._stop_flag.set()
-            except Unreachable:
+            except Unreachable as err:
+                if str(err) != getattr(self, "_last_upload_error", None):
+                    self._last_upload_error = str(err)
+                    log.info("upload failed, folding it into the next one: %s", err)
                 self.stats.unreachable += 1
                 self._return_progress(tokens, steps)
                 self._inbox.put(("requeue", epoch, due))  # folded into this fragment's next one
             except Refused as err:
                 self.stats.rejected[err.reason] += 1
-                if err.reason == "unknown_learner":
+                if err.reason in ("unknown_learner", "stale", "future_version"):
+                    # Not registered any more, or our anchors are too far from the global
+                    # versions (missed updates, or a synchronizer that rolled back): join again.
+                    if not self._join_needed.is_set():
+                        log.info("contribution to fragment %d refused (%s): joining again", due.fragment,
+                                 err.reason)
                     self._join_needed.set()
                 elif err.reason == "finished":
                     self._stop_flag.set()
@@ -438,6 +454,7 @@ class LearnerRuntime:
                 self._closing.wait(0.05)
                 continue
             instance = self.instance_id
+            self._resubscribe.clear()
             try:
                 stream = self.client.updates(self.learner_id, list(self._published_versions), instance)
                 self._stream = stream
@@ -447,17 +464,18 @@ class LearnerRuntime:
                         self._stop_flag.set()
                     else:
                         self._inbox.put(("update", instance, update))
-                self._closing.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
+                self._resubscribe.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
             except Unreachable:
-                if self._closing.wait(delay):
-                    return
-                delay = _next_delay(delay)
+                if self._resubscribe.wait(delay):
+                    delay = BACKOFF_START_S
+                else:
+                    delay = _next_delay(delay)
             except Refused as err:
                 if err.reason == "unknown_learner":
                     self._join_needed.set()
                 else:
                     log.warning("update stream refused: %s", err.detail)
-                    self._closing.wait(delay)
+                    self._resubscribe.wait(delay)
                     delay = _next_delay(delay)
             except AuthenticationError as err:
                 self._fail(err)
@@ -483,7 +501,10 @@ class LearnerRuntime:
                     self._stop_flag.set()
                 delay = BACKOFF_START_S
                 wait = self.heartbeat_s
-            except Unreachable:
+            except Unreachable as err:
+                if str(err) != getattr(self, "_last_upload_error", None):
+                    self._last_upload_error = str(err)
+                    log.info("upload failed, folding it into the next one: %s", err)
                 self.stats.unreachable += 1
                 self._return_progress(tokens, steps)
                 wait = delay
@@ -526,6 +547,10 @@ class LearnerRuntime:
         self._published_versions = list(join.header.versions)
         self._inbox.put(("adopt", epoch, join))
         self._join_needed.clear()
+        self._resubscribe.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()  # subscribe again for this incarnation of the synchronizer
         return True
 
 

@@ -288,19 +288,24 @@ class SyncService:
         except OSError:
             os.close(fd)
             raise ConfigError(f"--state-dir {str(state_dir)!r} is in use by another synchronizer") from None
-        self._lock_fd = fd
         path = state_dir / CHECKPOINT_NAME
-        if not path.exists():
-            if resume:
-                log.info("no checkpoint in %s: starting a new run", state_dir)
-            return
-        if not resume:
-            raise ConfigError(
-                f"--state-dir {str(state_dir)!r} already holds a checkpoint: pass --resume to continue "
-                "that run, or choose another directory"
-            )
-        self._restore(load_checkpoint(path))
-        log.info("resumed from %s: fragment versions %s, %d tokens", path, list(self.core.versions()), self.tokens)
+        try:
+            if not path.exists():
+                if resume:
+                    log.info("no checkpoint in %s: starting a new run", state_dir)
+            elif not resume:
+                raise ConfigError(
+                    f"--state-dir {str(state_dir)!r} already holds a checkpoint: pass --resume to continue "
+                    "that run, or choose another directory"
+                )
+            else:
+                self._restore(load_checkpoint(path))
+                log.info("resumed from %s: fragment versions %s, %d tokens", path, list(self.core.versions()),
+                         self.tokens)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
 
     def _restore(self, state: dict[str, Any]) -> None:
         service = state["service"]
@@ -945,6 +950,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, service.request_stop)
+    loop.add_signal_handler(signal.SIGUSR2, _dump_tasks)
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
@@ -976,3 +982,13 @@ def layout_from_file(path: str | Path, protocol: ProtocolConfig) -> ModelLayout:
     except json.JSONDecodeError:
         raise ConfigError(f"--init {str(path)!r}: bad embedding_names metadata") from None
     return model_layout(protocol, params.items(), embedding_names)
+
+
+def _dump_tasks() -> None:
+    """``kill -USR2 PID``: log where every asyncio task of the service is waiting."""
+    import io
+
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(file=out)
+        log.warning("task %s:\n%s", task.get_name(), out.getvalue())

@@ -1,0 +1,124 @@
+"""Helpers for runtime tests: free ports, child processes, polling, an in-process synchronizer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+
+DEADLINE_S = 90.0
+"""Generous bound for anything a test waits for: on a loaded 2-core machine, never a timing claim."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S, poll_s: float = 0.1) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def status_of(port: int, token: str | None = None) -> dict | None:
+    """The synchronizer's status, or None while it is unreachable."""
+    try:
+        with SyncClient(f"127.0.0.1:{port}", token=token) as client:
+            return client.status_dict(timeout_s=5.0)
+    except (Unreachable, Refused):
+        return None
+
+
+class Procs:
+    """Child ``ddiloco`` processes of one test, each logging to its own file."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=full_env)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def kill9(self, name: str) -> None:
+        proc = self.procs[name]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def sync_args(port: int, *extra: str, learners: int = 2) -> list[str]:
+    """A tiny-preset synchronizer with short leases, for tests."""
+    return ["sync", "--preset", "tiny", "--learners", str(learners), "--listen", f"127.0.0.1:{port}",
+            "--set", "protocol.lease_s=2.0", "--set", "cluster.heartbeat_s=0.3", "--log-level", "info", *extra]
+
+
+def learner_args(port: int, name: str, *extra: str) -> list[str]:
+    return ["learner", "--connect", f"127.0.0.1:{port}", "--id", name, "--threads", "1", *extra]
+
+
+class InProcessSync:
+    """A :class:`SyncService` on its own event-loop thread inside the test process."""
+
+    def __init__(self, config: Any, options: Any) -> None:
+        import asyncio
+        import threading
+
+        from ddiloco.runtime.auth import Address
+        from ddiloco.runtime.service import SyncService
+
+        self.service = SyncService(config, options)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def main() -> None:
+            self.port = await self.service.start(Address("127.0.0.1", 0))
+            started.set()
+            await self.service.wait_closed()
+            await self.service.stop()
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+        self.thread.start()
+        assert started.wait(30), "in-process synchronizer did not start"
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the service's event loop (awaiting it if it is a coroutine function)."""
+        import asyncio
+
+        async def run() -> Any:
+            result = fn()
+            return await result if asyncio.iscoroutine(result) else result
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.service.request_stop)
+        self.thread.join(30)

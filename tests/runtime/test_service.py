@@ -1,0 +1,183 @@
+"""The synchronizer service in-process: boundary validation, learner runtime API, resume."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.config import build_config
+from ddiloco.core.codecs import get_codec
+from ddiloco.core.messages import Contribution
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.auth import AuthenticationError, client_metadata
+from ddiloco.runtime.client import Refused, SyncClient
+from ddiloco.runtime.learner_runtime import LayoutMismatch, LearnerRuntime
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.runtime.service import ServiceOptions, SyncService
+from ddiloco.sim.harness import Workload
+from ddiloco.workload.model import ByteTransformer
+
+TOKEN = "s3cret-token"
+
+
+def tiny(**overrides: object) -> object:
+    sets = ("run.learners=2",) + tuple(f"{k}={v}" for k, v in overrides.items())
+    return build_config(preset="tiny", overrides=sets)
+
+
+def make_contribution(sync: SyncService, learner: str, fragment: int, seq: int, *, payload: bytes | None = None,
+                      base_version: int = 0, codec: str = "int4") -> Contribution:
+    numel = sync.layout.plan.fragments[min(fragment, len(sync.layout.plan.fragments) - 1)].numel
+    if payload is None:
+        payload = get_codec(codec).encode(torch.full((numel,), 1e-3))
+    return Contribution(learner_id=learner, fragment=fragment, base_version=base_version, seq=seq, tokens=256,
+                        steps=1, compute_s=0.01, step_time_s=0.01, codec=codec, payload=payload)
+
+
+def refused(call) -> Refused:
+    with pytest.raises(Refused) as info:
+        call()
+    return info.value
+
+
+def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_global_state(inproc_sync):
+    s = inproc_sync(tiny(), ServiceOptions(token=TOKEN))
+    sync = s.service
+    client = SyncClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    client.join("intruder")
+    before = client.fetch_state()
+    numel0 = sync.layout.plan.fragments[0].numel
+    int4 = get_codec("int4")
+    good = int4.encode(torch.zeros(numel0))
+    nan_payload = struct.pack("<f", math.nan) + good[4:]
+    huge_payload = int4.encode(torch.full((numel0,), 1e30))
+
+    cases = {
+        "bad_size": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=good[:-1])),
+        "non_finite": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=nan_payload)),
+        "norm_bound": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=huge_payload)),
+        "unknown_fragment": lambda: client.contribute(make_contribution(sync, "intruder", 99, 0)),
+        "bad_codec": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, codec="int8")),
+        "future_version": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, base_version=7)),
+        "unknown_learner": lambda: client.contribute(make_contribution(sync, "ghost", 0, 0)),
+        "too_large": lambda: client.contribute_chunks([pb.ContributionChunk(
+            header=pb.ContributionHeader(learner_id="intruder", payload_bytes=10**9, codec="int4", steps=1))]),
+        "chunk_assembly": lambda: client.contribute_chunks([
+            pb.ContributionChunk(header=pb.ContributionHeader(learner_id="intruder", payload_bytes=8, codec="int4",
+                                                              steps=1), data=b"1234"),
+            pb.ContributionChunk(offset=6, data=b"5678"),
+        ]),
+    }
+    codes = {}
+    for reason, call in cases.items():
+        err = refused(call)
+        assert err.reason == reason, (reason, err.detail)
+        assert err.detail.startswith(reason)
+        codes[reason] = err.code
+    assert codes["bad_size"] == grpc.StatusCode.INVALID_ARGUMENT
+    assert codes["unknown_learner"] == grpc.StatusCode.FAILED_PRECONDITION
+    assert codes["too_large"] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    # Garbage where a protobuf message should be, on a raw channel.
+    channel = grpc.insecure_channel(f"127.0.0.1:{s.port}")
+    raw = channel.unary_unary("/ddiloco.v1.Synchronizer/Heartbeat")
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff\xff\x0f", metadata=client_metadata(TOKEN), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("malformed")
+    # Another protocol version, and a wrong token.
+    with pytest.raises(grpc.RpcError) as info:
+        raw(pb.HeartbeatRequest(learner_id="intruder").SerializeToString(),
+            metadata=(("ddiloco-protocol", "99"), ("authorization", f"Bearer {TOKEN}")), timeout=10)
+    assert info.value.details().startswith("bad_protocol_version")
+    channel.close()
+    with SyncClient(f"127.0.0.1:{s.port}", token="wrong") as intruder, pytest.raises(AuthenticationError):
+        intruder.status()
+
+    after = client.fetch_state()
+    assert after.versions() == before.versions() == (0, 0, 0)
+    for a, b in zip(before.fragments, after.fragments):
+        assert torch.equal(a.values, b.values)
+
+    # A valid contribution goes through; the same one again is a duplicate.
+    ok = make_contribution(sync, "intruder", 0, 0)
+    client.contribute(ok)
+    assert refused(lambda: client.contribute(ok)).reason == "duplicate"
+
+    status = client.status_dict()
+    expected = set(cases) | {"malformed", "bad_protocol_version", "unauthenticated", "duplicate"}
+    assert set(status["rejections"]) == expected
+    assert all(count == 1 for count in status["rejections"].values()), status["rejections"]
+    intruder = next(lr for lr in status["learners"] if lr["id"] == "intruder")
+    # Everything but the ghost's, the raw-channel garbage and the wrong token names the intruder.
+    assert intruder["rejected"] == len(cases) - 1 + 1
+    assert intruder["accepted"] == 1
+    assert status["fragments"][0]["version"] == 1
+    client.close()
+
+
+def _train(runtime: LearnerRuntime, workload: Workload, model: ByteTransformer, index: int, steps: int) -> None:
+    trainer = workload.new_trainer(model)
+    sampler = workload.sampler(index)
+    for _ in range(steps):
+        x, y = sampler.next_batch()
+        trainer.step(x, y)
+        runtime.step(tokens=x.numel())
+
+
+def test_learner_runtime_in_a_user_loop_advances_the_global_model(inproc_sync):
+    config = tiny()
+    s = inproc_sync(config)
+    workload = Workload.build(config)
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0")
+    _train(runtime, workload, model, 0, 3 * config.protocol.period)
+    runtime.close()
+    status = SyncClient(f"127.0.0.1:{s.port}").status_dict()
+    lr = status["learners"][0]
+    assert lr["id"] == "learner-0" and lr["accepted"] >= 3 and not lr["alive"]  # left
+    assert all(f["version"] >= 1 for f in status["fragments"])
+    assert runtime.stats.contributions_sent == lr["accepted"]
+    assert status["tokens"] == 3 * config.protocol.period * workload.tokens_per_step
+
+
+def test_a_model_that_does_not_match_the_served_layout_is_refused(inproc_sync):
+    s = inproc_sync(tiny())
+    other = ByteTransformer(replace(tiny().model, d_model=64))
+    with pytest.raises(LayoutMismatch):
+        LearnerRuntime(other, f"127.0.0.1:{s.port}", "learner-0")
+
+
+def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync, tmp_path):
+    config = tiny()
+    state_dir = tmp_path / "state"
+    s = inproc_sync(config, ServiceOptions(state_dir=state_dir))
+    workload = Workload.build(config)
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0")
+    _train(runtime, workload, model, 0, 2 * config.protocol.period)
+    runtime.close()
+    with pytest.raises(ConfigError, match="in use"):
+        SyncService(config, ServiceOptions(state_dir=state_dir, resume=True))
+    s.call(s.service.checkpoint)
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        saved = client.fetch_state()
+        accepted = client.status_dict()["learners"][0]["accepted"]
+    s.close()
+
+    with pytest.raises(ConfigError, match="--resume"):
+        SyncService(config, ServiceOptions(state_dir=state_dir))
+    r = inproc_sync(config, ServiceOptions(state_dir=state_dir, resume=True))
+    with SyncClient(f"127.0.0.1:{r.port}") as client:
+        restored = client.fetch_state()
+        status = client.status_dict()
+    assert restored.versions() == saved.versions() and min(saved.versions()) >= 1
+    for a, b in zip(saved.fragments, restored.fragments):
+        assert torch.equal(a.values, b.values)
+    assert status["learners"][0]["accepted"] == accepted and not status["learners"][0]["alive"]
+    assert status["instance_id"] != ""
