@@ -7,6 +7,7 @@ of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -23,7 +24,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
-from ddiloco.sim.harness import Workload
+from ddiloco.sim.harness import Workload, weights_sha256
 from ddiloco.workload.corpus import BatchSampler
 
 log = logging.getLogger("ddiloco.learner")
@@ -75,7 +76,8 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.id}" + (f"/{rank}" if rank else "") + " %(levelname)s %(message)s")
@@ -140,5 +142,6 @@ def run(args: argparse.Namespace) -> int:
         log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
                  steps, elapsed, s.contributions_sent, s.updates_applied, s.joins, dict(s.rejected) or "none")
     if world > 1:
+        log.info("rank %d of %d: weights sha256 %s", rank, world, weights_sha256(model))
         dist.destroy_process_group()
     return 0

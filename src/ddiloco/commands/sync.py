@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import faulthandler
 import logging
@@ -54,7 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
     if config.run.mode not in ("decoupled", "diloco"):

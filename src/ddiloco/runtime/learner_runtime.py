@@ -229,8 +229,7 @@ class LearnerRuntime:
                self._stop_flag.is_set()]
         dist.broadcast_object_list(box, src=0)
         self._fragment_names = box[0]
-        if box[1]:
-            self._stop_flag.set()
+        self._stop_agreed = bool(box[1])
         with torch.no_grad():
             for names in self._fragment_names:
                 for name in names:
@@ -240,8 +239,12 @@ class LearnerRuntime:
 
     @property
     def should_stop(self) -> bool:
-        """True once the synchronizer says the run's budget is spent."""
-        return self._stop_flag.is_set()
+        """True once the synchronizer says the run's budget is spent.
+
+        Under torchrun every rank sees the value rank 0 broadcast at the last ``step``, so
+        all ranks leave their loop after the same step.
+        """
+        return self._stop_agreed if self.world > 1 else self._stop_flag.is_set()
 
     @property
     def backlog(self) -> int:
@@ -368,8 +371,7 @@ class LearnerRuntime:
             for p in changed:
                 flags[2 + p] = 1
         dist.broadcast(flags, src=0)
-        if flags[0]:
-            self._stop_flag.set()
+        self._stop_agreed = bool(flags[0])
         if flags[1] and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")
         changed = {p for p in range(len(names)) if flags[2 + p]}

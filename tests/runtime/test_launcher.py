@@ -1,0 +1,61 @@
+"""`ddiloco run --runtime processes` and a learner that is a torchrun job of two ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from runtime_helpers import free_port, learner_args, sync_args, wait_for
+
+from ddiloco.config import build_config
+from ddiloco.experiment import SUMMARY_KEYS
+from ddiloco.runtime.launcher import run_processes
+from ddiloco.sim.harness import Workload
+
+pytestmark = pytest.mark.slow
+
+
+def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_path) -> None:
+    config = build_config(preset="tiny", overrides=("run.learners=2", "run.tokens=12288"))
+    seen = []
+    summary, rows = run_processes(config, tmp_path, lambda fraction, row: seen.append(fraction), timeout_s=240)
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["runtime"] == "processes" and summary["learners"] == 2
+    assert summary["tokens"] >= 12288 and min(summary["fragment_versions"]) >= 1
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0 and 0 < summary["goodput"] <= 1
+    assert rows[-1]["eval_loss"] == summary["eval_loss"] < rows[0]["eval_loss"]
+    assert seen and seen[-1] == 1.0
+    # Same model, same initial weights and the same evaluation as the virtual cluster's.
+    workload = Workload.build(config)
+    assert rows[0]["eval_loss"] == workload.evaluate(workload.new_model())
+    assert rows[0]["fragment_versions"] == [0, 0, 0]
+    for i in range(2):
+        assert "training as learner learner-%d (shard %d of 2" % (i, i) in (tmp_path / "logs" / f"learner-{i}.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_a_learner_under_torchrun_keeps_its_two_ranks_identical(procs, tmp_path) -> None:
+    port = free_port()
+    procs.start("sync", *sync_args(port, "--tokens", "20000", "--exit-when-finished", learners=1))
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        job = subprocess.Popen(
+            ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "ddiloco.cli", *learner_args(port, "learner-0")],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    procs.procs["torchrun"] = job
+    wait_for(lambda: job.poll() is not None, "the torchrun learner to finish")
+    text = (tmp_path / "torchrun.log").read_text()
+    assert job.returncode == 0, text[-3000:]
+    hashes = dict(re.findall(r"rank (\d) of 2: weights sha256 ([0-9a-f]{64})", text))
+    assert set(hashes) == {"0", "1"} and hashes["0"] == hashes["1"]
+    sync = procs.procs["sync"]
+    wait_for(lambda: sync.poll() is not None, "the synchronizer to exit when finished")
+    assert sync.returncode == 0
+    assert "run finished" in procs.log("sync")
+    # Both ranks' batches count: 2 x 256 tokens per step.
+    done = re.search(r"done: (\d+) steps", text)
+    tokens = int(re.search(r"run finished: (\d+) tokens", procs.log("sync")).group(1))
+    assert done and tokens == int(done.group(1)) * 2 * 256
