@@ -288,7 +288,12 @@ class Synchronizer:
         deltas = [e.delta for e in entries]
         use_rda = self.config.merge == "rda" and not frag.is_embedding
         merged = merge_rda(deltas, weights) if use_rda else merge_mean(deltas, weights)
-        update, frag.momentum = self._outer.update(merged, frag.momentum)
+        if reason == "drain":
+            # The last merge of a run has no future for Nesterov's look-ahead to pay off in:
+            # a plain step keeps the final model from overshooting along the momentum.
+            update = merged * -self.config.outer_lr
+        else:
+            update, frag.momentum = self._outer.update(merged, frag.momentum)
         if frag.residual is not None:
             update = update + frag.residual
         payload = self._downlink.encode(update)
