@@ -88,7 +88,7 @@ def learner_args(port: int, name: str, *extra: str) -> list[str]:
 class InProcessSync:
     """A :class:`SyncService` on its own event-loop thread inside the test process."""
 
-    def __init__(self, config: Any, options: Any) -> None:
+    def __init__(self, config: Any, options: Any, *, listen: Any = None, credentials: Any = None) -> None:
         import asyncio
         import threading
 
@@ -100,7 +100,7 @@ class InProcessSync:
         started = threading.Event()
 
         async def main() -> None:
-            self.port = await self.service.start(Address("127.0.0.1", 0))
+            self.port = await self.service.start(listen or Address("127.0.0.1", 0), credentials)
             started.set()
             await self.service.wait_closed()
             await self.service.stop()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -44,9 +46,14 @@ def test_a_learner_under_torchrun_keeps_its_two_ranks_identical(procs, tmp_path)
         job = subprocess.Popen(
             ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "ddiloco.cli", *learner_args(port, "learner-0")],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,  # its own process group: the ranks die with it below
         )
-    procs.procs["torchrun"] = job
-    wait_for(lambda: job.poll() is not None, "the torchrun learner to finish")
+    try:
+        wait_for(lambda: job.poll() is not None, "the torchrun learner to finish")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
     text = (tmp_path / "torchrun.log").read_text()
     assert job.returncode == 0, text[-3000:]
     hashes = dict(re.findall(r"rank (\d) of 2: weights sha256 ([0-9a-f]{64})", text))

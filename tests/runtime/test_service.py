@@ -181,3 +181,76 @@ def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync,
         assert torch.equal(a.values, b.values)
     assert status["learners"][0]["accepted"] == accepted and not status["learners"][0]["alive"]
     assert status["instance_id"] != ""
+
+
+def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync):
+    s = inproc_sync(tiny())
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        joined = client.join("learner-0")
+        for seq in range(2):
+            client.contribute(make_contribution(s.service, "learner-0", 0, seq, base_version=seq))
+        stream = client.updates("learner-0", [0, 0, 0], joined.header.instance_id)
+        received = []
+        for update in stream:
+            received.append((update.fragment, update.version))
+            if len(received) == 2:
+                stream.cancel()
+        assert received == [(0, 1), (0, 2)]
+        # A learner from another incarnation of the synchronizer must join again first.
+        with pytest.raises(Refused) as info:
+            list(client.updates("learner-0", [0, 0, 0], "another-instance"))
+        assert info.value.reason == "unknown_learner"
+
+
+def test_status_command_prints_the_documented_json(inproc_sync, capsys):
+    import json
+
+    from ddiloco import cli
+
+    s = inproc_sync(tiny())
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        client.join("learner-0")
+        client.contribute(make_contribution(s.service, "learner-0", 1, 0))
+    assert cli.main(["status", f"127.0.0.1:{s.port}", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert {"learners", "fragments", "bytes_up", "bytes_down", "uptime"} <= set(status)
+    (lr,) = status["learners"]
+    assert {"id", "alive", "accepted", "rejected"} <= set(lr) and lr["accepted"] == 1 and lr["alive"]
+    assert [f["id"] for f in status["fragments"]] == [0, 1, 2]
+    assert [f["version"] for f in status["fragments"]] == [0, 1, 0]
+    assert status["bytes_up"] > 0 and status["bytes_down"] > 0 and status["uptime"] >= 0
+    assert cli.main(["status", f"127.0.0.1:{s.port}"]) == 0  # the tables
+    assert "learner-0" in capsys.readouterr().out
+
+
+def test_status_of_a_synchronizer_that_is_not_there_is_one_line(capsys):
+    from ddiloco import cli
+    from runtime_helpers import free_port
+
+    assert cli.main(["status", f"127.0.0.1:{free_port()}", "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddiloco: error: cannot reach the synchronizer") and err.count("\n") == 1
+
+
+def test_tls_with_a_self_signed_certificate(tmp_path):
+    import shutil
+    import subprocess
+
+    from ddiloco.runtime.auth import Address, server_credentials
+    from runtime_helpers import InProcessSync
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    s = InProcessSync(tiny(), ServiceOptions(), listen=Address("127.0.0.1", 0),
+                      credentials=server_credentials(str(cert), str(key)))
+    try:
+        with SyncClient(f"127.0.0.1:{s.port}", tls_ca=str(cert)) as client:
+            assert client.join("learner-0").header.learner_index == 0
+        with SyncClient(f"127.0.0.1:{s.port}") as plaintext, pytest.raises(Exception):
+            plaintext.status(timeout_s=3)
+    finally:
+        s.close()

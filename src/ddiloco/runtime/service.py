@@ -79,7 +79,9 @@ CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 CHECKPOINT_NAME = "synchronizer.safetensors"
 REPLAY_UPDATES = 8
-"""Recent updates kept per fragment for learners whose update stream broke briefly."""
+"""Recent updates kept per fragment for learners whose update stream broke briefly..."""
+REPLAY_BYTES = 256 << 20
+"""... within this many bytes per fragment (a learner that misses more fetches the full state)."""
 STREAM_BACKLOG = 64
 """Updates queued for one learner's stream before it is closed as too slow (it resubscribes)."""
 
@@ -263,6 +265,7 @@ class SyncService:
             collections.deque(maxlen=REPLAY_UPDATES) for _ in self.layout.plan.fragments
         ]
         self._subscribers: dict[str, _Subscriber] = {}
+        self._left: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self._wake: asyncio.Event | None = None
         self._closing: asyncio.Event | None = None
@@ -406,7 +409,8 @@ class SyncService:
             elif isinstance(action, Broadcast):
                 self._broadcast(action)
             elif isinstance(action, LeaseExpired):
-                log.info("learner %s: lease expired", action.learner_id)
+                if action.learner_id not in self._left:
+                    log.info("learner %s: lease expired", action.learner_id)
                 sub = self._subscribers.pop(action.learner_id, None)
                 if sub is not None:
                     sub.queue.put_nowait(_CLOSE)
@@ -420,8 +424,12 @@ class SyncService:
     def _broadcast(self, action: Broadcast) -> None:
         update = action.update
         chunks = _update_chunks(update)
-        self._recent[update.fragment].append(chunks)
-        self._recent_versions[update.fragment].append(update.version)
+        recent, versions = self._recent[update.fragment], self._recent_versions[update.fragment]
+        recent.append(chunks)
+        versions.append(update.version)
+        while len(recent) > 1 and sum(len(c) for chunk_list in recent for c in chunk_list) > REPLAY_BYTES:
+            recent.popleft()
+            versions.popleft()
         for name in action.recipients:
             sub = self._subscribers.get(name)
             if sub is None:
@@ -509,6 +517,7 @@ class SyncService:
         except _Abort as err:
             await self._reject(context, err.reason, err.detail, learner or None)
             return
+        self._left.discard(learner)
         if self._run_start_s is None:
             self._run_start_s = time.monotonic()
         header.learner_index = self._assign_index(learner)
@@ -638,10 +647,11 @@ class SyncService:
             if not await self._core(lambda now: learner in self.core.alive()):
                 raise _Abort("unknown_learner", f"learner {learner!r} holds no lease: join first")
         except _Abort as err:
-            if err.reason == "unknown_learner":  # the normal way back after a restart: not counted
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err),
-                                    trailing_metadata=((REASON_HEADER, err.reason),))
-            await self._reject(context, err.reason, err.detail, learner or None)
+            if err.reason != "unknown_learner":
+                await self._reject(context, err.reason, err.detail, learner or None)
+            # Not counted: joining again is the normal way back after a lease expiry or a restart.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err),
+                                trailing_metadata=((REASON_HEADER, err.reason),))
             return
         sub = _Subscriber()
         previous = self._subscribers.get(learner)
@@ -698,6 +708,7 @@ class SyncService:
         except _Abort as err:
             await self._reject(context, err.reason, err.detail, learner or None)
             return b""
+        self._left.add(learner)
         try:
             actions = await self._core(lambda now: self.core.leave(learner, now))
         except Rejected:

@@ -1,0 +1,248 @@
+"""Benchmarks of the real runtime, each printed as a ratio against its reference.
+
+    python benchmarks/bench_runtime.py            # everything (a few minutes on 2 CPU cores)
+    python benchmarks/bench_runtime.py --only upload,wire
+
+1. learner throughput: the same training loop with a synchronizer attached (LearnerRuntime,
+   synchronizer in its own process on 127.0.0.1) and alone; target ratio >= 0.95.
+2. upload: fragment upload throughput over loopback (chunked client stream), for a payload
+   rejected after assembly (transport only) and for an accepted one (plus validation, merge
+   and broadcast).
+3. merge: one synchronizer round of M contributions (decode, validate, RDA merge, outer
+   step, downlink encode) against a plain memory copy of the same fp32 bytes.
+4. wire: bytes on the wire per parameter per synchronization, measured by the service on a
+   real run, against the codec's exact payload size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ddiloco.config import build_config
+from ddiloco.core.codecs import get_codec
+from ddiloco.core.messages import Contribution
+from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.learner_runtime import LearnerRuntime
+from ddiloco.runtime.service import reference_layout
+from ddiloco.sim.harness import Workload
+
+SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
+         "run.learners=1", "protocol.fragments=4", "protocol.period=8")
+"""A model of ~0.22M parameters: steps of ~20 ms on one CPU thread (the worst case for overhead)."""
+MEDIUM = ("model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=16",
+          "run.learners=1", "protocol.fragments=4", "protocol.period=8")
+"""~0.8M parameters: steps of ~100 ms on one CPU thread."""
+BIG = ("model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.seq_len=64", "run.learners=1",
+       "protocol.fragments=4", "protocol.period=8")
+"""~13M parameters: fragments of ~3M parameters (12 MB in fp32) for the transport benchmarks."""
+
+
+class SyncProcess:
+    """``ddiloco sync`` on a free loopback port, for the duration of a ``with`` block."""
+
+    def __init__(self, overrides: tuple[str, ...], *extra: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+        port_file = self.dir / "port"
+        args = [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--listen", "127.0.0.1:0",
+                "--port-file", str(port_file), "--tokens", str(10**12), "--log-level", "warning", *extra]
+        for o in overrides:
+            args += ["--set", o]
+        self.log = open(self.dir / "sync.log", "wb")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("synchronizer failed to start:\n" + (self.dir / "sync.log").read_text())
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{int(port_file.read_text())}"
+
+    def __enter__(self) -> "SyncProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_id: str) -> tuple[float, dict]:
+    """Steps per second of the reference training loop (after 10 warm-up steps)."""
+    model = workload.new_model()
+    trainer = workload.new_trainer(model)
+    sampler = workload.sampler(0)
+    runtime = LearnerRuntime(model, runtime_address, learner_id) if runtime_address else None
+    for _ in range(10):
+        x, y = sampler.next_batch()
+        trainer.step(x, y)
+        if runtime:
+            runtime.step(x.numel())
+    started = time.perf_counter()
+    for _ in range(steps):
+        x, y = sampler.next_batch()
+        trainer.step(x, y)
+        if runtime:
+            runtime.step(x.numel())
+    elapsed = time.perf_counter() - started
+    stats = {}
+    if runtime:
+        runtime.close()
+        s = runtime.stats
+        stats = {"sent": s.contributions_sent, "applied": s.updates_applied,
+                 "overhead_ms_per_step": 1e3 * s.step_overhead_s / s.steps}
+    return steps / elapsed, stats
+
+
+def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...]) -> None:
+    torch.set_num_threads(1)
+    config = build_config(preset="tiny", overrides=overrides)
+    workload = Workload.build(config)
+    with SyncProcess(overrides) as sync:
+        alone, attached, last = [], [], {}
+        for r in range(repeats):  # interleaved, so that load changes hit both alike
+            alone.append(_loop(workload, steps, None, "")[0])
+            rate, last = _loop(workload, steps, sync.address, f"bench-{r}")
+            attached.append(rate)
+    a, b = statistics.median(alone), statistics.median(attached)
+    params = sum(p.numel() for p in workload.new_model().parameters())
+    print(f"[throughput] {params / 1e6:.2f}M params, {steps} steps x {repeats}: alone {a:.1f} steps/s, "
+          f"with synchronizer {b:.1f} steps/s -> ratio {b / a:.3f} (target >= 0.95); "
+          f"runtime.step {last['overhead_ms_per_step']:.2f} ms/step, {last['sent']} contributions sent, "
+          f"{last['applied']} updates applied")
+
+
+def _contribution(learner: str, fragment: int, numel: int, codec: str, seq: int, base_version: int) -> Contribution:
+    payload = get_codec(codec).encode(torch.randn(numel) * 1e-3)
+    return Contribution(learner_id=learner, fragment=fragment, base_version=base_version, seq=seq, tokens=512,
+                        steps=1, compute_s=0.1, step_time_s=0.1, codec=codec, payload=payload)
+
+
+def bench_upload(repeats: int) -> None:
+    overrides = BIG + ("protocol.codec=fp32",)
+    config = build_config(preset="tiny", overrides=overrides)
+    frag = max(reference_layout(config, config.protocol).plan.fragments, key=lambda f: f.numel)
+    with SyncProcess(overrides) as sync, SyncClient(sync.address) as client:
+        client.join("bench")
+        version = 0
+        transport, accepted = [], []
+        for i in range(repeats):
+            # A base version from the future is refused after the whole upload is assembled,
+            # before decoding: this times the transport alone.
+            c = _contribution("bench", frag.index, frag.numel, "fp32", 10_000 + i, version + 1)
+            started = time.perf_counter()
+            try:
+                client.contribute(c)
+            except Refused as err:
+                assert err.reason == "future_version", err
+            transport.append(time.perf_counter() - started)
+            c = _contribution("bench", frag.index, frag.numel, "fp32", i, version)
+            started = time.perf_counter()
+            reply = client.contribute(c)
+            accepted.append(time.perf_counter() - started)
+            version = reply.versions[frag.index]
+        size = len(c.payload)
+    t, a = statistics.median(transport), statistics.median(accepted)
+    print(f"[upload] fragment {frag.index}: {frag.numel / 1e6:.2f}M params, {size / 1e6:.1f} MB fp32 payload: "
+          f"transport {size / t / 1e6:.0f} MB/s ({t * 1e3:.0f} ms); accepted with merge + broadcast "
+          f"{size / a / 1e6:.0f} MB/s ({a * 1e3:.0f} ms) -> merge share {1 - t / a:.0%}")
+
+
+def bench_merge(learners: int, repeats: int) -> None:
+    torch.set_num_threads(1)
+    config = build_config(preset="tiny", overrides=BIG)
+    layout = reference_layout(config, config.protocol)
+    frag = max(layout.plan.fragments, key=lambda f: f.numel)
+    protocol = config.protocol
+    codec = protocol.codec
+    payloads = [get_codec(codec).encode(torch.randn(frag.numel) * 1e-3) for _ in range(learners)]
+    rounds, copies = [], []
+    for r in range(repeats):
+        sync = Synchronizer(protocol, layout.initial_values, embedding_fragments=[])
+        names = [f"l{m}" for m in range(learners)]
+        for name in names:
+            sync.register(name, 0.0)
+        started = time.perf_counter()
+        for m, name in enumerate(names):
+            actions = sync.contribute(Contribution(learner_id=name, fragment=frag.index, base_version=0, seq=0,
+                                                   tokens=512, steps=1, compute_s=0.1, step_time_s=0.1,
+                                                   codec=codec, payload=payloads[m]), 1.0)
+        rounds.append(time.perf_counter() - started)
+        assert actions, "the round must close when every live learner contributed"
+        src = torch.randn(learners * frag.numel)
+        dst = torch.empty_like(src)
+        started = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - started)
+    fp32_bytes = learners * frag.numel * 4
+    t, c = statistics.median(rounds), statistics.median(copies)
+    print(f"[merge] M={learners}, {frag.numel / 1e6:.2f}M params ({codec} uplink/downlink): round {t * 1e3:.0f} ms = "
+          f"{fp32_bytes / t / 1e9:.2f} GB/s of fp32 outer gradients; memcpy of the same {fp32_bytes / 1e6:.0f} MB "
+          f"{c * 1e3:.1f} ms = {fp32_bytes / c / 1e9:.2f} GB/s -> ratio {c / t:.3f} of memcpy speed")
+
+
+def bench_wire(steps: int) -> None:
+    torch.set_num_threads(1)
+    config = build_config(preset="tiny", overrides=SMALL)
+    workload = Workload.build(config)
+    protocol = config.protocol
+    with SyncProcess(SMALL) as sync, SyncClient(sync.address) as client:
+        model = workload.new_model()
+        runtime = LearnerRuntime(model, sync.address, "learner-0")
+        joined = client.status_dict()
+        trainer, sampler = workload.new_trainer(model), workload.sampler(0)
+        for _ in range(steps):
+            x, y = sampler.next_batch()
+            trainer.step(x, y)
+            runtime.step(x.numel())
+        runtime.close()
+        final = client.status_dict()
+    up_codec = get_codec(protocol.codec, block_size=protocol.block_size)
+    down_codec = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+    lines = []
+    for before, after in zip(joined["fragments"], final["fragments"]):
+        n, syncs = after["numel"], after["version"]
+        up = (after["bytes_up"] - before["bytes_up"]) / syncs / n
+        down = (after["bytes_down"] - before["bytes_down"]) / syncs / n
+        exact_up, exact_down = up_codec.encoded_size(n) / n, down_codec.encoded_size(n) / n
+        lines.append(f"  fragment {after['id']}: {n:>7} params, {syncs} syncs: up {up:.4f} B/param "
+                     f"({protocol.codec} exact {exact_up:.4f}, ratio {up / exact_up:.3f}); down {down:.4f} B/param "
+                     f"({protocol.downlink_codec} exact {exact_down:.4f}, ratio {down / exact_down:.3f})")
+    print(f"[wire] bytes on the wire per parameter per synchronization, one learner, {steps} steps "
+          "(protobuf headers and gRPC framing included, HTTP/2 frames not):")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="throughput,upload,merge,wire")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per throughput measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=("small", "medium"), default="small",
+                        help="model of the throughput benchmark (small: ~20 ms steps, medium: ~100 ms)")
+    args = parser.parse_args()
+    chosen = set(args.only.split(","))
+    try:
+        if "throughput" in chosen:
+            bench_throughput(args.steps, args.repeats, SMALL if args.model == "small" else MEDIUM)
+        if "upload" in chosen:
+            bench_upload(max(3, args.repeats))
+        if "merge" in chosen:
+            bench_merge(4, max(3, args.repeats))
+        if "wire" in chosen:
+            bench_wire(args.steps)
+    except (Unreachable, Refused) as err:
+        sys.exit(f"benchmark failed talking to the synchronizer: {err}")
+
+
+if __name__ == "__main__":
+    main()
