@@ -1,4 +1,10 @@
-"""``ddiloco run``: train the reference workload with Decoupled DiLoCo (or a baseline)."""
+"""``ddiloco run``: train the reference workload with Decoupled DiLoCo (or a baseline).
+
+The virtual cluster is the default runtime: it is deterministic (same seed, same weights),
+it expresses failures, mixed hardware and slow links, and it runs M learners on a laptop
+without M processes fighting over its cores. ``--runtime processes`` runs the same
+configuration as a real gRPC synchronizer and M learner processes on localhost.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "on a deterministic virtual cluster: real PyTorch training, virtual time, seeded failures.",
     )
     add_cluster_options(parser)
+    parser.add_argument("--runtime", choices=("virtual", "processes"), default="virtual",
+                        help="virtual cluster (default, deterministic) or real processes on localhost (gRPC)")
     parser.set_defaults(func=run, out=None)
 
 
@@ -24,7 +32,12 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     with progress_bar(f"{config.run.mode} M={config.run.learners}") as progress:
-        summary, rows = run_virtual(config, progress=progress)
+        if args.runtime == "processes":
+            from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
+
+            summary, rows = run_processes(config, out, progress)
+        else:
+            summary, rows = run_virtual(config, progress=progress)
     write_run(out, config, summary, rows)
     print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
