@@ -9,6 +9,7 @@ and the tokens, steps and compute seconds accumulated since the fragment was las
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Mapping
@@ -32,34 +33,19 @@ class UpdateResult(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class UnencodedContribution:
-    """A due contribution whose Δ is computed but not yet compressed (see ``record_step_unencoded``)."""
+    """A due contribution whose Δ is taken but not yet compressed (see ``record_step_unencoded``)."""
 
-    learner_id: str
-    fragment: int
-    base_version: int
-    seq: int
-    tokens: int
-    steps: int
-    compute_s: float
-    step_time_s: float
-    first_step: int
+    header: Contribution
+    """Every field of the contribution but its payload, which is empty."""
     delta: torch.Tensor
     codec: Codec
 
+    @property
+    def fragment(self) -> int:
+        return self.header.fragment
+
     def encode(self) -> Contribution:
-        return Contribution(
-            learner_id=self.learner_id,
-            fragment=self.fragment,
-            base_version=self.base_version,
-            seq=self.seq,
-            tokens=self.tokens,
-            steps=self.steps,
-            compute_s=self.compute_s,
-            step_time_s=self.step_time_s,
-            codec=self.codec.name,
-            payload=self.codec.encode(self.delta),
-            first_step=self.first_step,
-        )
+        return dataclasses.replace(self.header, payload=self.codec.encode(self.delta))
 
 
 @dataclass(slots=True)
@@ -145,15 +131,19 @@ class Learner:
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters = self._counters[p]
         contribution = UnencodedContribution(
-            learner_id=self.learner_id,
-            fragment=p,
-            base_version=self.versions[p],
-            seq=self._seq[p],
-            tokens=counters.tokens,
-            steps=counters.steps,
-            compute_s=counters.compute_s,
-            step_time_s=self.step_time.get(),
-            first_step=counters.first_step,
+            header=Contribution(
+                learner_id=self.learner_id,
+                fragment=p,
+                base_version=self.versions[p],
+                seq=self._seq[p],
+                tokens=counters.tokens,
+                steps=counters.steps,
+                compute_s=counters.compute_s,
+                step_time_s=self.step_time.get(),
+                codec=self._uplink.name,
+                payload=b"",
+                first_step=counters.first_step,
+            ),
             delta=delta,
             codec=self._uplink,
         )
@@ -176,6 +166,8 @@ class Learner:
 
         Its Δ needs no keeping — the next Δ is measured from the same anchor and contains it.
         """
+        if isinstance(contribution, UnencodedContribution):
+            contribution = contribution.header
         counters = self._counters[contribution.fragment]
         counters.tokens += contribution.tokens
         counters.steps += contribution.steps
