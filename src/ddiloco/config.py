@@ -43,11 +43,16 @@ class TrainConfig:
     """Directory of the user's text files; empty means the built-in corpus (Python's stdlib sources)."""
     corpus_max_bytes: int = 8 * 2**20
     """Cap on corpus bytes read."""
+    threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default. Small models run best on 1: a
+    multi-threaded step slows down many times over when another process takes a core."""
 
     def validate(self) -> None:
         for key in ("batch_size", "eval_batches", "evals", "corpus_max_bytes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.threads < 0:
+            raise ConfigError(f"train.threads must be >= 0, got {self.threads}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.lr > 0:
@@ -167,7 +172,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {
         "model": {"seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2},
         "train": {"batch_size": 8, "lr": 3e-3, "warmup_steps": 5, "eval_batches": 2, "evals": 4,
-                  "corpus_max_bytes": 2**20},
+                  "corpus_max_bytes": 2**20, "threads": 1},
         "protocol": {"fragments": 3, "period": 6},
         "run": {"tokens": 4 * 48 * 8 * 32},
     },

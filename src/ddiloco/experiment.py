@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
 from ddiloco.sim.cluster import VirtualCluster
@@ -36,6 +38,8 @@ def run_virtual(
         workload = Workload.build(config)
     else:
         workload = replace(workload, config=config)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
     recorder = Recorder(config, workload, progress=progress)
     started = time.perf_counter()
     mode = config.run.mode
