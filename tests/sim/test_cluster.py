@@ -71,3 +71,9 @@ def test_sixteen_learners_run():
     config = tiny(run__learners=16, run__tokens=16 * 12 * 8 * 32)
     summary, _ = run_virtual(config)
     assert len(summary["steps_per_learner"]) == 16 and min(summary["steps_per_learner"]) >= 10
+
+
+def test_mixture_of_experts_variant_trains_on_the_cluster():
+    summary, rows = run_virtual(tiny("model.n_experts=4", "model.top_k=2", run__tokens=4 * 24 * 8 * 32))
+    assert summary["eval_loss"] < rows[0]["eval_loss"] - 1.0
+    assert min(summary["fragment_versions"]) >= 2
