@@ -156,23 +156,32 @@ def load_corpus(
     return data
 
 
+CHUNK_BYTES = 16 * 1024
+"""Unit of the split: shards and the held-out set are made of chunks dealt from the whole corpus."""
+
+
 @dataclass(frozen=True)
 class Corpus:
     """A corpus split for training: one disjoint shard per learner plus held-out data."""
 
     train_shards: tuple[Tensor, ...]
-    """uint8 1-D, one per learner; contiguous, disjoint, in order, together the training part."""
+    """uint8 1-D, one per learner; disjoint, each a mix of chunks from the whole corpus."""
     eval_data: Tensor
-    """uint8 1-D held-out tail of the corpus, never trained on."""
+    """uint8 1-D held-out chunks, spread evenly over the corpus, never trained on."""
 
 
 def split_corpus(
     data: bytes, *, num_shards: int, eval_fraction: float = 0.05, seq_len: int
 ) -> Corpus:
-    """Hold out the last ``eval_fraction`` of ``data`` (at least ``MIN_EVAL_WINDOWS``
-    sequences) for evaluation and cut the rest into ``num_shards`` contiguous shards whose
-    lengths differ by at most one byte. Every shard must hold a training sequence
-    (``seq_len + 1`` bytes), else :class:`ConfigError`.
+    """Cut ``data`` into chunks, hold out evenly spaced chunks (at least ``eval_fraction`` of
+    the bytes and ``MIN_EVAL_WINDOWS`` sequences) for evaluation, and deal the others
+    round-robin to ``num_shards`` shards.
+
+    Dealing, rather than cutting the corpus into contiguous slices, gives every learner the
+    same distribution (the sorted stdlib would otherwise give one learner ``asyncio`` and
+    another ``xml``): DiLoCo's learners sample i.i.d. from one dataset, and data parallel —
+    the baseline — averages over all of it at every step. Every shard must hold a training
+    sequence (``seq_len + 1`` bytes), else :class:`ConfigError`.
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ConfigError(f"num_shards must be a positive integer, got {num_shards!r}")
@@ -182,18 +191,29 @@ def split_corpus(
         raise ConfigError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
     n = len(data)
     eval_len = max(math.ceil(eval_fraction * n), MIN_EVAL_WINDOWS * seq_len + 1)
-    train_len = n - eval_len
-    if train_len // num_shards < seq_len + 1:
+    chunk = max(seq_len + 1, min(CHUNK_BYTES, n // (16 * (num_shards + 1))))
+    everything = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+    chunks = list(torch.split(everything, chunk))
+    held = _evenly_spaced_covering(chunks, eval_len) or set(range(len(chunks)))
+    train = [c for i, c in enumerate(chunks) if i not in held]
+    shards = tuple(torch.cat(train[s::num_shards]) if train[s::num_shards] else everything[:0]
+                   for s in range(num_shards))
+    if min(s.numel() for s in shards) < seq_len + 1:
         raise ConfigError(
             f"corpus of {n} bytes is too small: after holding out {eval_len} bytes for "
             f"evaluation, {num_shards} shard(s) need seq_len+1={seq_len + 1} bytes each"
         )
-    everything = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-    shards = torch.tensor_split(everything[:train_len], num_shards)
-    return Corpus(
-        train_shards=tuple(s.clone() for s in shards),
-        eval_data=everything[train_len:].clone(),
-    )
+    return Corpus(train_shards=shards, eval_data=torch.cat([chunks[i] for i in sorted(held)]))
+
+
+def _evenly_spaced_covering(chunks: list[Tensor], min_bytes: int) -> set[int] | None:
+    """Indices of the fewest evenly spaced chunks holding ``min_bytes``, leaving one to train on."""
+    total = len(chunks)
+    for k in range(1, total):
+        ids = {((2 * i + 1) * total) // (2 * k) for i in range(k)}
+        if sum(chunks[i].numel() for i in ids) >= min_bytes:
+            return ids
+    return None
 
 
 def _mix64(x: int) -> int:
