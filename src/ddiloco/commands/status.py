@@ -58,7 +58,7 @@ def print_status(s: dict) -> None:
     rounds = ", ".join(f"{k} {v}" for k, v in q["rounds_closed"].items()) or "none"
     out.print(f"quorum K={q['required']} (effective {q['effective']})  rounds: {rounds}  "
               f"grace window {g['window_s'] * 1e3:.0f} ms (quorum {g['quorum_s'] * 1e3:.0f} ms, "
-              f"sync {g['sync_s'] * 1e3:.0f} ms)")
+              f"sync {g['sync_s'] * 1e3:.0f} ms)  longest pause between merges {s['longest_pause_s']:.2f}s")
     if s["rejections"]:
         out.print("rejections: " + ", ".join(f"{k} {v}" for k, v in s["rejections"].items()))
     learners = Table(title="learners")

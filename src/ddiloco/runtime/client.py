@@ -296,6 +296,7 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "rejections": {e.key: e.count for e in reply.rejections},
         "bytes_up": reply.bytes_up,
         "bytes_down": reply.bytes_down,
+        "longest_pause_s": round(reply.longest_pause_s, 3),
         "goodput": round(reply.goodput, 6),
         "model_uptime": round(reply.model_uptime, 6),
         "checkpoints": reply.checkpoints,

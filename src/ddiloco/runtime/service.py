@@ -266,6 +266,9 @@ class SyncService:
         ]
         self._subscribers: dict[str, _Subscriber] = {}
         self._left: set[str] = set()
+        self._last_merge_s: float | None = None
+        self.longest_pause_s = 0.0
+        """Longest time between two merges of this incarnation (the global model standing still)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self._wake: asyncio.Event | None = None
         self._closing: asyncio.Event | None = None
@@ -398,6 +401,9 @@ class SyncService:
         for action in actions:
             if isinstance(action, RoundClosed):
                 merged = True
+                if self._last_merge_s is not None and not self.stopping:
+                    self.longest_pause_s = max(self.longest_pause_s, action.closed_at_s - self._last_merge_s)
+                self._last_merge_s = action.closed_at_s
                 self._rounds_since_checkpoint += 1
                 self.metrics.rounds.labels(action.reason).inc()
                 self.metrics.versions.labels(str(action.fragment)).set(action.version)
@@ -750,6 +756,7 @@ class SyncService:
             checkpoints=self.checkpoints,
             last_checkpoint_s_ago=-1.0 if self._last_checkpoint_s is None else now - self._last_checkpoint_s,
             mode=self.config.run.mode,
+            longest_pause_s=self.longest_pause_s,
         )
         if self._run_start_s is not None:
             end = self._finish_s if self._finish_s is not None else now
