@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="data shard (default: the id's trailing number, else assigned by the synchronizer)")
     add_workload_options(parser)
     parser.set_defaults(preset=None)
+    for action in parser._actions:  # noqa: SLF001 - the shared option's help names another default
+        if action.dest == "preset":
+            action.help = "size preset: tiny, default (default: the synchronizer's whole configuration)"
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads")
