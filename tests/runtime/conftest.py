@@ -20,7 +20,6 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         p.kill_all()
 
 
-
 @pytest.fixture
 def inproc_sync() -> Iterator[Callable[..., InProcessSync]]:
     started: list[InProcessSync] = []

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 
@@ -88,14 +88,15 @@ def learner_args(port: int, name: str, *extra: str) -> list[str]:
 class InProcessSync:
     """A :class:`SyncService` on its own event-loop thread inside the test process."""
 
-    def __init__(self, config: Any, options: Any, *, listen: Any = None, credentials: Any = None) -> None:
+    def __init__(self, config: Any, options: Any, *, listen: Any = None, credentials: Any = None,
+                 layout: Any = None) -> None:
         import asyncio
         import threading
 
         from ddiloco.runtime.auth import Address
         from ddiloco.runtime.service import SyncService
 
-        self.service = SyncService(config, options)
+        self.service = SyncService(config, options, layout=layout)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 

@@ -254,3 +254,44 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
             plaintext.status(timeout_s=3)
     finally:
         s.close()
+
+
+def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
+    from runtime_helpers import InProcessSync
+
+    from ddiloco.runtime.learner_runtime import save_initial_state
+    from ddiloco.runtime.service import layout_from_file
+
+    torch.manual_seed(0)
+
+    class Toy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.hidden = torch.nn.Linear(16, 16)
+            self.out = torch.nn.Linear(16, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.hidden(self.embed(x))))
+
+    model = Toy()
+    save_initial_state(model, tmp_path / "init.safetensors")
+    config = tiny()
+    layout = layout_from_file(tmp_path / "init.safetensors", config.protocol)
+    assert [f.is_embedding for f in layout.plan.fragments] == [True, False, False]
+    s = InProcessSync(config, ServiceOptions(), layout=layout)
+    try:
+        runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "mine")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2 * config.protocol.period):
+            x = torch.randint(0, 32, (8,))
+            loss = torch.nn.functional.cross_entropy(model(x), x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            runtime.step(tokens=8)
+        runtime.close()
+        with SyncClient(f"127.0.0.1:{s.port}") as client:
+            assert min(client.fetch_state().versions()) >= 1
+    finally:
+        s.close()

@@ -11,9 +11,9 @@ import signal
 from pathlib import Path
 
 from ddiloco.commands.options import add_workload_options, config_from_args
-from ddiloco.config import MODES
 from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
 from ddiloco.runtime.service import ServiceOptions, SyncService, layout_from_file, serve
+from ddiloco.sim.cluster import protocol_for_mode
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 
@@ -59,10 +59,6 @@ def run(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
-    if config.run.mode not in ("decoupled", "diloco"):
-        from ddiloco.errors import ConfigError
-
-        raise ConfigError(f"run.mode {config.run.mode!r}: the synchronizer serves decoupled or diloco")
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
     require_token_beyond_loopback(listen, token)
@@ -74,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every_rounds=max(1, args.checkpoint_every_rounds),
         checkpoint_every_s=args.checkpoint_every,
     )
-    from ddiloco.sim.cluster import protocol_for_mode
-
     layout = None
     if args.init:
         layout = layout_from_file(args.init, protocol_for_mode(config.protocol, config.run.mode, config.run.learners))

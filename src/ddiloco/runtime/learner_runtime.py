@@ -52,7 +52,7 @@ from torch import nn
 
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import Fragment, FragmentPlan
-from ddiloco.core.learner import Learner, UnencodedContribution, UpdateResult
+from ddiloco.core.learner import Learner, UpdateResult
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import AuthenticationError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
