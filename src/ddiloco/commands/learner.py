@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             action.help = "size preset: tiny, default (default: the synchronizer's whole configuration)"
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
-    parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads (default: train.threads)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: the run's budget)")
     parser.add_argument("--min-step-s", type=float, default=0.0, metavar="SECONDS",
                         help="pad every inner step to at least this long (emulates slower hardware)")
@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if world > 1:
         dist.broadcast_object_list(box, src=0)
     config = _resolve_config(args, box[0])
+    if not args.threads and config.train.threads:
+        torch.set_num_threads(config.train.threads)
     index = int(box[1])
     if not 0 <= index < config.run.learners:
         raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
