@@ -48,21 +48,20 @@ def run_virtual(
     else:
         result = DataParallel(workload, recorder, elastic=mode == "dp-elastic").run()
     final = result.pop("final")
-    summary = {
-        "mode": mode,
+    return summarize(config, final, wall_s=time.perf_counter() - started, **result), recorder.rows
+
+
+def summarize(config: Config, final: dict[str, Any], *, wall_s: float, **extra: Any) -> dict[str, Any]:
+    """``summary.json``: the run's identity and its last metrics row, whichever runtime ran it."""
+    return {
+        "mode": config.run.mode,
         "learners": config.run.learners,
         "seed": config.run.seed,
-        "tokens": final["tokens"],
-        "eval_loss": final["eval_loss"],
-        "goodput": final["goodput"],
-        "uptime": final["uptime"],
-        "bytes_up": final["bytes_up"],
-        "bytes_down": final["bytes_down"],
-        "virtual_time_s": final["virtual_time_s"],
-        "wall_time_s": round(time.perf_counter() - started, 3),
-        **result,
+        **{key: final[key] for key in ("tokens", "eval_loss", "goodput", "uptime", "bytes_up", "bytes_down",
+                                       "virtual_time_s")},
+        "wall_time_s": round(wall_s, 3),
+        **extra,
     }
-    return summary, recorder.rows
 
 
 def write_run(out: Path, config: Config, summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:

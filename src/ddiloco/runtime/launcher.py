@@ -23,7 +23,7 @@ import torch
 from ddiloco.config import Config
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
-from ddiloco.experiment import write_config
+from ddiloco.experiment import summarize, write_config
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.service import reference_layout
 from ddiloco.sim.cluster import protocol_for_mode
@@ -184,25 +184,17 @@ def run_processes(
         procs.close()
     tokens_per_step = config.train.batch_size * config.model.seq_len
     by_id = {lr["id"]: lr for lr in status["learners"]}
-    summary = {
-        "mode": config.run.mode,
-        "runtime": "processes",
-        "learners": m,
-        "seed": config.run.seed,
-        "tokens": final["tokens"],
-        "eval_loss": final["eval_loss"],
-        "goodput": final["goodput"],
-        "uptime": final["uptime"],
-        "bytes_up": final["bytes_up"],
-        "bytes_down": final["bytes_down"],
-        "virtual_time_s": final["virtual_time_s"],
-        "wall_time_s": round(wall, 3),
-        "weights_sha256": weights_sha256(eval_model),
-        "fragment_versions": final["fragment_versions"],
-        "rounds_closed": status["quorum"]["rounds_closed"],
-        "rejections": status["rejections"],
-        "steps_per_learner": [by_id.get(f"learner-{i}", {}).get("tokens", 0) // tokens_per_step for i in range(m)],
-    }
+    summary = summarize(
+        config,
+        final,
+        wall_s=wall,
+        runtime="processes",
+        weights_sha256=weights_sha256(eval_model),
+        fragment_versions=final["fragment_versions"],
+        rounds_closed=status["quorum"]["rounds_closed"],
+        rejections=status["rejections"],
+        steps_per_learner=[by_id.get(f"learner-{i}", {}).get("tokens", 0) // tokens_per_step for i in range(m)],
+    )
     return summary, rows
 
 
