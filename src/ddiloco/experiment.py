@@ -48,6 +48,7 @@ def run_virtual(
     else:
         result = DataParallel(workload, recorder, elastic=mode == "dp-elastic").run()
     final = result.pop("final")
+    recorder.settle()
     return summarize(config, final, wall_s=time.perf_counter() - started, **result), recorder.rows
 
 

@@ -45,17 +45,27 @@ class Accounting:
         return len(self._start[learner])
 
     def goodput(self, wall_s: float) -> float:
+        """Credited compute of the steps finished by ``wall_s``, over M·``wall_s``.
+
+        Asked again after the run, it says how much of the work done up to ``wall_s`` ended
+        up in the model (credits arrive later than the work: at merges, at checkpoints).
+        """
         if wall_s <= 0:
             return 0.0
-        useful = sum(float(np.dot(b, c)) for b, c in zip(self._busy, self._credit) if b)
+        useful = sum(
+            float(np.dot(np.asarray(b), np.asarray(c) * (np.asarray(e) <= wall_s)))
+            for b, c, e in zip(self._busy, self._credit, self._end)
+            if b
+        )
         return useful / (len(self._start) * wall_s)
 
     def uptime(self, wall_s: float) -> float:
+        """Share of [0, ``wall_s``] covered by at least one credited step."""
         intervals = sorted(
-            (s, e)
+            (s, min(e, wall_s))
             for starts, ends, credits in zip(self._start, self._end, self._credit)
             for s, e, c in zip(starts, ends, credits)
-            if c > 0
+            if c > 0 and s < wall_s
         )
         covered, reach = 0.0, 0.0
         for s, e in intervals:

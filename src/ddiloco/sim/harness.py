@@ -143,6 +143,18 @@ class Recorder:
         return row
 
 
+    def settle(self) -> None:
+        """After the run: restate every row's goodput and uptime with the final credits.
+
+        During a run, work is credited only when it reaches the model (a merge, a
+        checkpoint), so the live figures lag; the rows written to disk say how much of the
+        work done up to each point ended up in the model.
+        """
+        for row in self.rows:
+            row["goodput"] = self.accounting.goodput(row["virtual_time_s"])
+            row["uptime"] = self.accounting.uptime(row["virtual_time_s"])
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """Hash of the global weights, in state-dict order: equal runs give equal hashes."""
     digest = hashlib.sha256()
