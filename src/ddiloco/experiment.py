@@ -110,7 +110,7 @@ def plot_runs(path: Path, runs: dict[str, Sequence[dict[str, Any]]], *, title: s
         loss_ax.plot(t, [r["eval_loss"] for r in rows], marker="o", markersize=3, label=label)
         good_ax.plot(t[1:], [r["goodput"] for r in rows][1:], marker="o", markersize=3, label=label)
     loss_ax.set(xlabel="virtual time (s)", ylabel="eval loss (nats/byte)", title="Held-out loss of the global model")
-    good_ax.set(xlabel="virtual time (s)", ylabel="goodput", title="Goodput so far", ylim=(0, 1.05))
+    good_ax.set(xlabel="virtual time (s)", ylabel="goodput", title="Goodput up to t (work that reached the model)", ylim=(0, 1.05))
     for ax in (loss_ax, good_ax):
         ax.grid(alpha=0.3)
         ax.legend()
