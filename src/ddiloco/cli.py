@@ -25,7 +25,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="ddiloco", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog="ddiloco",
+        description="Decoupled DiLoCo: resilient, asynchronous, low-bandwidth distributed pre-training.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     for name in COMMAND_MODULES:
