@@ -126,6 +126,14 @@ class Synchronizer:
     def pending_tokens(self) -> int:
         return sum(p.contribution.tokens for f in self._fragments for p in f.pending.values())
 
+    def effective_quorum(self) -> int:
+        """The number of fresh contributions a round needs right now (K, or fewer live learners)."""
+        return effective_quorum(self.config.quorum, len(self.alive()), strict=self.config.strict_quorum)
+
+    def grace_length_s(self) -> float:
+        """The grace window a round reaching its quorum now would get."""
+        return self.grace.length_s(self._fastest_step_s())
+
     def next_deadline(self) -> float | None:
         """Earliest time at which ``tick`` has something to do, or None."""
         times = [f.grace_deadline_s for f in self._fragments if f.grace_deadline_s is not None]
@@ -269,12 +277,12 @@ class Synchronizer:
         # not open it: otherwise every straggler would trigger a round of its own, and the
         # outer optimizer would step twice per period on half the learners.
         fresh = {key: p for key, p in frag.pending.items() if p.contribution.base_version == frag.version}
-        if len({learner for learner, _ in fresh}) < effective_quorum(self.config.quorum, len(alive), strict=False):
+        if len({learner for learner, _ in fresh}) < self.effective_quorum():
             return []
         if frag.grace_deadline_s is None:
             frag.quorum_reached_s = now
             self.grace.observe_quorum(now - min(p.arrived_s for p in fresh.values()))
-            grace = self.grace.length_s(self._fastest_step_s())
+            grace = self.grace_length_s()
             if grace <= 0.0:
                 return self._close(index, now, reason="no-grace")
             frag.grace_deadline_s = now + grace
@@ -314,7 +322,7 @@ class Synchronizer:
                 )
                 for c in contribs
             ),
-            quorum_required=effective_quorum(self.config.quorum, len(self.alive()), strict=self.config.strict_quorum),
+            quorum_required=self.effective_quorum(),
             reason=reason,
             grace_s=grace_s,
             opened_at_s=opened,

@@ -47,7 +47,6 @@ from ddiloco.config import Config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments
-from ddiloco.core.grace import effective_quorum
 from ddiloco.core.messages import (
     Broadcast,
     Contribution,
@@ -483,6 +482,14 @@ class SyncService:
         self.metrics.bytes.labels("down").inc(len(data))
         return data
 
+    def _receive(self, context: grpc.aio.ServicerContext, message_type: type[M], raw: bytes) -> M:
+        """Admit the caller, parse its request and count its bytes (raises :class:`_Abort`)."""
+        self._admit(context)
+        request = self._parse(message_type, raw)
+        if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
+            self._in(request.learner_id, -1, len(raw))
+        return request
+
     def _in(self, learner: str, fragment: int, size: int) -> None:
         self.ledger.add(learner, fragment, "up", size)
         self.metrics.bytes.labels("up").inc(size)
@@ -495,10 +502,8 @@ class SyncService:
     async def join(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         learner = ""
         try:
-            self._admit(context)
-            req = self._parse(pb.JoinRequest, raw)
+            req = self._receive(context, pb.JoinRequest, raw)
             learner = req.learner_id
-            self._in(learner, -1, len(raw))
             header = pb.JoinHeader(
                 instance_id=self.instance_id,
                 protocol_json=json.dumps(asdict(self.protocol)),
@@ -558,15 +563,12 @@ class SyncService:
         return self.learner_index[learner]
 
     async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        learner = ""
         try:
-            self._admit(context)
-            req = self._parse(pb.HeartbeatRequest, raw)
-            learner = req.learner_id
-            self._in(learner, -1, len(raw))
+            req = self._receive(context, pb.HeartbeatRequest, raw)
         except _Abort as err:
-            await self._reject(context, err.reason, err.detail, learner or None)
+            await self._reject(context, err.reason, err.detail)
             return b""
+        learner = req.learner_id
         self._report_progress(learner, req.tokens)
         try:
             await self._core(lambda now: self.core.heartbeat(learner, now))
@@ -644,10 +646,8 @@ class SyncService:
     async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         learner = ""
         try:
-            self._admit(context)
-            req = self._parse(pb.UpdatesRequest, raw)
+            req = self._receive(context, pb.UpdatesRequest, raw)
             learner = req.learner_id
-            self._in(learner, -1, len(raw))
             if req.instance_id and req.instance_id != self.instance_id:
                 raise _Abort("unknown_learner", "the synchronizer restarted: join again")
             if not await self._core(lambda now: learner in self.core.alive()):
@@ -694,8 +694,7 @@ class SyncService:
 
     async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            self._admit(context)
-            self._parse(pb.FetchStateRequest, raw)
+            self._receive(context, pb.FetchStateRequest, raw)
         except _Abort as err:
             await self._reject(context, err.reason, err.detail)
             return
@@ -705,15 +704,12 @@ class SyncService:
                 yield chunk.SerializeToString()
 
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        learner = ""
         try:
-            self._admit(context)
-            req = self._parse(pb.LeaveRequest, raw)
-            learner = req.learner_id
-            self._in(learner, -1, len(raw))
+            req = self._receive(context, pb.LeaveRequest, raw)
         except _Abort as err:
-            await self._reject(context, err.reason, err.detail, learner or None)
+            await self._reject(context, err.reason, err.detail)
             return b""
+        learner = req.learner_id
         self._left.add(learner)
         try:
             actions = await self._core(lambda now: self.core.leave(learner, now))
@@ -729,8 +725,7 @@ class SyncService:
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            self._admit(context)
-            self._parse(pb.StatusRequest, raw)
+            self._receive(context, pb.StatusRequest, raw)
         except _Abort as err:
             await self._reject(context, err.reason, err.detail)
             return b""
@@ -793,8 +788,6 @@ class SyncService:
     def _core_snapshot(self, now: float) -> dict[str, Any]:
         """Plain copies of what status reports from the core (runs on the core thread)."""
         core = self.core
-        alive = core.alive()
-        step_times = [r.step_time_s for r in core.learners.values() if r.alive and r.step_time_s is not None]
         return {
             "versions": list(core.versions()),
             "learners": [
@@ -802,8 +795,8 @@ class SyncService:
                  "rejected": rec.rejected, "registrations": rec.registrations, "step_time_s": rec.step_time_s}
                 for name, rec in sorted(core.learners.items())
             ],
-            "effective_quorum": effective_quorum(self.protocol.quorum, len(alive), strict=self.protocol.strict_quorum),
-            "grace_window_s": core.grace.length_s(min(step_times) if step_times else 0.0),
+            "effective_quorum": core.effective_quorum(),
+            "grace_window_s": core.grace_length_s(),
             "grace_quorum_s": core.grace.quorum_s.get(),
             "grace_sync_s": core.grace.sync_s.get(),
             "rounds_closed": dict(core.rounds_closed),
