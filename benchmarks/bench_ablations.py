@@ -1,6 +1,6 @@
 """The paper's orderings at this project's scale: mixed hardware, merge rule, codecs.
 
-Every run is the small model of bench_sweep.py on the virtual cluster, seed 0, printed as
+Every run is the `small` preset on the virtual cluster, seed 0, printed as
 one table row (eval loss, goodput, uptime, rounds, bytes up) under its experiment:
 
 1. mixed hardware — half the learners 18% slower, with jitter: K = M, K = 1 without a
@@ -22,7 +22,6 @@ import torch
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
 
-SMALL = ("model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.evals=4")
 
 EXPERIMENTS: dict[str, list[tuple[str, tuple[str, ...], dict[str, Any]]]] = {
     "mixed hardware (half the learners 18% slower, jitter 0.1), 400 virtual s": [
@@ -56,7 +55,7 @@ def main() -> None:
         print(f"\n{title}")
         print(f"  {'setting':<16} {'eval loss':>9} {'goodput':>8} {'uptime':>7} {'rounds':>7} {'MB up':>7}")
         for label, sets, flags in runs:
-            summary, _ = run_virtual(build_config(preset="default", overrides=SMALL + sets, **flags),
+            summary, _ = run_virtual(build_config(preset="small", overrides=("train.evals=4", *sets), **flags),
                                      check_invariants=False)
             row = {"experiment": title, "setting": label, **{k: summary[k] for k in (
                 "eval_loss", "goodput", "uptime", "bytes_up", "tokens", "virtual_time_s")},

@@ -7,7 +7,7 @@ Three measurements, each printed as a table with ratios and written to JSON:
 2. failures: a failure rate at which non-elastic data parallel's goodput falls below 50% —
    goodput, uptime and eval loss of all four modes at equal virtual time through the same
    failure trace, averaged over seeds (a short run sees few failures, so one seed is a
-   lottery); on the small model of bench_sweep.py so that several seeds fit;
+   lottery); on the `small` preset so that several seeds fit;
 3. determinism: the same seed twice gives the same weights hash; another seed does not.
 
     python benchmarks/bench_modes.py                         # everything (~40 min on 2 cores)
@@ -31,7 +31,6 @@ from ddiloco.config import MODES, Config, build_config
 from ddiloco.experiment import plot_runs, run_virtual
 from ddiloco.sim.harness import Workload
 
-SMALL = ("model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.evals=8")
 FAILURES = dict(faults__mtbf_s=150.0, faults__downtime_s=12.0, run__time_s=600.0)
 
 
@@ -58,15 +57,15 @@ def parity(preset: str, seed: int, out: Path) -> dict[str, Any]:
 
 
 def failures(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
-    overrides, settings = (), dict(faults__mtbf_s=40.0, faults__downtime_s=4.0, run__time_s=100.0)
+    preset, overrides, settings = "tiny", (), dict(faults__mtbf_s=40.0, faults__downtime_s=4.0, run__time_s=100.0)
     if not quick:
-        overrides, settings = SMALL, FAILURES
+        preset, overrides, settings = "small", ("train.evals=8",), FAILURES
     print(f"2. failures: MTBF {settings['faults__mtbf_s']:g}s, downtime {settings['faults__downtime_s']:g}s "
           f"per learner, {settings['run__time_s']:g} virtual seconds, seeds {seeds}")
     per_seed = []
     for seed in seeds:
         print(f" seed {seed}")
-        config = build_config(preset="tiny" if quick else "default", overrides=overrides, run__seed=seed, **settings)
+        config = build_config(preset=preset, overrides=overrides, run__seed=seed, **settings)
         summaries, curves = run_modes(config, MODES)
         per_seed.append(summaries)
         plot_runs(out / f"failures_seed{seed}.png", curves, title=f"Same failure trace (seed {seed}): MTBF "

@@ -176,6 +176,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "protocol": {"fragments": 3, "period": 6},
         "run": {"tokens": 4 * 48 * 8 * 32},
     },
+    # A minute or two per run: the benchmarks' sweeps and multi-seed comparisons.
+    "small": {
+        "model": {"seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4},
+        "train": {"batch_size": 16},
+        "run": {"tokens": 4 * 400 * 16 * 64},
+    },
     # A few minutes on 2 CPU cores: the main job.
     "default": {
         "model": {"seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4},
