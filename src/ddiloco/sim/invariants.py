@@ -32,27 +32,18 @@ def _digest(tensor: torch.Tensor) -> str:
 class InvariantChecker:
     def __init__(self, *, seed: int) -> None:
         self.seed = seed
-        self.tokens_received = 0
         self.tokens_accepted = 0
         self.tokens_merged = 0
-        self.rounds = 0
         self._versions: dict[int, int] = {}
         self._values: dict[tuple[int, int], str] = {}
 
     def _fail(self, message: str) -> None:
         raise InvariantViolation(f"{message} (reproduce with seed {self.seed})")
 
-    def on_received(self, c: Contribution) -> None:
-        self.tokens_received += c.tokens
-
     def on_accepted(self, c: Contribution) -> None:
         self.tokens_accepted += c.tokens
 
-    def on_rejected(self, c: Contribution) -> None:
-        pass
-
     def on_round(self, record: RoundClosed, sync: "Synchronizer") -> None:
-        self.rounds += 1
         contributors = {m.learner_id for m in record.merged}
         if record.reason != "drain" and len(contributors) < record.quorum_required:
             self._fail(f"fragment {record.fragment} v{record.version} merged {len(contributors)} "
