@@ -41,7 +41,8 @@ from ddiloco.sim.bandwidth import BandwidthInputs, ByteCheck, check_counted_byte
 from ddiloco.sim.cluster import VirtualCluster
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.goodput import SmallClusterPrediction, predict_small_cluster
-from ddiloco.sim.harness import Recorder, Workload
+from ddiloco.sim.harness import Recorder
+from ddiloco.workload.workload import Workload
 from ddiloco.sim.network import HEADER_BYTES
 
 

@@ -34,7 +34,7 @@ from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.learner_runtime import LearnerRuntime
 from ddiloco.runtime.service import reference_layout
-from ddiloco.sim.harness import Workload
+from ddiloco.workload.workload import Workload
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
          "run.learners=1", "protocol.fragments=4", "protocol.period=8")

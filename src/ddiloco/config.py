@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.config import Mode, ProtocolConfig
 from ddiloco.errors import ConfigError
 from ddiloco.workload.model import ModelConfig
 
-MODES = ("decoupled", "diloco", "dp", "dp-elastic")
+MODES = tuple(m.value for m in Mode)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,11 +77,9 @@ class ClusterConfig:
     """Link bandwidth between a learner and the synchronizer, bits per second."""
     latency_s: float = 0.01
     """One-way message latency."""
-    heartbeat_s: float = 2.0
-    """Interval between a learner's heartbeats."""
 
     def validate(self) -> None:
-        for key in ("step_time_s", "slow_factor", "bandwidth_bps", "heartbeat_s"):
+        for key in ("step_time_s", "slow_factor", "bandwidth_bps"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"cluster.{key} must be > 0, got {getattr(self, key)}")
         for key in ("jitter", "latency_s"):

@@ -11,7 +11,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
 from ddiloco.core.learner import UpdateResult
-from ddiloco.core.messages import Broadcast, FragmentUpdate
+from ddiloco.core.messages import FragmentUpdate
 from protocol_helpers import deliver, local_step, make_cluster
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)

@@ -78,7 +78,7 @@ class Procs:
 def sync_args(port: int, *extra: str, learners: int = 2) -> list[str]:
     """A tiny-preset synchronizer with short leases, for tests."""
     return ["sync", "--preset", "tiny", "--learners", str(learners), "--listen", f"127.0.0.1:{port}",
-            "--set", "protocol.lease_s=2.0", "--set", "cluster.heartbeat_s=0.3", "--log-level", "info", *extra]
+            "--set", "protocol.lease_s=2.0", "--set", "protocol.heartbeat_s=0.3", "--log-level", "info", *extra]
 
 
 def learner_args(port: int, name: str, *extra: str) -> list[str]:

@@ -13,9 +13,9 @@ import pytest
 from runtime_helpers import free_port, learner_args, sync_args, wait_for
 
 from ddiloco.config import build_config
-from ddiloco.experiment import SUMMARY_KEYS
+from ddiloco.reporting import SUMMARY_KEYS
 from ddiloco.runtime.launcher import run_processes
-from ddiloco.sim.harness import Workload
+from ddiloco.workload.workload import Workload
 
 pytestmark = pytest.mark.slow
 

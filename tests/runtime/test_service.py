@@ -19,7 +19,7 @@ from ddiloco.runtime.client import Refused, SyncClient
 from ddiloco.runtime.learner_runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.service import ServiceOptions, SyncService
-from ddiloco.sim.harness import Workload
+from ddiloco.workload.workload import Workload
 from ddiloco.workload.model import ByteTransformer
 
 TOKEN = "s3cret-token"

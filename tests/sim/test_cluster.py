@@ -6,7 +6,7 @@ import pytest
 
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
-from ddiloco.sim.harness import Workload
+from ddiloco.workload.workload import Workload
 
 
 def tiny(*overrides: str, **flags):

@@ -9,8 +9,9 @@ from dataclasses import replace
 from ddiloco.commands.display import console, print_table, progress_bar, summary_table
 from ddiloco.commands.options import add_cluster_options, config_from_args
 from ddiloco.config import MODES
-from ddiloco.experiment import plot_runs, prepare_out, run_virtual, write_run
-from ddiloco.sim.harness import Workload
+from ddiloco.experiment import run_virtual
+from ddiloco.reporting import plot_runs, prepare_out, write_run
+from ddiloco.workload.workload import Workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ddiloco.sim.harness import ProgressFn
+from ddiloco.reporting import ProgressFn
 
 console = Console(stderr=True)
 

@@ -24,7 +24,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
-from ddiloco.sim.harness import Workload, weights_sha256
+from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.workload.corpus import BatchSampler
 
 log = logging.getLogger("ddiloco.learner")

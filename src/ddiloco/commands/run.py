@@ -12,7 +12,8 @@ import argparse
 
 from ddiloco.commands.display import console, print_table, progress_bar, summary_table
 from ddiloco.commands.options import add_cluster_options, config_from_args
-from ddiloco.experiment import prepare_out, run_virtual, write_run
+from ddiloco.experiment import run_virtual
+from ddiloco.reporting import prepare_out, write_run
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from ddiloco.commands.options import add_workload_options, config_from_args
 from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
 from ddiloco.runtime.service import ServiceOptions, SyncService, layout_from_file, serve
-from ddiloco.sim.cluster import protocol_for_mode
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     )
     layout = None
     if args.init:
-        layout = layout_from_file(args.init, protocol_for_mode(config.protocol, config.run.mode, config.run.learners))
+        layout = layout_from_file(args.init, config.protocol.for_mode(config.run.mode, config.run.learners))
     service = SyncService(config, options, layout=layout)
     if args.metrics_port is not None:
         service.metrics.serve(args.metrics_port, host=listen.host if listen.is_loopback else "0.0.0.0")

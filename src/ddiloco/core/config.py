@@ -6,12 +6,30 @@ Both drivers (virtual cluster and gRPC runtime) build their cores from one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
 
 from ddiloco.core.codecs import CODEC_NAMES
 from ddiloco.core.fragments import STRATEGIES
 from ddiloco.core.merge import MERGE_RULES
 from ddiloco.errors import ConfigError
+
+
+class Mode(enum.StrEnum):
+    """What a run trains with; the two protocol modes share one core."""
+
+    DECOUPLED = "decoupled"
+    """Decoupled DiLoCo: quorum, grace window, nobody waits."""
+    DILOCO = "diloco"
+    """Synchronous (streaming) DiLoCo: every learner waits for every synchronization."""
+    DP = "dp"
+    """Data parallel, non-elastic (a baseline of the virtual cluster)."""
+    DP_ELASTIC = "dp-elastic"
+    """Data parallel that goes on at reduced capacity (a baseline of the virtual cluster)."""
+
+    @property
+    def uses_protocol(self) -> bool:
+        return self in (Mode.DECOUPLED, Mode.DILOCO)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +73,8 @@ class ProtocolConfig:
     """Contributions whose base version lags the current one by more than this are rejected."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
+    heartbeat_s: float = 2.0
+    """Interval between a learner's heartbeats (never more than a third of the lease)."""
     delta_norm_ratio_max: float = 10.0
     """Reject an outer gradient whose norm exceeds this multiple of max(‖Θ_p‖, 1): absurd updates."""
 
@@ -85,12 +105,26 @@ class ProtocolConfig:
         for key, value in (
             ("protocol.grace_max_s", self.grace_max_s),
             ("protocol.lease_s", self.lease_s),
+            ("protocol.heartbeat_s", self.heartbeat_s),
             ("protocol.delta_norm_ratio_max", self.delta_norm_ratio_max),
         ):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often a learner renews its lease: three chances before it expires."""
+        return min(self.heartbeat_s, self.lease_s / 3)
+
+    def for_mode(self, mode: Mode | str, learners: int) -> "ProtocolConfig":
+        """The protocol a mode runs. Synchronous DiLoCo is the same core with everyone waiting:
+        K = M strict, blocking learners that adopt the global value (α = 0) merged by a plain
+        mean, as in DiLoCo."""
+        if Mode(mode) is Mode.DILOCO:
+            return replace(self, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge="mean")
+        return self
 
     def validate_for(self, learners: int) -> None:
         """Checks that depend on the number of learners M."""

@@ -29,7 +29,7 @@ from ddiloco.runtime.auth import (
 )
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
-from ddiloco.runtime.service import CHUNK_BYTES, KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
+from ddiloco.runtime.wire import CHUNK_BYTES, KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -16,20 +16,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
-from ddiloco.experiment import summarize, write_config
+from ddiloco.reporting import ProgressFn, summarize, write_config
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.service import reference_layout
-from ddiloco.sim.cluster import protocol_for_mode
-from ddiloco.sim.harness import Workload, weights_sha256
+from ddiloco.workload.workload import Workload, weights_sha256
 
-ProgressFn = Callable[[float, dict[str, Any]], None]
 POLL_S = 0.25
 START_TIMEOUT_S = 120.0
 
@@ -102,7 +100,7 @@ def run_processes(
     (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
 
     workload = Workload.build(config)
-    protocol = protocol_for_mode(config.protocol, config.run.mode, config.run.learners)
+    protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
     plan = reference_layout(config, protocol).plan
     eval_model = workload.new_model()
     m = config.run.learners

@@ -209,7 +209,7 @@ class LearnerRuntime:
         self._unreported_tokens = 0
         self._unreported_steps = 0
         self._stream = None
-        self.heartbeat_s = max(0.05, min(join.header.heartbeat_s or 2.0, protocol.lease_s / 3))
+        self.heartbeat_s = protocol.heartbeat_interval_s
         if join.header.finished:
             self._stop_flag.set()
             return

@@ -64,18 +64,15 @@ from ddiloco.runtime.auth import (
     Address,
     token_matches,
 )
+from ddiloco.runtime.wire import CHUNK_BYTES, KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 from ddiloco.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ddiloco.runtime.metrics import ByteLedger, GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.sim.cluster import protocol_for_mode
 from ddiloco.workload.trainer import build_model
 
 log = logging.getLogger("ddiloco.sync")
 
 SERVICE_NAME = "ddiloco.v1.Synchronizer"
-CHUNK_BYTES = 1 << 20
-"""Payload bytes per streamed message: far below gRPC's 4 MiB default message limit."""
-MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 CHECKPOINT_NAME = "synchronizer.safetensors"
 REPLAY_UPDATES = 8
 """Recent updates kept per fragment for learners whose update stream broke briefly..."""
@@ -84,12 +81,6 @@ REPLAY_BYTES = 256 << 20
 STREAM_BACKLOG = 64
 """Updates queued for one learner's stream before it is closed as too slow (it resubscribes)."""
 
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 SERVER_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -224,7 +215,7 @@ class SyncService:
             raise ConfigError(f"the synchronizer serves modes decoupled and diloco, not {config.run.mode!r}")
         self.config = config
         self.options = options
-        self.protocol = protocol_for_mode(config.protocol, config.run.mode, config.run.learners)
+        self.protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
         self.layout = layout or reference_layout(config, self.protocol)
         self.layout_sha256 = self.layout.sha256(self.protocol)
         self.core = Synchronizer(
@@ -511,7 +502,7 @@ class SyncService:
                 fragments=self.layout.to_proto(),
                 finished=self.finished,
                 layout_sha256=self.layout_sha256,
-                heartbeat_s=self.config.cluster.heartbeat_s,
+                heartbeat_s=self.protocol.heartbeat_interval_s,
                 run_json=json.dumps(self.config.to_dict()),
             )
             if self.finished or req.probe:

@@ -13,30 +13,22 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner, UpdateResult
 from ddiloco.core.messages import Broadcast, Contribution, FragmentUpdate, GlobalState, Rejected, RoundClosed
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.sim.harness import Recorder, Workload, weights_sha256
+from ddiloco.sim.harness import Recorder
+from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.network import HEADER_BYTES, Link
 from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.model import ByteTransformer
 from ddiloco.workload.trainer import InnerTrainer
-
-
-def protocol_for_mode(protocol: ProtocolConfig, mode: str, learners: int) -> ProtocolConfig:
-    """Synchronous DiLoCo is the same core with everyone waiting: K = M strict, blocking
-    learners that adopt the global value (α = 0) merged by a plain mean, as in DiLoCo."""
-    if mode == "diloco":
-        return replace(protocol, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge="mean")
-    return protocol
 
 
 @dataclass(slots=True)
@@ -72,7 +64,7 @@ class VirtualCluster:
         self.config = config = workload.config
         self.workload = workload
         self.recorder = recorder
-        self.protocol = protocol_for_mode(config.protocol, config.run.mode, config.run.learners)
+        self.protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
         reference = workload.new_model()
         self.plan: FragmentPlan = plan_fragments(
             [(n, tuple(p.shape)) for n, p in reference.named_parameters()],
@@ -261,7 +253,7 @@ class VirtualCluster:
         lr = self.learners[m]
         if lr.up and incarnation == lr.incarnation:
             self._send_up(lr, -1, 0, "heartbeat", m, incarnation)
-            self._at(self.now + self.config.cluster.heartbeat_s, "send_heartbeat", m, incarnation)
+            self._at(self.now + self.protocol.heartbeat_interval_s, "send_heartbeat", m, incarnation)
 
     def _on_fail(self, m: int) -> None:
         lr = self.learners[m]
@@ -297,7 +289,7 @@ class VirtualCluster:
         self._send_down(lr, -1, size, "state", state)
         if incarnation == lr.incarnation and lr.up and lr.beating != incarnation:
             lr.beating = incarnation
-            self._at(self.now + self.config.cluster.heartbeat_s, "send_heartbeat", m, incarnation)
+            self._at(self.now + self.protocol.heartbeat_interval_s, "send_heartbeat", m, incarnation)
 
     def _on_heartbeat(self, m: int, incarnation: int) -> None:
         lr = self.learners[m]

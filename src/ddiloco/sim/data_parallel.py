@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ddiloco.sim.harness import Recorder, Workload, weights_sha256
+from ddiloco.sim.harness import Recorder
+from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.sim.network import HEADER_BYTES
 
 BF16_BYTES = 2

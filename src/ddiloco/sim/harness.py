@@ -1,77 +1,26 @@
-"""What every mode of a virtual run shares: workload, failure trace, speeds, budget, metrics.
+"""What every mode of a virtual run shares: failure trace, speeds, evaluation schedule, metrics.
 
-Decoupled DiLoCo and its baselines are compared on the same corpus shards, the same initial
-weights, the same step-time draws and the same failures; this module builds those once
-from a :class:`~ddiloco.config.Config` and records what a run measures.
+Decoupled DiLoCo and its baselines are compared on the same workload
+(:class:`~ddiloco.workload.workload.Workload`), the same step-time draws and the same
+failures; this module builds those once from a :class:`~ddiloco.config.Config` and records
+what a run measures.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ddiloco.config import Config
+from ddiloco.reporting import ProgressFn
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import ByteCounter
 from ddiloco.sim.speed import StepTimer
-from ddiloco.workload.corpus import BatchSampler, Corpus, eval_batches, load_corpus, split_corpus
-from ddiloco.workload.evaluate import evaluate
-from ddiloco.workload.model import ByteTransformer
-from ddiloco.workload.trainer import InnerTrainer, OptimizerSettings, build_model
+from ddiloco.workload.workload import Workload
 
-ProgressFn = Callable[[float, dict[str, Any]], None]
-"""Called with the run's progress in [0, 1] and the latest metrics row."""
-
-
-@dataclass(slots=True)
-class Workload:
-    """Corpus shards, evaluation batches and the initial weights every learner starts from."""
-
-    config: Config
-    corpus: Corpus
-    eval_set: list[tuple[torch.Tensor, torch.Tensor]]
-    initial_state: dict[str, torch.Tensor]
-
-    @classmethod
-    def build(cls, config: Config) -> "Workload":
-        data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
-        corpus = split_corpus(data, num_shards=config.run.learners, seq_len=config.model.seq_len)
-        batches = eval_batches(
-            corpus.eval_data,
-            batch_size=config.train.batch_size,
-            seq_len=config.model.seq_len,
-            max_batches=config.train.eval_batches,
-        )
-        model = build_model(config.model, config.run.seed)
-        return cls(config, corpus, batches, {k: v.clone() for k, v in model.state_dict().items()})
-
-    def new_model(self) -> ByteTransformer:
-        model = ByteTransformer(self.config.model)
-        model.load_state_dict(self.initial_state)
-        return model
-
-    def new_trainer(self, model: torch.nn.Module) -> InnerTrainer:
-        t = self.config.train
-        return InnerTrainer(model, OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay))
-
-    def sampler(self, learner: int) -> BatchSampler:
-        return BatchSampler(
-            self.corpus.train_shards[learner],
-            batch_size=self.config.train.batch_size,
-            seq_len=self.config.model.seq_len,
-            seed=self.config.run.seed * 1_000_003 + learner,
-        )
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.config.train.batch_size * self.config.model.seq_len
-
-    def evaluate(self, model: torch.nn.Module) -> float:
-        return evaluate(model, self.eval_set)
 
 
 @dataclass(slots=True)
@@ -153,12 +102,3 @@ class Recorder:
         for row in self.rows:
             row["goodput"] = self.accounting.goodput(row["virtual_time_s"])
             row["uptime"] = self.accounting.uptime(row["virtual_time_s"])
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """Hash of the global weights, in state-dict order: equal runs give equal hashes."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return digest.hexdigest()
