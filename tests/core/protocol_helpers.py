@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ddiloco.core.actions import Admitted, Broadcast, Refused, SendJoin
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten, plan_fragments
 from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Broadcast
 from ddiloco.core.synchronizer import Synchronizer
 
 SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("b1", (8,)), ("b2", (8,)), ("w3", (4, 8))]
@@ -18,18 +18,34 @@ def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES}
 
 
-def make_cluster(config: ProtocolConfig, learners: int = 3):
+def make_sync(config: ProtocolConfig, **kwargs) -> tuple:
     plan = plan_fragments(SHAPES, num_fragments=config.fragments, period=config.period, embedding_names=["embed"])
     init = make_params()
     sync = Synchronizer(
         config,
         [flatten([init[n] for n in f.param_names]) for f in plan.fragments],
         embedding_fragments=[f.index for f in plan.fragments if f.is_embedding],
+        **kwargs,
     )
+    return plan, sync
+
+
+def join(core: Learner, sync: Synchronizer, now: float = 0.0) -> list:
+    """Start a fresh learner: its join goes through the synchronizer and it adopts the reply."""
+    (send,) = [a for a in core.start(now) if isinstance(a, SendJoin)]
+    actions = sync.handle(send.message, now)
+    reply = actions[0]
+    assert isinstance(reply, Admitted), reply
+    core.on_admitted(reply.state, now, stop=reply.stop)
+    return actions
+
+
+def make_cluster(config: ProtocolConfig, learners: int = 3, **kwargs):
+    plan, sync = make_sync(config, **kwargs)
     params = [make_params() for _ in range(learners)]
-    cores = [Learner(f"l{m}", config, plan, params[m]) for m in range(learners)]
+    cores = [Learner(f"l{m}", config, plan, params[m], boot=f"b{m}") for m in range(learners)]
     for core in cores:
-        core.adopt(sync.register(core.learner_id, now=0.0))
+        join(core, sync)
     return plan, sync, cores, params
 
 
@@ -40,13 +56,24 @@ def local_step(params: dict[str, torch.Tensor], seed: int, scale: float = 0.01) 
         p.add_(torch.randn(p.shape, generator=g), alpha=scale)
 
 
-def deliver(actions, cores) -> int:
+def step(core: Learner, tokens: int, duration_s: float, now: float = 0.0) -> list:
+    """One inner step's accounting; returns the encoded contributions that fell due."""
+    return [send.encode() for send in core.record_step(tokens, duration_s, now)]
+
+
+def deliver(actions, cores, now: float = 0.0) -> int:
     """Apply every Broadcast to its recipients; return how many updates were applied."""
     by_name = {c.learner_id: c for c in cores}
     applied = 0
     for a in actions:
         if isinstance(a, Broadcast):
             for name in a.recipients:
-                by_name[name].apply_update(a.update)
-                applied += 1
+                if name in by_name:
+                    by_name[name].on_update(a.update, now)
+                    applied += 1
     return applied
+
+
+def refused(actions) -> Refused | None:
+    """The reply refusing the request, if the first action is one."""
+    return actions[0] if actions and isinstance(actions[0], Refused) else None

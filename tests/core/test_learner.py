@@ -1,4 +1,4 @@
-"""The learner state machine: schedule, counters, merges with α, gaps and requeues."""
+"""The learner state machine: schedule, counters, merges with α, gaps, requeues, refusals, waits."""
 
 from __future__ import annotations
 
@@ -7,22 +7,28 @@ import dataclasses
 import pytest
 import torch
 
+from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
-from ddiloco.core.learner import UpdateResult
-from ddiloco.core.messages import FragmentUpdate
-from protocol_helpers import deliver, local_step, make_cluster
+from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.messages import FragmentUpdate, GlobalState, Join, RejectReason, Session
+from protocol_helpers import deliver, local_step, make_cluster, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)
+
+
+def update(core, fragment, version, payload, incarnation=None):
+    incarnation = core.session.incarnation if incarnation is None else incarnation
+    return FragmentUpdate(fragment, version, "fp32", payload, incarnation)
 
 
 def test_fragments_fall_due_at_their_offsets_with_counters_since_last_send():
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     sent = []
-    for step in range(1, 7):
-        local_step(params, seed=step)
-        sent += [(step, c.fragment, c.steps, c.tokens, c.first_step) for c in core.record_step(10, 0.5)]
+    for s in range(1, 7):
+        local_step(params, seed=s)
+        sent += [(s, c.fragment, c.steps, c.tokens, c.first_step) for c in step(core, 10, 0.5)]
     offsets = {f.index: f.offset for f in plan.fragments}
     assert [(s, p) for s, p, *_ in sent] == sorted(
         ((s, p) for s in range(1, 7) for p in range(3) if s % 3 == offsets[p]), key=lambda sp: sp[0]
@@ -37,67 +43,181 @@ def test_contribution_is_anchor_minus_local_and_update_merges_with_alpha():
     p = plan.due(3)[0] if plan.due(3) else 0
     anchor = core.anchor(p).clone()
     contribs = []
-    for step in range(1, 4):
-        local_step(params, seed=step)
-        contribs += core.record_step(10, 0.5)
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        contribs += step(core, 10, 0.5)
     c = next(c for c in contribs if c.fragment == p)
     local = flatten([params[n] for n in plan.fragments[p].param_names])
     delta = get_codec("fp32").decode(c.payload, anchor.numel())
     assert torch.allclose(delta, anchor - local)
-    update = torch.full_like(anchor, 0.25)
-    result = core.apply_update(FragmentUpdate(p, 1, "fp32", update.numpy().tobytes()))
-    assert result is UpdateResult.APPLIED and core.versions[p] == 1
+    upd = torch.full_like(anchor, 0.25)
+    assert core.on_update(update(core, p, 1, upd.numpy().tobytes()), 1.0) == []
+    assert core.updates[UpdateResult.APPLIED] == 1 and core.versions[p] == 1
     merged = flatten([params[n] for n in plan.fragments[p].param_names])
-    assert torch.allclose(merged, 0.5 * local + 0.5 * (anchor + update))
-    assert torch.equal(core.anchor(p), anchor + update)
+    assert torch.allclose(merged, 0.5 * local + 0.5 * (anchor + upd))
+    assert torch.equal(core.anchor(p), anchor + upd)
 
 
 def test_duplicate_updates_are_ignored_and_a_missed_version_asks_for_full_state():
     plan, sync, (core,), _ = make_cluster(dataclasses.replace(BASE, downlink_codec="fp32"), learners=1)
-    n = plan.fragments[0].numel
-    payload = torch.zeros(n).numpy().tobytes()
-    assert core.apply_update(FragmentUpdate(0, 1, "fp32", payload)) is UpdateResult.APPLIED
-    assert core.apply_update(FragmentUpdate(0, 1, "fp32", payload)) is UpdateResult.IGNORED
-    assert core.apply_update(FragmentUpdate(0, 3, "fp32", payload)) is UpdateResult.GAP
-    assert core.versions[0] == 1
+    payload = torch.zeros(plan.fragments[0].numel).numpy().tobytes()
+    assert core.on_update(update(core, 0, 1, payload), 1.0) == []
+    assert core.on_update(update(core, 0, 1, payload), 1.0) == []
+    assert core.updates == {UpdateResult.APPLIED: 1, UpdateResult.IGNORED: 1}
+    (join,) = core.on_update(update(core, 0, 3, payload), 1.0)
+    assert isinstance(join, SendJoin) and core.updates[UpdateResult.GAP] == 1
+    assert core.versions[0] == 1 and core.phase is LearnerPhase.JOINING
+    assert core.on_update(update(core, 0, 5, payload), 1.0) == []  # already rejoining: one join
+
+
+def test_updates_of_another_synchronizer_incarnation_are_ignored():
+    plan, sync, (core,), _ = make_cluster(dataclasses.replace(BASE, downlink_codec="fp32"), learners=1)
+    payload = torch.ones(plan.fragments[0].numel).numpy().tobytes()
+    before = core.anchor(0).clone()
+    assert core.on_update(update(core, 0, 1, payload, incarnation=core.session.incarnation + 1), 1.0) == []
+    assert core.updates == {UpdateResult.IGNORED: 1}
+    assert core.versions[0] == 0 and torch.equal(core.anchor(0), before)
 
 
 def test_requeued_contribution_is_folded_into_the_next_one():
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     first = None
-    for step in range(1, 4):
-        local_step(params, seed=step)
-        for c in core.record_step(10, 1.0):
-            if c.fragment == 0:
-                first = c
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        first = next((c for c in step(core, 10, 1.0) if c.fragment == 0), first)
     assert first is not None
-    core.requeue(first)  # the synchronizer was unreachable
+    assert core.on_undelivered(first, 3.5) == []  # the synchronizer was unreachable
     nxt = None
-    for step in range(4, 7):
-        local_step(params, seed=step)
-        for c in core.record_step(10, 1.0):
-            if c.fragment == 0:
-                nxt = c
+    for s in range(4, 7):
+        local_step(params, seed=s)
+        nxt = next((c for c in step(core, 10, 1.0) if c.fragment == 0), nxt)
     assert nxt.steps == first.steps + 3 and nxt.tokens == first.tokens + 30
     assert nxt.first_step == first.first_step
+
+
+def test_work_of_an_earlier_session_is_dropped_not_folded():
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    old = None
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        old = next((c for c in step(core, 10, 1.0) if c.fragment == 0), old)
+    state = sync.handle(Join("l0", "b0"), 4.0)[0].state
+    core.on_admitted(state, 4.0)
+    assert not core.is_current(old)
+    assert core.on_undelivered(old, 4.5) == [] and core.dropped == 1
+    assert core.on_refused(old, RejectReason.SUPERSEDED, 4.5) == []  # about a session we left
+    nxt = None
+    for s in range(4, 7):
+        local_step(params, seed=s)
+        nxt = next((c for c in step(core, 10, 1.0) if c.fragment == 0), nxt)
+    assert nxt.steps == 3 and nxt.session == state.session
+
+
+@pytest.mark.parametrize("reason", ["unknown_learner", "superseded", "stale", "future_version"])
+def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    sent = []
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        sent += step(core, 10, 1.0)
+    (join,) = core.on_refused(sent[0], RejectReason(reason), 3.0)
+    assert isinstance(join, SendJoin) and core.phase is LearnerPhase.JOINING
+    assert core.on_refused(sent[1], RejectReason(reason), 3.0) == []  # one join is enough
+    assert core.can_step(3.0)  # it holds a state: it trains on while it rejoins
+    assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
+
+
+@pytest.mark.parametrize("reason", ["duplicate", "non_finite", "norm_bound", "bad_size"])
+def test_refusals_of_one_contribution_drop_it_and_training_goes_on(reason):
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    local_step(params, seed=1)
+    sent = step(core, 10, 1.0)
+    assert core.on_refused(sent[0], RejectReason(reason), 1.0) == []
+    assert core.phase is LearnerPhase.TRAINING and core.can_step(1.0)
+
+
+def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
+    plan, sync, (core,), _ = make_cluster(BASE, learners=1)
+    (fail,) = core.on_refused(Join("l0", "b0"), RejectReason.UNAUTHENTICATED, 1.0)
+    assert isinstance(fail, Fail) and core.phase is LearnerPhase.FAILED and not core.can_step(1.0)
+    plan, sync, (other,), _ = make_cluster(BASE, learners=1)
+    assert other.on_refused(Join("l0", "b0"), RejectReason.FINISHED, 1.0) == []
+    assert other.phase is LearnerPhase.STOPPED and other.should_stop
+
+
+def test_heartbeats_come_every_interval_and_a_lost_lease_means_joining_again():
+    config = dataclasses.replace(BASE, lease_s=9.0, heartbeat_s=5.0)  # interval: min(5, 9/3) = 3
+    plan, sync, (core,), _ = make_cluster(config, learners=1)
+    assert core.next_deadline() == 3.0
+    assert core.tick(2.9) == []
+    (beat,) = core.tick(3.0)
+    assert isinstance(beat, SendHeartbeat) and beat.message.session == core.session
+    assert core.next_deadline() == 6.0
+    (join,) = core.on_refused(beat.message, RejectReason.UNKNOWN_LEARNER, 3.1)
+    assert isinstance(join, SendJoin) and core.next_deadline() is None  # no heartbeats while joining
+
+
+def test_an_undelivered_join_is_retried_with_backoff():
+    plan, sync, _, (params,) = make_cluster(BASE, learners=1)
+    core = Learner("x", BASE, plan, params, boot="bx")
+    (join,) = core.start(0.0)
+    assert core.on_undelivered(join.message, 1.0) == []
+    assert core.next_deadline() == pytest.approx(1.2)
+    (again,) = core.tick(1.2)
+    assert isinstance(again, SendJoin)
+    core.on_undelivered(again.message, 2.0)
+    assert core.next_deadline() == pytest.approx(2.4)  # doubled
 
 
 def test_blocking_learner_waits_for_the_fragment_it_sent():
     config = dataclasses.replace(BASE, fragments=1, period=2, blocking=True, alpha=0.0)
     plan, sync, (core,), (params,) = make_cluster(config, learners=1)
     local_step(params, seed=1)
-    assert core.record_step(10, 1.0) == [] and core.can_step()
+    assert step(core, 10, 1.0) == [] and core.can_step(1.0)
     local_step(params, seed=2)
-    (c,) = core.record_step(10, 1.0)
-    assert not core.can_step()
-    deliver(sync.contribute(c, now=1.0), [core])
-    assert core.can_step() and core.versions[0] == 1
+    (c,) = step(core, 10, 1.0, now=2.0)
+    assert not core.can_step(2.0) and not core.can_step(1e9)
+    deliver(sync.handle(c, 2.0), [core])
+    assert core.can_step(2.0) and core.versions[0] == 1
+
+
+def test_max_wait_holds_a_learner_tau_steps_after_sending_then_lets_it_train_on():
+    config = dataclasses.replace(BASE, fragments=1, period=4, overlap=2, max_wait_s=5.0, heartbeat_s=100.0)
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    sends = []
+    for s in range(1, 7):
+        assert core.can_step(float(s))
+        local_step(params, seed=s)
+        sends += core.record_step(10, 1.0, float(s))
+    assert [x.header.first_step for x in sends] == [1]  # sent at step 4 (offset 0 → step 4)
+    assert not core.can_step(6.0)  # step 6 = 4 + τ without the update: wait
+    assert core.next_deadline() == pytest.approx(11.0)
+    assert not core.can_step(10.9) and core.can_step(11.0)  # waited max_wait_s: train on
+
+
+def test_stop_then_close_flushes_everything_unsent_and_leaves():
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    local_step(params, seed=1)
+    step(core, 10, 1.0)
+    core.on_stop(1.5)
+    assert core.should_stop and not core.can_step(1.5)
+    actions = core.close(2.0)
+    assert isinstance(actions[-1], SendLeave)
+    flushed = [a.header for a in actions[:-1]]
+    assert sorted(c.fragment for c in flushed) == [p for p in range(3) if p not in plan.due(1)]
+    assert all(c.steps == 1 for c in flushed) and core.phase is LearnerPhase.STOPPED
+
+
+def test_an_admission_older_than_the_session_held_is_ignored():
+    plan, sync, (core,), _ = make_cluster(BASE, learners=1)
+    held = core.session
+    old = GlobalState(sync.global_state().fragments, held.incarnation, Session(held.incarnation, held.number - 1))
+    assert core.on_admitted(old, 1.0) == [] and core.session == held
 
 
 def test_stepping_before_joining_is_an_error():
     plan, sync, cores, params = make_cluster(BASE, learners=1)
-    from ddiloco.core.learner import Learner
-
     fresh = Learner("x", BASE, plan, params[0])
     with pytest.raises(RuntimeError):
-        fresh.record_step(1, 1.0)
+        fresh.record_step(1, 1.0, 0.0)
+    assert not fresh.can_step(0.0)

@@ -8,10 +8,23 @@ import math
 import pytest
 import torch
 
+from ddiloco.core.actions import (
+    Accepted,
+    Admitted,
+    Broadcast,
+    Checkpoint,
+    Finished,
+    LeaseExpired,
+    RoundClosed,
+    StopLearners,
+    Tick,
+)
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import Broadcast, LeaseExpired, Rejected, RoundClosed
-from protocol_helpers import deliver, local_step, make_cluster
+from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.rounds import RoundPhase
+from ddiloco.core.run import RunLimits, RunPhase
+from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2)
 
@@ -22,48 +35,65 @@ def contributions_for(cores, params, fragment, seed=0):
     for m, (core, p) in enumerate(zip(cores, params)):
         while True:
             local_step(p, seed=seed * 100 + m * 10 + core.step)
-            due = core.record_step(tokens=100, duration_s=1.0)
-            match = [c for c in due if c.fragment == fragment]
+            match = [c for c in step(core, tokens=100, duration_s=1.0) if c.fragment == fragment]
             if match:
                 out.append(match[0])
                 break
     return out
 
 
+def closed(actions):
+    return [a for a in actions if isinstance(a, RoundClosed)]
+
+
+def test_every_request_gets_one_reply_first():
+    plan, sync, cores, params = make_cluster(BASE, learners=3)
+    (c,) = contributions_for(cores[:1], params[:1], fragment=1)
+    actions = sync.handle(c, 1.0)
+    assert isinstance(actions[0], Accepted) and actions[0].request is c
+    beat = Heartbeat("l1", cores[1].session, cores[1].progress)
+    assert isinstance(sync.handle(beat, 1.0)[0], Accepted)
+    assert isinstance(sync.handle(Join("l9", "boot"), 1.0)[0], Admitted)
+
+
 def test_round_waits_for_quorum_then_grace_then_closes_with_everyone_who_came():
     plan, sync, cores, params = make_cluster(BASE, learners=3)
     c0, c1, c2 = contributions_for(cores, params, fragment=1)
-    assert sync.contribute(c0, now=1.0) == []  # below quorum K=2
-    assert sync.contribute(c1, now=1.5) == []  # quorum reached: grace window opens
+    assert closed(sync.handle(c0, 1.0)) == []  # below quorum K=2
+    assert sync.status().round_phases[1] is RoundPhase.COLLECTING
+    assert closed(sync.handle(c1, 1.5)) == []  # quorum reached: grace window opens
+    assert sync.status().round_phases[1] is RoundPhase.GRACE
     deadline = sync.next_deadline()
     assert deadline is not None and 1.5 < deadline <= 1.5 + BASE.grace_max_s
-    assert sync.tick(deadline - 1e-6) == []
-    actions = sync.contribute(c2, now=deadline - 1e-6)  # the straggler makes it inside the window
-    record = next(a for a in actions if isinstance(a, RoundClosed))
+    assert sync.handle(Tick(), deadline - 1e-6) == []
+    actions = sync.handle(c2, deadline - 1e-6)  # the straggler makes it inside the window
+    (record,) = closed(actions)
     assert record.reason == "all-live"
     assert {m.learner_id for m in record.merged} == {"l0", "l1", "l2"}
     assert sync.versions()[1] == 1
+    assert sync.status().round_phases[1] is RoundPhase.IDLE
 
 
 def test_grace_expiry_closes_without_the_straggler_whose_late_work_joins_next_round():
     plan, sync, cores, params = make_cluster(BASE, learners=3)
     c0, c1, c2 = contributions_for(cores, params, fragment=1)
-    sync.contribute(c0, now=1.0)
-    sync.contribute(c1, now=1.0)
+    sync.handle(c0, 1.0)
+    sync.handle(c1, 1.0)
     deadline = sync.next_deadline()
-    actions = sync.tick(deadline)
-    record = next(a for a in actions if isinstance(a, RoundClosed))
+    actions = sync.handle(Tick(), deadline)
+    (record,) = closed(actions)
     assert record.reason == "grace" and record.tokens == c0.tokens + c1.tokens
-    assert sync.contribute(c2, now=deadline + 1) == []  # late: pending for version 2, not dropped
+    assert closed(sync.handle(c2, deadline + 1)) == []  # late: pending for version 2, not dropped
     assert sync.pending_tokens() == c2.tokens
     # ... and it does not open round 2 on its own: only contributions from version 1 count
-    assert sync.next_deadline() == min(r.lease_until_s for r in sync.learners.values())
+    assert sync.status().round_phases[1] is RoundPhase.COLLECTING
+    assert sync.next_deadline() == min(learner.last_seen_s for learner in sync.status().learners) + BASE.lease_s
     deliver(actions, cores)
     (fresh,) = contributions_for(cores[:1], params[:1], fragment=1, seed=7)
     assert fresh.base_version == 1
-    assert sync.contribute(fresh, now=deadline + 2) == []  # K=2 fresh needed
+    assert closed(sync.handle(fresh, deadline + 2)) == []  # K=2 fresh needed
     (fresh1,) = contributions_for(cores[1:2], params[1:2], fragment=1, seed=8)
-    record = next(a for a in sync.contribute(fresh1, now=deadline + 3) if isinstance(a, RoundClosed))
+    (record,) = closed(sync.handle(fresh1, deadline + 3))
     assert record.reason == "all-live"  # everyone alive has work in it, the late one included
     assert {m.learner_id for m in record.merged} == {"l0", "l1", "l2"}
 
@@ -75,7 +105,7 @@ def test_merged_value_follows_token_weighted_rda_and_nesterov():
     contribs = contributions_for(cores, params, fragment=1)
     actions = []
     for c in contribs:
-        actions += sync.contribute(c, now=1.0)
+        actions += sync.handle(c, 1.0)
     deltas = [get_codec("fp32").decode(c.payload, before.numel()).double() for c in contribs]
     w = torch.tensor([c.tokens**2 / c.steps for c in contribs], dtype=torch.float64)
     w /= w.sum()
@@ -93,7 +123,7 @@ def test_learners_reconstruct_the_global_value_bit_for_bit():
     for rnd in range(3):
         actions = []
         for c in contributions_for(cores, params, fragment=2, seed=rnd):
-            actions += sync.contribute(c, now=float(rnd))  # everyone alive came: closes at once
+            actions += sync.handle(c, float(rnd))  # everyone alive came: closes at once
         deliver(actions, cores)
     assert sync.versions()[2] >= 2
     for core in cores:
@@ -106,6 +136,7 @@ def test_learners_reconstruct_the_global_value_bit_for_bit():
     [
         (lambda c: dataclasses.replace(c, fragment=99), "unknown_fragment"),
         (lambda c: dataclasses.replace(c, learner_id="ghost"), "unknown_learner"),
+        (lambda c: dataclasses.replace(c, session=Session(c.session.incarnation + 1, 1)), "unknown_learner"),
         (lambda c: dataclasses.replace(c, codec="fp32"), "bad_codec"),
         (lambda c: dataclasses.replace(c, payload=c.payload[:-1]), "bad_size"),
         (lambda c: dataclasses.replace(c, base_version=7), "future_version"),
@@ -115,10 +146,9 @@ def test_bad_contributions_are_rejected_counted_and_leave_global_state_untouched
     plan, sync, cores, params = make_cluster(BASE, learners=3)
     (c,) = contributions_for(cores[:1], params[:1], fragment=1)
     before = [sync.value(p).clone() for p in range(3)]
-    with pytest.raises(Rejected) as err:
-        sync.contribute(mutate(c), now=1.0)
-    assert err.value.reason == reason
-    assert sync.rejections[reason] == 1
+    actions = sync.handle(mutate(c), 1.0)
+    assert refused(actions).reason == reason and len(actions) == 1
+    assert sync.status().rejections[reason] == 1
     assert sync.pending_tokens() == 0
     assert all(torch.equal(b, sync.value(p)) for p, b in enumerate(before))
 
@@ -130,72 +160,145 @@ def test_nan_and_absurd_norm_are_rejected():
     n = plan.fragments[1].numel
     nan = torch.zeros(n)
     nan[3] = math.nan
-    with pytest.raises(Rejected, match="non_finite"):
-        sync.contribute(dataclasses.replace(c, payload=nan.numpy().tobytes()), now=1.0)
+    assert refused(sync.handle(dataclasses.replace(c, payload=nan.numpy().tobytes()), 1.0)).reason == "non_finite"
     huge = torch.full((n,), 1e6)
-    with pytest.raises(Rejected, match="norm_bound"):
-        sync.contribute(dataclasses.replace(c, payload=huge.numpy().tobytes()), now=1.0)
-    assert sync.rejections == {"non_finite": 1, "norm_bound": 1}
-    assert sync.learners["l0"].rejected == 2
+    assert refused(sync.handle(dataclasses.replace(c, payload=huge.numpy().tobytes()), 1.0)).reason == "norm_bound"
+    assert sync.status().rejections == {"non_finite": 1, "norm_bound": 1}
+    assert {s.learner_id: s.rejected for s in sync.status().learners}["l0"] == 2
 
 
 def test_duplicates_and_stale_contributions_are_rejected():
     config = dataclasses.replace(BASE, quorum=1, staleness_max=1, lease_s=1e6)
     plan, sync, cores, params = make_cluster(config, learners=3)
     (c,) = contributions_for(cores[:1], params[:1], fragment=1)
-    sync.contribute(c, now=1.0)
-    with pytest.raises(Rejected, match="duplicate"):
-        sync.contribute(c, now=1.1)
-    sync.tick(sync.next_deadline())  # grace expires: version 1
+    sync.handle(c, 1.0)
+    assert refused(sync.handle(c, 1.1)).reason == "duplicate"
+    sync.handle(Tick(), sync.next_deadline())  # grace expires: version 1
     (d,) = contributions_for(cores[1:2], params[1:2], fragment=1)
-    sync.contribute(dataclasses.replace(d, base_version=1), now=20.0)
-    sync.tick(sync.next_deadline())  # version 2
+    sync.handle(dataclasses.replace(d, base_version=1), 20.0)
+    sync.handle(Tick(), sync.next_deadline())  # version 2
     assert sync.versions()[1] == 2
-    with pytest.raises(Rejected, match="stale"):
-        sync.contribute(dataclasses.replace(c, seq=c.seq + 1), now=30.0)  # base 0 lags 2 > 1
-    assert sync.rejections == {"duplicate": 1, "stale": 1}
+    stale = sync.handle(dataclasses.replace(c, seq=c.seq + 1), 30.0)  # base 0 lags 2 > 1
+    assert refused(stale).reason == "stale"
+    assert sync.status().rejections == {"duplicate": 1, "stale": 1}
+
+
+def test_a_session_replaced_by_a_new_registration_is_superseded():
+    plan, sync, cores, params = make_cluster(BASE, learners=3)
+    (c,) = contributions_for(cores[:1], params[:1], fragment=1)
+    admitted = sync.handle(Join("l0", "b0"), 2.0)[0]
+    assert admitted.state.session > c.session
+    assert refused(sync.handle(c, 2.5)).reason == "superseded"
+    assert sync.pending_tokens() == 0
 
 
 def test_expired_lease_stops_the_wait_and_rejoin_gets_current_state():
     config = dataclasses.replace(BASE, quorum=3)
     plan, sync, cores, params = make_cluster(config, learners=3)
     c0, c1, _ = contributions_for(cores, params, fragment=1)
-    for name in ("l0", "l1"):
-        sync.heartbeat(name, now=5.0)
-    sync.contribute(c0, now=5.0)
-    assert sync.contribute(c1, now=5.0) == []  # K=3 needs l2
-    actions = sync.tick(sync.next_deadline())  # l2's lease (renewed last at t=0) runs out at t=10
+    for core in cores[:2]:
+        sync.handle(Heartbeat(core.learner_id, core.session, core.progress), 5.0)
+    sync.handle(c0, 5.0)
+    assert closed(sync.handle(c1, 5.0)) == []  # K=3 needs l2
+    actions = sync.handle(Tick(), sync.next_deadline())  # l2's lease (renewed last at t=0) runs out at t=10
     assert any(isinstance(a, LeaseExpired) and a.learner_id == "l2" for a in actions)
     assert sync.alive() == ["l0", "l1"]
-    closed = [a for a in actions if isinstance(a, RoundClosed)]
-    assert closed and closed[0].quorum_required == 2  # K lowered to the live learners
-    with pytest.raises(Rejected, match="unknown_learner"):
-        sync.heartbeat("l2", now=11.0)
-    state = sync.register("l2", now=12.0)
-    assert state.versions() == sync.versions() and "l2" in sync.alive()
+    (record,) = closed(actions)
+    assert record.quorum_required == 2  # K lowered to the live learners
+    assert refused(sync.handle(Heartbeat("l2", cores[2].session, cores[2].progress), 11.0)).reason == "unknown_learner"
+    admitted = sync.handle(Join("l2", "b2"), 12.0)[0]
+    assert admitted.state.versions() == sync.versions() and "l2" in sync.alive()
 
 
 def test_strict_quorum_waits_for_everyone_even_when_leases_expire():
     config = dataclasses.replace(BASE, quorum=3, strict_quorum=True, blocking=True)
     plan, sync, cores, params = make_cluster(config, learners=3)
     c0, c1, c2 = contributions_for(cores, params, fragment=0)
-    sync.contribute(c0, now=1.0)
-    sync.contribute(c1, now=1.0)
-    sync.tick(50.0)  # every lease expired: still no merge
+    sync.handle(c0, 1.0)
+    sync.handle(c1, 1.0)
+    sync.handle(Tick(), 50.0)  # every lease expired: still no merge
     assert sync.versions()[0] == 0
-    sync.register("l2", now=51.0)
-    actions = sync.contribute(c2, now=51.0)
-    assert [a.reason for a in actions if isinstance(a, RoundClosed)] == ["quorum"]
+    session = sync.handle(Join("l2", "b2"), 51.0)[0].state.session
+    actions = sync.handle(dataclasses.replace(c2, session=session), 51.0)
+    assert [a.reason for a in closed(actions)] == ["quorum"]
 
 
 def test_checkpoint_round_trip_resumes_identically():
     plan, sync, cores, params = make_cluster(BASE, learners=3)
     for c in contributions_for(cores, params, fragment=1):
-        sync.contribute(c, now=1.0)
-    sync.tick(100.0)
-    state = sync.state_dict()
-    _, fresh, _, _ = make_cluster(BASE, learners=3)
+        sync.handle(c, 1.0)
+    sync.handle(Tick(), 100.0)
+    state = sync.state_dict(100.0)
+    _, fresh, _, _ = make_cluster(BASE, learners=3, incarnation=1)
     fresh.load_state_dict(state)
     assert fresh.versions() == sync.versions()
     assert all(torch.equal(fresh.value(p), sync.value(p)) for p in range(3))
     assert fresh.alive() == []  # learners must register again after a restart
+    # ... and their old sessions are refused, whatever their number
+    beat = Heartbeat("l0", cores[0].session, cores[0].progress)
+    assert refused(fresh.handle(beat, 101.0)).reason == "unknown_learner"
+
+
+def test_token_budget_stops_learners_then_drains_and_finishes_once_they_left():
+    config = dataclasses.replace(BASE, quorum=3, lease_s=1e6)
+    plan, sync, cores, params = make_cluster(config, learners=3, limits=RunLimits(tokens=150))
+    c0, c1, _ = contributions_for(cores, params, fragment=1)
+    actions = sync.handle(c0, 1.0)
+    assert not any(isinstance(a, StopLearners) for a in actions) and sync.phase is RunPhase.RUNNING
+    actions = sync.handle(c1, 2.0)  # the two progress reports reach 200 >= 150 tokens
+    stop = next(a for a in actions if isinstance(a, StopLearners))
+    assert set(stop.recipients) == {"l0", "l1", "l2"} and sync.phase is RunPhase.STOPPING
+    assert actions[0].stop  # the reply says so too
+    out = []
+    for core in cores:
+        core.on_stop(3.0)
+        assert sync.phase is RunPhase.STOPPING  # not over while anyone may still flush
+        for a in core.close(3.0):
+            message = a.encode() if hasattr(a, "encode") else a.message
+            out += sync.handle(message, 3.0)
+            assert not refused(out)
+    assert isinstance(out[-1], Finished) and sync.phase is RunPhase.FINISHED
+    assert sync.pending_tokens() == 0
+    # what was pending below quorum (l0 and l1 in fragment 1) was merged once nobody was left
+    last = [r for r in closed(out) if r.fragment == 1][-1]
+    assert {m.learner_id for m in last.merged} == {"l0", "l1"}
+    assert refused(sync.handle(Join("late", "x"), 4.0)).reason == "finished"
+
+
+def test_progress_is_counted_once_per_boot_however_often_it_is_reported():
+    plan, sync, cores, params = make_cluster(BASE, learners=2, limits=RunLimits(tokens=10_000))
+    core = cores[0]
+    progress = Progress("b0", tokens=500, steps=5)
+    for _ in range(3):  # duplicated and re-sent reports
+        sync.handle(Heartbeat("l0", core.session, progress), 1.0)
+    sync.handle(Heartbeat("l0", core.session, Progress("b0", tokens=300, steps=3)), 1.0)  # reordered, older
+    assert sync.status().tokens == 500
+    sync.handle(Leave("l0", core.session, Progress("b0", tokens=700, steps=7)), 2.0)
+    assert sync.status().tokens == 700
+
+
+def test_checkpoints_are_asked_for_every_n_rounds():
+    config = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9)
+    plan, sync, cores, params = make_cluster(config, learners=1, limits=RunLimits(checkpoint_every_rounds=2))
+    checkpoints = []
+    for rnd in range(4):
+        for c in contributions_for(cores, params, fragment=rnd % 3, seed=rnd):
+            actions = sync.handle(c, float(rnd))
+            deliver(actions, cores)
+            checkpoints += [a for a in actions if isinstance(a, Checkpoint)]
+    assert len(checkpoints) == 2
+    assert [f["version"] for f in checkpoints[-1].state["fragments"]] == list(sync.versions())
+
+
+def test_a_learner_that_never_leaves_is_drained_after_the_timeout():
+    config = dataclasses.replace(BASE, quorum=3, lease_s=1e6)
+    limits = RunLimits(tokens=150, drain_timeout_s=20.0)
+    plan, sync, cores, params = make_cluster(config, learners=3, limits=limits)
+    c0, c1, _ = contributions_for(cores, params, fragment=1)
+    sync.handle(c0, 1.0)
+    sync.handle(c1, 2.0)
+    assert sync.phase is RunPhase.STOPPING and sync.next_deadline() == 22.0
+    assert sync.handle(Tick(), 21.9) == []
+    actions = sync.handle(Tick(), 22.0)
+    assert [r.reason for r in closed(actions)] == ["drain"] and isinstance(actions[-1], Finished)
+    assert sync.pending_tokens() == 0

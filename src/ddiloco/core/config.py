@@ -48,6 +48,9 @@ class ProtocolConfig:
     """Keep waiting for K learners even when fewer are alive (synchronous DiLoCo baseline)."""
     blocking: bool = False
     """Learners wait for the new global value of a fragment they sent (synchronous DiLoCo)."""
+    max_wait_s: float = 0.0
+    """A learner that reaches t + τ steps without the update of a fragment it sent at step t
+    waits for it up to this many seconds, then trains on (the paper's behaviour); 0 never waits."""
     alpha: float = 0.5
     """α: on arrival θ ← α·θ + (1−α)·Θ; 0 adopts the global value, 0.5 keeps half the overlap progress."""
     fragmentation: str = "balanced"
@@ -110,6 +113,8 @@ class ProtocolConfig:
         ):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        if not self.max_wait_s >= 0:
+            raise ConfigError(f"protocol.max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
 

@@ -1,51 +1,81 @@
 """The learner's side of the protocol as an I/O-free state machine.
 
-The training loop stays the user's: after each inner step it calls :meth:`Learner.record_step`,
-which returns the contributions that fell due (to be sent in the background), and it hands
-every update that arrives to :meth:`Learner.apply_update` between two steps. The learner
-keeps, per fragment, the anchor a_p (the last global value it adopted) with its version,
+The training loop stays the user's: after each inner step the driver calls
+:meth:`Learner.record_step`, which returns the contributions that fell due (to be
+compressed and sent in the background), and it hands the machine everything that comes
+back — the synchronizer's replies, the updates it broadcasts, the calls that could not be
+delivered — between two steps. The machine answers with actions
+(:mod:`ddiloco.core.actions`): send this, register again, renew the lease, leave, give up.
+Every reaction to the network lives here, once: what a refusal means, when a missed
+version calls for the full state, which undelivered work is folded into the next
+contribution and which is dropped because it was measured from a state the learner no
+longer holds, how often to heartbeat, when to wait for the synchronizer.
+
+Per fragment it keeps the anchor a_p (the last global value it adopted) with its version,
 and the tokens, steps and compute seconds accumulated since the fragment was last sent.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
-from ddiloco.core.codecs import Codec, get_codec
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
 from ddiloco.core.grace import MovingAverage
-from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState
+from ddiloco.core.messages import (
+    Contribution,
+    FragmentUpdate,
+    GlobalState,
+    Heartbeat,
+    Join,
+    Leave,
+    Progress,
+    RejectReason,
+    Request,
+    Session,
+)
+
+JOIN_BACKOFF_START_S = 0.2
+JOIN_BACKOFF_MAX_S = 2.0
 
 
-class UpdateResult(enum.Enum):
+class LearnerPhase(enum.StrEnum):
+    IDLE = "idle"
+    """Created; ``start`` sends the first join."""
+    JOINING = "joining"
+    """A join is on its way (or will be retried); a learner that held a state trains on meanwhile."""
+    TRAINING = "training"
+    STOPPING = "stopping"
+    """The run's budget is spent: the driver calls ``close`` at the next step boundary."""
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class UpdateResult(enum.StrEnum):
     APPLIED = "applied"
     IGNORED = "ignored"
-    """Already held (duplicate or older); nothing changed."""
+    """Already held (duplicate or older), or from another synchronizer incarnation."""
     GAP = "gap"
-    """A version was missed: the learner needs the full state (``adopt``) before it can go on."""
+    """A version was missed: the learner registers again to get the full state."""
 
 
-@dataclass(frozen=True, slots=True)
-class UnencodedContribution:
-    """A due contribution whose Δ is taken but not yet compressed (see ``record_step_unencoded``)."""
-
-    header: Contribution
-    """Every field of the contribution but its payload, which is empty."""
-    delta: torch.Tensor
-    codec: Codec
-
-    @property
-    def fragment(self) -> int:
-        return self.header.fragment
-
-    def encode(self) -> Contribution:
-        return dataclasses.replace(self.header, payload=self.codec.encode(self.delta))
+REJOIN_ON = frozenset({
+    RejectReason.UNKNOWN_LEARNER,  # lease expired, or the synchronizer restarted
+    RejectReason.SUPERSEDED,       # the synchronizer holds a newer session of ours than we do
+    RejectReason.STALE,            # our anchors are too far behind the global versions
+    RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
+})
+"""Refusals of the current session that call for the full state again."""
+FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH})
+"""Refusals no retry can fix."""
 
 
 @dataclass(slots=True)
@@ -54,6 +84,14 @@ class _Counters:
     steps: int = 0
     compute_s: float = 0.0
     first_step: int = 1
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A fragment sent and not yet updated: what a waiting learner waits for."""
+
+    sent_at_step: int
+    wait_from_s: float | None = None
 
 
 class Learner:
@@ -65,11 +103,18 @@ class Learner:
         config: ProtocolConfig,
         plan: FragmentPlan,
         named_parameters: Mapping[str, torch.Tensor],
+        *,
+        boot: str = "boot",
     ) -> None:
         config.validate()
+        if not learner_id:
+            raise ValueError("a learner needs a non-empty id")
         self.learner_id = learner_id
+        self.boot = boot
         self.config = config
         self.plan = plan
+        self.phase = LearnerPhase.IDLE
+        self.session: Session | None = None
         self._uplink = get_codec(config.codec, block_size=config.block_size)
         self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
         self._tensors = [[named_parameters[n] for n in f.param_names] for f in plan.fragments]
@@ -78,21 +123,88 @@ class Learner:
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._counters = [_Counters() for _ in plan.fragments]
         self._seq = [0] * len(plan.fragments)
+        self._in_flight: dict[int, _InFlight] = {}
         self.step = 0
         self.step_time = MovingAverage()
-        self.waiting: set[int] = set()
-        """Fragments sent and not yet updated (only used when ``config.blocking``)."""
+        self._tokens_total = 0
+        self._heartbeat_due_s: float | None = None
+        self._join_retry_s: float | None = None
+        self._join_backoff_s = JOIN_BACKOFF_START_S
+        self.updates: Counter[UpdateResult] = Counter()
+        self.dropped = 0
+        """Contributions dropped because their session ended before they were delivered."""
+        self.failure: Fail | None = None
+
+    # ---- queries -------------------------------------------------------------------------
 
     @property
     def joined(self) -> bool:
+        """Holds a global state (it may be rejoining)."""
         return min(self.versions) >= 0
 
-    def can_step(self) -> bool:
-        """False while a blocking (synchronous) learner waits for the fragments it sent."""
-        return self.joined and not self.waiting
+    @property
+    def should_stop(self) -> bool:
+        return self.phase in (LearnerPhase.STOPPING, LearnerPhase.STOPPED, LearnerPhase.FAILED)
 
-    def adopt(self, state: GlobalState) -> None:
-        """Take the global value of every fragment: joining, rejoining or recovering from a gap."""
+    @property
+    def progress(self) -> Progress:
+        return Progress(self.boot, self._tokens_total, self.step)
+
+    def can_step(self, now: float) -> bool:
+        """May the training loop take its next inner step now?
+
+        Not before the first global state, not after the end, and not while it waits for
+        the update of a fragment it sent (synchronous DiLoCo; ``protocol.max_wait_s``).
+        """
+        if self.phase not in (LearnerPhase.TRAINING, LearnerPhase.JOINING) or not self.joined:
+            return False
+        return not self._waiting(now)
+
+    def is_current(self, request: Request | Send) -> bool:
+        """Was this request made in the learner's current session? (Older work is dropped.)"""
+        session = request.header.session if isinstance(request, Send) else getattr(request, "session", None)
+        return session is not None and session == self.session
+
+    def next_deadline(self) -> float | None:
+        """When ``tick`` has something to do: a heartbeat, a join retry, the end of a wait."""
+        times = [t for t in (self._heartbeat_due_s, self._join_retry_s) if t is not None]
+        if self.config.max_wait_s > 0 and not self.config.blocking:
+            times += [f.wait_from_s + self.config.max_wait_s for f in self._in_flight.values()
+                      if f.wait_from_s is not None]
+        return min(times) if times else None
+
+    def anchor(self, fragment: int) -> torch.Tensor:
+        """The global value this learner last adopted for ``fragment`` (do not modify)."""
+        return self._anchors[fragment]
+
+    # ---- joining -------------------------------------------------------------------------
+
+    def start(self, now: float) -> list[LearnerAction]:
+        if self.phase is not LearnerPhase.IDLE:
+            raise RuntimeError(f"learner already started ({self.phase})")
+        return self._join()
+
+    def _join(self) -> list[LearnerAction]:
+        self.phase = LearnerPhase.JOINING
+        self._heartbeat_due_s = None
+        self._join_retry_s = None
+        return [SendJoin(Join(self.learner_id, self.boot))]
+
+    def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False) -> list[LearnerAction]:
+        """The synchronizer registered us: adopt the global state it sent (a new session)."""
+        if state.session is None or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
+            return []
+        if self.session is not None and state.session <= self.session:
+            return []  # an answer to an older (duplicated or retried) join
+        self._adopt(state)
+        self.session = state.session
+        self._join_backoff_s = JOIN_BACKOFF_START_S
+        self._heartbeat_due_s = now + self.config.heartbeat_interval_s
+        if self.phase is LearnerPhase.JOINING:
+            self.phase = LearnerPhase.TRAINING
+        return self.on_stop(now) if stop else []
+
+    def _adopt(self, state: GlobalState) -> None:
         if len(state.fragments) != len(self._tensors):
             raise ValueError(f"state has {len(state.fragments)} fragments, expected {len(self._tensors)}")
         for frag in state.fragments:
@@ -104,82 +216,100 @@ class Learner:
             self._anchors[frag.fragment] = values.clone()
             self.versions[frag.fragment] = frag.version
         self._counters = [_Counters(first_step=self.step + 1) for _ in self._tensors]
-        self._seq = [0] * len(self._tensors)  # the synchronizer forgets our numbering on register
-        self.waiting.clear()
+        self._seq = [0] * len(self._tensors)
+        self._in_flight.clear()
 
-    def record_step(self, tokens: int, duration_s: float) -> list[Contribution]:
+    # ---- training ------------------------------------------------------------------------
+
+    def record_step(self, tokens: int, duration_s: float, now: float) -> list[Send]:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
-        return [d.encode() for d in self.record_step_unencoded(tokens, duration_s)]
-
-    def record_step_unencoded(self, tokens: int, duration_s: float) -> list[UnencodedContribution]:
-        """Like :meth:`record_step`, but leaves the compression to the caller.
-
-        Δ is taken now (the parameters move on with the next step); ``encode()`` may then
-        run on another thread, so a real learner never compresses inside its training loop.
-        """
-        if not self.joined:
-            raise RuntimeError("learner stepped before adopting the global state")
+        if not self.joined or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED, LearnerPhase.IDLE):
+            raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")
         self.step += 1
+        self._tokens_total += tokens
         self.step_time.add(duration_s)
         for c in self._counters:
             c.tokens += tokens
             c.steps += 1
             c.compute_s += duration_s
-        return [self._contribution(p) for p in self.plan.due(self.step)]
+        sends: list[Send] = []
+        if self.session is not None and self.phase is not LearnerPhase.JOINING:
+            # (while rejoining nothing is sent: these steps start from an anchor about to be replaced)
+            sends = [self._contribution(p) for p in self.plan.due(self.step)]
+        self._start_waits(now)
+        return sends
 
-    def _contribution(self, p: int) -> UnencodedContribution:
+    def _contribution(self, p: int) -> Send:
+        assert self.session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters = self._counters[p]
-        contribution = UnencodedContribution(
-            header=Contribution(
-                learner_id=self.learner_id,
-                fragment=p,
-                base_version=self.versions[p],
-                seq=self._seq[p],
-                tokens=counters.tokens,
-                steps=counters.steps,
-                compute_s=counters.compute_s,
-                step_time_s=self.step_time.get(),
-                codec=self._uplink.name,
-                payload=b"",
-                first_step=counters.first_step,
-            ),
-            delta=delta,
-            codec=self._uplink,
+        header = Contribution(
+            learner_id=self.learner_id,
+            session=self.session,
+            fragment=p,
+            base_version=self.versions[p],
+            seq=self._seq[p],
+            tokens=counters.tokens,
+            steps=counters.steps,
+            compute_s=counters.compute_s,
+            step_time_s=self.step_time.get(),
+            codec=self._uplink.name,
+            payload=b"",
+            first_step=counters.first_step,
+            progress=self.progress,
         )
         self._seq[p] += 1
         self._counters[p] = _Counters(first_step=self.step + 1)
-        if self.config.blocking:
-            self.waiting.add(p)
-        return contribution
+        if self.config.blocking or self.config.max_wait_s > 0:
+            self._in_flight[p] = _InFlight(sent_at_step=self.step)
+        return Send(header, delta, self._uplink)
 
-    def flush(self) -> list[Contribution]:
-        """End of training: send every fragment that has unsent steps, due or not."""
-        return [d.encode() for d in self.flush_unencoded()]
+    def _start_waits(self, now: float) -> None:
+        """Fragments sent τ steps ago (0 when blocking) without an update: start waiting for them."""
+        threshold = 0 if self.config.blocking else self.config.overlap
+        for p, flight in list(self._in_flight.items()):
+            if flight.wait_from_s is None and self.step - flight.sent_at_step >= threshold:
+                flight.wait_from_s = now
+            elif (flight.wait_from_s is not None and not self.config.blocking
+                  and now - flight.wait_from_s >= self.config.max_wait_s):
+                del self._in_flight[p]  # waited long enough: train on
 
-    def flush_unencoded(self) -> list[UnencodedContribution]:
-        """:meth:`flush` without the compression (see :meth:`record_step_unencoded`)."""
-        return [self._contribution(p) for p, c in enumerate(self._counters) if c.steps > 0]
+    def _waiting(self, now: float) -> bool:
+        for flight in self._in_flight.values():
+            if flight.wait_from_s is None:
+                continue
+            if self.config.blocking or now - flight.wait_from_s < self.config.max_wait_s:
+                return True
+        return False
 
-    def requeue(self, contribution: Contribution | UnencodedContribution) -> None:
-        """A contribution could not be delivered: fold its counters into the fragment's next one.
+    def close(self, now: float) -> list[LearnerAction]:
+        """End of training: send every fragment with unsent steps, due or not, then leave."""
+        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
+            return []
+        actions: list[LearnerAction] = []
+        if self.session is not None and self.phase is not LearnerPhase.JOINING:
+            actions += [self._contribution(p) for p, c in enumerate(self._counters) if c.steps > 0]
+            actions.append(SendLeave(Leave(self.learner_id, self.session, self.progress)))
+        self.phase = LearnerPhase.STOPPED
+        self._heartbeat_due_s = self._join_retry_s = None
+        return actions
 
-        Its Δ needs no keeping — the next Δ is measured from the same anchor and contains it.
-        """
-        if isinstance(contribution, UnencodedContribution):
-            contribution = contribution.header
-        counters = self._counters[contribution.fragment]
-        counters.tokens += contribution.tokens
-        counters.steps += contribution.steps
-        counters.compute_s += contribution.compute_s
-        counters.first_step = min(counters.first_step, contribution.first_step)
-        self.waiting.discard(contribution.fragment)
+    # ---- what comes back -----------------------------------------------------------------
 
-    def apply_update(self, update: FragmentUpdate) -> UpdateResult:
+    def on_update(self, update: FragmentUpdate, now: float) -> list[LearnerAction]:
         """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ."""
+        result = self._apply(update)
+        self.updates[result] += 1
+        if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING:
+            return self._join()  # missed a version: fetch the full state
+        return []
+
+    def _apply(self, update: FragmentUpdate) -> UpdateResult:
         p = update.fragment
         if not 0 <= p < len(self._tensors) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
+        if self.session is None or update.incarnation != self.session.incarnation:
+            return UpdateResult.IGNORED
         if update.version <= self.versions[p]:
             return UpdateResult.IGNORED
         if update.version != self.versions[p] + 1:
@@ -190,9 +320,78 @@ class Learner:
         alpha = self.config.alpha
         local = flatten(self._tensors[p])
         unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
-        self.waiting.discard(p)
+        self._in_flight.pop(p, None)
         return UpdateResult.APPLIED
 
-    def anchor(self, fragment: int) -> torch.Tensor:
-        """The global value this learner last adopted for ``fragment`` (do not modify)."""
-        return self._anchors[fragment]
+    def on_accepted(self, request: Request, now: float, *, stop: bool = False) -> list[LearnerAction]:
+        return self.on_stop(now) if stop else []
+
+    def on_refused(self, request: Request, reason: RejectReason, now: float) -> list[LearnerAction]:
+        """React to a refusal, by reason (the table is ``REJOIN_ON`` / ``FATAL``)."""
+        reason = RejectReason(reason)
+        if reason in FATAL:
+            self.phase = LearnerPhase.FAILED
+            self.failure = Fail(reason, f"the synchronizer refused {type(request).__name__}: {reason}")
+            return [self.failure]
+        if reason is RejectReason.FINISHED:
+            self.phase = LearnerPhase.STOPPED
+            self._heartbeat_due_s = self._join_retry_s = None
+            return []
+        if isinstance(request, Join):
+            self._join_retry_s = now + self._next_backoff()
+            return []
+        if not self.is_current(request):
+            return []  # about a session we already left
+        if isinstance(request, Contribution):
+            self._in_flight.pop(request.fragment, None)
+        if reason in REJOIN_ON and self.phase is LearnerPhase.TRAINING:
+            return self._join()
+        return []  # duplicate, or a contribution the synchronizer found unusable: dropped
+
+    def on_undelivered(self, request: Request, now: float) -> list[LearnerAction]:
+        """A call got no answer (synchronizer down, network): retry, fold or drop."""
+        if isinstance(request, Join):
+            if self.phase is LearnerPhase.JOINING:
+                self._join_retry_s = now + self._next_backoff()
+            return []
+        if isinstance(request, Contribution):
+            if self.is_current(request) and self.phase is not LearnerPhase.STOPPED:
+                self._requeue(request)
+            else:
+                self.dropped += 1  # measured from a state we no longer hold
+        return []  # heartbeats and leaves: the next heartbeat or the lease takes care of it
+
+    def _requeue(self, c: Contribution) -> None:
+        """Fold an undelivered contribution's counters into the fragment's next one.
+
+        Its Δ needs no keeping — the next Δ is measured from the same anchor and contains it.
+        """
+        counters = self._counters[c.fragment]
+        counters.tokens += c.tokens
+        counters.steps += c.steps
+        counters.compute_s += c.compute_s
+        counters.first_step = min(counters.first_step, c.first_step)
+        self._in_flight.pop(c.fragment, None)
+
+    def on_stop(self, now: float) -> list[LearnerAction]:
+        """The synchronizer says the budget is spent: the driver closes at the next step boundary."""
+        if self.phase in (LearnerPhase.TRAINING, LearnerPhase.JOINING, LearnerPhase.IDLE):
+            self.phase = LearnerPhase.STOPPING
+        return []
+
+    def tick(self, now: float) -> list[LearnerAction]:
+        """Time passed: heartbeat when due, retry a join when due."""
+        actions: list[LearnerAction] = []
+        if self._join_retry_s is not None and now >= self._join_retry_s and self.phase is LearnerPhase.JOINING:
+            actions += self._join()
+        if self._heartbeat_due_s is not None and now >= self._heartbeat_due_s and self.session is not None:
+            if self.phase in (LearnerPhase.TRAINING, LearnerPhase.STOPPING):
+                actions.append(SendHeartbeat(Heartbeat(self.learner_id, self.session, self.progress)))
+            interval = self.config.heartbeat_interval_s
+            self._heartbeat_due_s += interval * max(1, math.ceil((now - self._heartbeat_due_s) / interval))
+        return actions
+
+    def _next_backoff(self) -> float:
+        delay = self._join_backoff_s
+        self._join_backoff_s = min(JOIN_BACKOFF_MAX_S, delay * 2)
+        return delay

@@ -1,15 +1,133 @@
-"""What learners and the synchronizer say to each other, and what the core asks drivers to do.
+"""What learners and the synchronizer say to each other.
 
 Messages are small frozen dataclasses validated on construction, as in h11: a driver only
-moves them (over a virtual link or protobuf); it never interprets them.
+moves them (over a virtual link or protobuf, see ``runtime/wire.py``); it never interprets
+them. What each state machine asks its driver to do is in :mod:`ddiloco.core.actions`.
+
+Identity. A learner process is a *boot* (a fresh id every time the process starts); every
+registration at the synchronizer opens a *session* (a number the synchronizer hands out);
+the synchronizer itself runs as an *incarnation* (a fresh number every time it starts or
+restarts from a checkpoint). Contributions carry their session, updates and the global
+state carry their incarnation: that is how both sides recognise work measured from a state
+that is no longer current.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 import torch
+
+
+class RejectReason(enum.StrEnum):
+    """Why a message was refused: a stable code for status pages, metrics and the wire."""
+
+    MALFORMED = "malformed"
+    UNKNOWN_LEARNER = "unknown_learner"
+    """Not registered, or its lease expired: register again."""
+    SUPERSEDED = "superseded"
+    """Sent in an older session of a learner that has registered again since."""
+    UNKNOWN_FRAGMENT = "unknown_fragment"
+    BAD_CODEC = "bad_codec"
+    BAD_SIZE = "bad_size"
+    NON_FINITE = "non_finite"
+    NORM_BOUND = "norm_bound"
+    FUTURE_VERSION = "future_version"
+    """Measured from a version this synchronizer never produced (it restarted from a checkpoint)."""
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+    FINISHED = "finished"
+    """The run's budget is spent and its last merge done."""
+    # Decided at the wire, before a message reaches the core:
+    UNAUTHENTICATED = "unauthenticated"
+    BAD_PROTOCOL_VERSION = "bad_protocol_version"
+    CHUNK_ASSEMBLY = "chunk_assembly"
+    TOO_LARGE = "too_large"
+    LAYOUT_MISMATCH = "layout_mismatch"
+
+
+class Rejected(Exception):
+    """A message the synchronizer refuses (counted; global state untouched)."""
+
+    def __init__(self, reason: RejectReason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = RejectReason(reason)
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Session:
+    """One registration of a learner at one synchronizer incarnation.
+
+    Numbers are handed out in order within an incarnation; a synchronizer that restarts is a
+    new incarnation, so a session of the old one is recognised (and its learner told to
+    register again) whatever its number.
+    """
+
+    incarnation: int
+    number: int
+
+    def __post_init__(self) -> None:
+        if self.incarnation < 0 or self.number < 0:
+            raise ValueError(f"bad session {self.incarnation}/{self.number}")
+
+    def __str__(self) -> str:
+        return f"{self.incarnation}/{self.number}"
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Training a learner process has done since it booted (cumulative, so idempotent).
+
+    A message that is lost, duplicated or reordered cannot make the synchronizer count the
+    same tokens twice: it keeps the largest total it has seen per (learner, boot).
+    """
+
+    boot: str
+    tokens: int = 0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.boot:
+            raise ValueError("progress without boot id")
+        if self.tokens < 0 or self.steps < 0:
+            raise ValueError(f"negative progress: tokens={self.tokens} steps={self.steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Register (again): the synchronizer answers with the full global state."""
+
+    learner_id: str
+    boot: str
+
+    def __post_init__(self) -> None:
+        if not self.learner_id or not self.boot:
+            raise ValueError("join without learner id or boot id")
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Renews the lease of a session and reports progress."""
+
+    learner_id: str
+    session: Session
+    progress: Progress
+
+    def __post_init__(self) -> None:
+        if not self.learner_id:
+            raise ValueError("heartbeat without learner id")
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """A learner is done: the synchronizer stops waiting for it at once."""
+
+    learner_id: str
+    session: Session
+    progress: Progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,11 +135,13 @@ class Contribution:
     """One learner's compressed outer gradient Δ = anchor − θ for one fragment."""
 
     learner_id: str
+    session: Session
+    """The registration whose anchors Δ was measured from."""
     fragment: int
     base_version: int
     """Version of the global fragment value the anchor holds."""
     seq: int
-    """Per (learner, fragment) sequence number since registration; detects duplicates."""
+    """Per (session, fragment) sequence number; detects duplicates."""
     tokens: int
     steps: int
     compute_s: float
@@ -32,6 +152,8 @@ class Contribution:
     payload: bytes
     first_step: int = 0
     """Learner clock of the first inner step covered (lets drivers credit the steps when merged)."""
+    progress: Progress | None = None
+    """The learner's cumulative progress, reported on the way (the budget)."""
 
     def __post_init__(self) -> None:
         if not self.learner_id:
@@ -53,13 +175,14 @@ class FragmentUpdate:
     """A compressed outer update that moves fragment ``fragment`` from ``version-1`` to ``version``.
 
     The synchronizer's canonical value is the sum of dequantized updates, so a learner that
-    holds ``version-1`` reconstructs ``version`` bit for bit.
+    holds ``version-1`` *of the same incarnation* reconstructs ``version`` bit for bit.
     """
 
     fragment: int
     version: int
     codec: str
     payload: bytes
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         if self.fragment < 0 or self.version < 1:
@@ -80,79 +203,18 @@ class GlobalState:
     """Every fragment's current value and version: what a (re)joining learner adopts."""
 
     fragments: tuple[FragmentValue, ...]
+    incarnation: int = 0
+    session: Session | None = None
+    """The session this state opens for the learner that joined (None for a plain fetch)."""
 
     def versions(self) -> tuple[int, ...]:
         return tuple(f.version for f in self.fragments)
 
 
-# ---- actions the synchronizer returns to its driver -------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
-class Broadcast:
-    """Send ``update`` to every learner in ``recipients`` (the live ones when it was made)."""
-
-    update: FragmentUpdate
-    recipients: tuple[str, ...]
+class StopNotice:
+    """The run's budget is spent: flush what is unsent, leave, exit."""
 
 
-@dataclass(frozen=True, slots=True)
-class MergedContribution:
-    learner_id: str
-    seq: int
-    tokens: int
-    steps: int
-    compute_s: float
-    first_step: int
-    base_version: int
-
-
-@dataclass(frozen=True, slots=True)
-class RoundClosed:
-    """Record of one merge: who counted, why the round closed, what quorum was required."""
-
-    fragment: int
-    version: int
-    merged: tuple[MergedContribution, ...]
-    quorum_required: int
-    reason: str
-    """Why it closed: all-live, grace (window expired), no-grace (g = 0) or quorum (strict K)."""
-    grace_s: float
-    opened_at_s: float
-    closed_at_s: float
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.merged)
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseExpired:
-    learner_id: str
-    at_s: float
-
-
-Action = Broadcast | RoundClosed | LeaseExpired
-
-
-class Rejected(Exception):
-    """A message the synchronizer refuses; ``reason`` is a stable code for status and metrics."""
-
-    REASONS = (
-        "malformed",
-        "unknown_learner",
-        "unknown_fragment",
-        "bad_codec",
-        "bad_size",
-        "non_finite",
-        "norm_bound",
-        "future_version",
-        "stale",
-        "duplicate",
-    )
-
-    def __init__(self, reason: str, detail: str) -> None:
-        assert reason in self.REASONS, reason
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+Request = Join | Heartbeat | Contribution | Leave
+"""What a learner sends and the synchronizer answers (one reply each)."""

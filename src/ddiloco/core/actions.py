@@ -1,0 +1,213 @@
+"""What the two state machines ask their drivers to do, and the synchronizer's timer events.
+
+A driver (the virtual cluster, the gRPC runtime) feeds a machine events and carries out the
+actions it returns, nothing more: every protocol decision — who is refused and why, when
+a round closes, when to register again, when the run stops — is taken by the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddiloco.core.codecs import Codec
+from ddiloco.core.messages import (
+    Contribution,
+    FragmentUpdate,
+    GlobalState,
+    Heartbeat,
+    Join,
+    Leave,
+    RejectReason,
+    Request,
+)
+
+# ---- synchronizer: events that are not messages ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed: expire leases and grace windows due by now (see ``next_deadline``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncTimeObserved:
+    """The driver measured how long merging a round and handing it out took (grace window input)."""
+
+    seconds: float
+
+
+SyncEvent = Join | Heartbeat | Contribution | Leave | Tick | SyncTimeObserved
+
+# ---- synchronizer: actions ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Reply to a Join: the learner's new session and the full global state."""
+
+    learner_id: str
+    state: GlobalState
+    stop: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """Reply to a heartbeat, contribution or leave that the synchronizer took."""
+
+    learner_id: str
+    request: Request
+    stop: bool = False
+    """The budget is spent: the learner should flush and leave."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Reply to a request the synchronizer refused (counted; global state untouched)."""
+
+    learner_id: str
+    request: Request
+    reason: RejectReason
+    detail: str
+
+
+Reply = Admitted | Accepted | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    """Send ``update`` to every learner in ``recipients`` (the live ones when it was made)."""
+
+    update: FragmentUpdate
+    recipients: tuple[str, ...]
+
+
+class CloseReason(enum.StrEnum):
+    """Why a round closed."""
+
+    ALL_LIVE = "all-live"
+    """Every live learner contributed."""
+    GRACE = "grace"
+    """The grace window after the quorum ran out."""
+    NO_GRACE = "no-grace"
+    """Quorum reached and the measured slack left no grace window."""
+    QUORUM = "quorum"
+    """Strict quorum (synchronous DiLoCo): K contributions, merge at once."""
+    DRAIN = "drain"
+    """End of the run: whatever is pending, quorum or not."""
+
+
+@dataclass(frozen=True, slots=True)
+class MergedContribution:
+    learner_id: str
+    session: int
+    seq: int
+    tokens: int
+    steps: int
+    compute_s: float
+    first_step: int
+    base_version: int
+    arrived_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoundClosed:
+    """Record of one merge: who counted, why the round closed, what quorum was required."""
+
+    fragment: int
+    version: int
+    merged: tuple[MergedContribution, ...]
+    quorum_required: int
+    reason: CloseReason
+    grace_s: float
+    opened_at_s: float
+    closed_at_s: float
+    incarnation: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.merged)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired:
+    learner_id: str
+    at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StopLearners:
+    """The budget is spent: tell these learners to flush and leave."""
+
+    recipients: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The run is over: the last rounds are merged; drivers may shut down."""
+
+    at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Write this state durably (atomically); a restart resumes from the latest one."""
+
+    state: dict[str, Any]
+
+
+SyncAction = Reply | Broadcast | RoundClosed | LeaseExpired | StopLearners | Finished | Checkpoint
+
+# ---- learner: actions ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Upload a contribution whose Δ is taken but not yet compressed.
+
+    Δ is a copy taken at the step boundary (the parameters move on with the next step), so
+    ``encode()`` may run on another thread and a real learner never compresses inside its
+    training loop.
+    """
+
+    header: Contribution
+    """Every field of the contribution but its payload, which is empty."""
+    delta: torch.Tensor
+    codec: Codec
+
+    @property
+    def fragment(self) -> int:
+        return self.header.fragment
+
+    def encode(self) -> Contribution:
+        return dataclasses.replace(self.header, payload=self.codec.encode(self.delta))
+
+
+@dataclass(frozen=True, slots=True)
+class SendJoin:
+    message: Join
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeartbeat:
+    message: Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class SendLeave:
+    message: Leave
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """A refusal the learner cannot recover from (wrong token, another protocol): stop with an error."""
+
+    reason: RejectReason
+    detail: str
+
+
+LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail

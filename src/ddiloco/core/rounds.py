@@ -1,0 +1,130 @@
+"""One fragment on the synchronizer: its global value and the round collecting its next version.
+
+Per fragment p the synchronizer keeps the canonical global value Θ_p (fp32, the sum of the
+dequantized updates it has sent), the outer optimizer's momentum, the downlink
+quantization residual, the version V_p, and the round that will produce V_p + 1.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.core.codecs import Codec
+from ddiloco.core.merge import merge_mean, merge_rda, token_weights
+from ddiloco.core.messages import Contribution, FragmentUpdate, Session
+from ddiloco.core.outer import NesterovSGD
+
+
+class RoundPhase(enum.StrEnum):
+    IDLE = "idle"
+    """Nothing pending."""
+    COLLECTING = "collecting"
+    """Contributions pending, quorum not reached (or only late ones)."""
+    GRACE = "grace"
+    """Quorum reached: stragglers are admitted until the window's deadline."""
+
+
+PendingKey = tuple[str, Session]
+"""(learner id, session): a learner that registered again measures Δ from a new anchor, so
+its new contribution must not supersede what its previous session sent to the same round."""
+
+
+@dataclass(slots=True)
+class Pending:
+    contribution: Contribution
+    delta: torch.Tensor
+    arrived_s: float
+
+
+@dataclass(slots=True)
+class Round:
+    """Contributions pending for the next version of one fragment, and where the round stands."""
+
+    phase: RoundPhase = RoundPhase.IDLE
+    pending: dict[PendingKey, Pending] = field(default_factory=dict)
+    opened_at_s: float = 0.0
+    """First arrival (valid unless IDLE)."""
+    quorum_at_s: float = 0.0
+    """When the quorum was reached (valid in GRACE)."""
+    deadline_s: float = 0.0
+    """When the grace window closes the round (valid in GRACE)."""
+
+    def add(self, key: PendingKey, pending: Pending) -> None:
+        """Queue a contribution (replacing what the same learner and session sent before)."""
+        if self.phase is RoundPhase.IDLE:
+            self.phase = RoundPhase.COLLECTING
+            self.opened_at_s = pending.arrived_s
+        self.pending[key] = pending
+
+    def open_grace(self, now: float, length_s: float) -> None:
+        self.phase = RoundPhase.GRACE
+        self.quorum_at_s = now
+        self.deadline_s = now + length_s
+
+    def contributors(self) -> set[str]:
+        return {learner for learner, _ in self.pending}
+
+    def fresh_contributors(self, version: int) -> set[str]:
+        """Learners whose pending contribution was measured from the current version."""
+        return {learner for (learner, _), p in self.pending.items() if p.contribution.base_version == version}
+
+    def first_fresh_arrival_s(self, version: int) -> float:
+        return min(p.arrived_s for p in self.pending.values() if p.contribution.base_version == version)
+
+    @property
+    def grace_s(self) -> float:
+        return self.deadline_s - self.quorum_at_s if self.phase is RoundPhase.GRACE else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.contribution.tokens for p in self.pending.values())
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.phase = RoundPhase.IDLE
+        self.opened_at_s = self.quorum_at_s = self.deadline_s = 0.0
+
+
+@dataclass(slots=True)
+class GlobalFragment:
+    """Θ_p with its version and outer-optimizer state, and the round that will move it."""
+
+    value: torch.Tensor
+    is_embedding: bool
+    version: int = 0
+    momentum: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    round: Round = field(default_factory=Round)
+
+    def merge(self, pending: list[Pending], rule: str) -> torch.Tensor:
+        """Token-weighted merge of the pending Δs: RDA, or the plain mean for embeddings."""
+        contribs = [p.contribution for p in pending]
+        weights = token_weights([c.tokens for c in contribs], [c.steps for c in contribs])
+        deltas = [p.delta for p in pending]
+        use_rda = rule == "rda" and not self.is_embedding
+        return merge_rda(deltas, weights) if use_rda else merge_mean(deltas, weights)
+
+    def step(self, merged: torch.Tensor, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
+        """Apply the outer step to Θ and return the compressed update (error feedback kept).
+
+        ``plain``: a step of −lr·Δ without momentum — the last merge of a run has no later
+        step for Nesterov's look-ahead to pay off in.
+        """
+        if plain:
+            update = merged * -outer.lr
+        else:
+            update, self.momentum = outer.update(merged, self.momentum)
+        if self.residual is not None:
+            update = update + self.residual
+        payload = downlink.encode(update)
+        sent = downlink.decode(payload, update.numel())
+        self.residual = update - sent  # error feedback: what this update could not carry
+        self.value += sent
+        self.version += 1
+        return payload
+
+    def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int) -> FragmentUpdate:
+        return FragmentUpdate(index, self.version, codec.name, payload, incarnation)

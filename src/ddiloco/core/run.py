@@ -1,0 +1,138 @@
+"""The run around the protocol: its budget, its phases and when to checkpoint.
+
+Written once for every driver: the virtual cluster, the gRPC service and the launcher all
+learn from the synchronizer when the budget is spent, when learners must stop and when the
+run is over, instead of each keeping its own count.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddiloco.core.messages import Progress
+from ddiloco.errors import ConfigError
+
+
+class RunPhase(enum.StrEnum):
+    WAITING = "waiting"
+    """No learner has joined yet: the clock of a time budget has not started."""
+    RUNNING = "running"
+    STOPPING = "stopping"
+    """Budget spent: learners were told to flush and leave; the last rounds are pending."""
+    FINISHED = "finished"
+    """Everything merged; new joins are refused."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunLimits:
+    """When a run ends and how often the synchronizer's state is made durable."""
+
+    tokens: int = 0
+    """Stop once learners report this many trained tokens in all; 0 = no token budget."""
+    time_s: float = 0.0
+    """Stop this many seconds after the first join; 0 = no time budget."""
+    drain_timeout_s: float = 20.0
+    """After the stop, how long to wait for learners to flush and leave before the last merge."""
+    checkpoint_every_rounds: int = 0
+    """Checkpoint after this many merged rounds (0 = never by count)..."""
+    checkpoint_every_s: float = 0.0
+    """... or this many seconds after the previous checkpoint, if rounds were merged (0 = never)."""
+
+    def validate(self) -> None:
+        if self.tokens < 0 or self.time_s < 0 or self.checkpoint_every_rounds < 0 or self.checkpoint_every_s < 0:
+            raise ConfigError(f"run limits must be >= 0: {self}")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def checkpoints(self) -> bool:
+        return bool(self.checkpoint_every_rounds or self.checkpoint_every_s)
+
+
+@dataclass(slots=True)
+class RunState:
+    """Phase, reported progress and checkpoint schedule of one run (part of the checkpoint)."""
+
+    limits: RunLimits
+    phase: RunPhase = RunPhase.WAITING
+    started_at_s: float | None = None
+    stopped_at_s: float | None = None
+    progress: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    """Largest (tokens, steps) reported per (learner, boot)."""
+    earlier_elapsed_s: float = 0.0
+    """Seconds the run ran in previous incarnations (a time budget spans restarts)."""
+    rounds_since_checkpoint: int = 0
+    last_checkpoint_s: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(t for t, _ in self.progress.values())
+
+    def tokens_of(self, learner_id: str) -> int:
+        return sum(t for (name, _), (t, _) in self.progress.items() if name == learner_id)
+
+    def start(self, now: float) -> None:
+        if self.phase is RunPhase.WAITING:
+            self.phase = RunPhase.RUNNING
+            self.started_at_s = now - self.earlier_elapsed_s
+            self.last_checkpoint_s = now
+
+    def report(self, learner_id: str, progress: Progress | None) -> None:
+        if progress is None:
+            return
+        key = (learner_id, progress.boot)
+        tokens, steps = self.progress.get(key, (0, 0))
+        self.progress[key] = (max(tokens, progress.tokens), max(steps, progress.steps))
+
+    def budget_spent(self, now: float) -> bool:
+        if self.phase is not RunPhase.RUNNING:
+            return False
+        limits = self.limits
+        if limits.tokens and self.tokens >= limits.tokens:
+            return True
+        return bool(limits.time_s) and self.started_at_s is not None and now - self.started_at_s >= limits.time_s
+
+    def deadline(self) -> float | None:
+        """When the run's clock next needs the synchronizer's attention."""
+        if self.phase is RunPhase.RUNNING and self.limits.time_s and self.started_at_s is not None:
+            return self.started_at_s + self.limits.time_s
+        if self.phase is RunPhase.STOPPING and self.stopped_at_s is not None:
+            return self.stopped_at_s + self.limits.drain_timeout_s
+        return None
+
+    def drain_due(self, now: float, alive: int) -> bool:
+        return self.phase is RunPhase.STOPPING and (
+            alive == 0 or (self.stopped_at_s is not None and now >= self.stopped_at_s + self.limits.drain_timeout_s)
+        )
+
+    def checkpoint_due(self, now: float) -> bool:
+        limits = self.limits
+        if not limits.checkpoints or self.rounds_since_checkpoint == 0:
+            return False
+        if limits.checkpoint_every_rounds and self.rounds_since_checkpoint >= limits.checkpoint_every_rounds:
+            return True
+        last = self.last_checkpoint_s if self.last_checkpoint_s is not None else now
+        return bool(limits.checkpoint_every_s) and now - last >= limits.checkpoint_every_s
+
+    def elapsed_s(self, now: float) -> float:
+        return 0.0 if self.started_at_s is None else now - self.started_at_s
+
+    def state_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "phase": str(self.phase),
+            "elapsed_s": self.elapsed_s(now),
+            # Per (learner, boot): reports are cumulative, so after a restart the learners'
+            # next reports continue these totals instead of adding to them.
+            "progress": [[learner, boot, tokens, steps] for (learner, boot), (tokens, steps) in self.progress.items()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.phase = RunPhase(state["phase"])
+        if self.phase in (RunPhase.RUNNING, RunPhase.STOPPING):
+            self.phase = RunPhase.WAITING  # the clock goes on when learners come back
+        self.earlier_elapsed_s = float(state["elapsed_s"])
+        self.progress = {(str(a), str(b)): (int(t), int(s)) for a, b, t, s in state["progress"]}
+        self.started_at_s = self.stopped_at_s = None
+        self.rounds_since_checkpoint = 0
