@@ -29,11 +29,12 @@ import torch
 
 from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Contribution
+from ddiloco.core.actions import RoundClosed
+from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.learner_runtime import LearnerRuntime
-from ddiloco.runtime.service import reference_layout
+from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.workload import Workload
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
@@ -126,10 +127,11 @@ def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...]) -> No
           f"{last['applied']} updates applied")
 
 
-def _contribution(learner: str, fragment: int, numel: int, codec: str, seq: int, base_version: int) -> Contribution:
+def _contribution(learner: str, session: Session, fragment: int, numel: int, codec: str, seq: int,
+                  base_version: int) -> Contribution:
     payload = get_codec(codec).encode(torch.randn(numel) * 1e-3)
-    return Contribution(learner_id=learner, fragment=fragment, base_version=base_version, seq=seq, tokens=512,
-                        steps=1, compute_s=0.1, step_time_s=0.1, codec=codec, payload=payload)
+    return Contribution(learner_id=learner, session=session, fragment=fragment, base_version=base_version, seq=seq,
+                        tokens=512, steps=1, compute_s=0.1, step_time_s=0.1, codec=codec, payload=payload)
 
 
 def bench_upload(repeats: int) -> None:
@@ -137,24 +139,24 @@ def bench_upload(repeats: int) -> None:
     config = build_config(preset="tiny", overrides=overrides)
     frag = max(reference_layout(config, config.protocol).plan.fragments, key=lambda f: f.numel)
     with SyncProcess(overrides) as sync, SyncClient(sync.address) as client:
-        client.join("bench")
+        session = client.join(Join("bench", "bench")).state.session
         version = 0
         transport, accepted = [], []
         for i in range(repeats):
             # A base version from the future is refused after the whole upload is assembled,
             # before decoding: this times the transport alone.
-            c = _contribution("bench", frag.index, frag.numel, "fp32", 10_000 + i, version + 1)
+            c = _contribution("bench", session, frag.index, frag.numel, "fp32", 10_000 + i, version + 1)
             started = time.perf_counter()
             try:
                 client.contribute(c)
             except Refused as err:
                 assert err.reason == "future_version", err
             transport.append(time.perf_counter() - started)
-            c = _contribution("bench", frag.index, frag.numel, "fp32", i, version)
+            c = _contribution("bench", session, frag.index, frag.numel, "fp32", i, version)
             started = time.perf_counter()
-            reply = client.contribute(c)
+            client.contribute(c)
             accepted.append(time.perf_counter() - started)
-            version = reply.versions[frag.index]
+            version += 1  # the only live learner contributed: its round closed
         size = len(c.payload)
     t, a = min(transport), min(accepted)  # best of: interference only slows a run down
     print(f"[upload] fragment {frag.index}: {frag.numel / 1e6:.2f}M params, {size / 1e6:.1f} MB fp32 payload: "
@@ -174,15 +176,14 @@ def bench_merge(learners: int, repeats: int) -> None:
     for r in range(repeats):
         sync = Synchronizer(protocol, layout.initial_values, embedding_fragments=[])
         names = [f"l{m}" for m in range(learners)]
-        for name in names:
-            sync.register(name, 0.0)
+        sessions = [sync.handle(Join(name, name), 0.0)[0].state.session for name in names]
         started = time.perf_counter()
         for m, name in enumerate(names):
-            actions = sync.contribute(Contribution(learner_id=name, fragment=frag.index, base_version=0, seq=0,
-                                                   tokens=512, steps=1, compute_s=0.1, step_time_s=0.1,
-                                                   codec=codec, payload=payloads[m]), 1.0)
+            actions = sync.handle(Contribution(learner_id=name, session=sessions[m], fragment=frag.index,
+                                               base_version=0, seq=0, tokens=512, steps=1, compute_s=0.1,
+                                               step_time_s=0.1, codec=codec, payload=payloads[m]), 1.0)
         rounds.append(time.perf_counter() - started)
-        assert actions, "the round must close when every live learner contributed"
+        assert any(isinstance(a, RoundClosed) for a in actions), "the round closes when every live learner came"
         src = torch.randn(learners * frag.numel)
         dst = torch.empty_like(src)
         started = time.perf_counter()

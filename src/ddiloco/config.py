@@ -77,9 +77,17 @@ class ClusterConfig:
     """Link bandwidth between a learner and the synchronizer, bits per second."""
     latency_s: float = 0.01
     """One-way message latency."""
+    rpc_timeout_s: float = 5.0
+    """A call unanswered for this long (plus its transfer time) is reported undelivered (gRPC's deadline)."""
+    checkpoint_every_rounds: int = 20
+    """The synchronizer checkpoints after this many merged rounds (what a crash loses)..."""
+    checkpoint_every_s: float = 30.0
+    """... or this many virtual seconds after the previous checkpoint, whichever comes first."""
 
     def validate(self) -> None:
-        for key in ("step_time_s", "slow_factor", "bandwidth_bps"):
+        if self.checkpoint_every_rounds < 1:
+            raise ConfigError(f"cluster.checkpoint_every_rounds must be >= 1, got {self.checkpoint_every_rounds}")
+        for key in ("step_time_s", "slow_factor", "bandwidth_bps", "rpc_timeout_s", "checkpoint_every_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"cluster.{key} must be > 0, got {getattr(self, key)}")
         for key in ("jitter", "latency_s"):
@@ -87,6 +95,10 @@ class ClusterConfig:
                 raise ConfigError(f"cluster.{key} must be >= 0, got {getattr(self, key)}")
         if not 0.0 <= self.slow_fraction <= 1.0:
             raise ConfigError(f"cluster.slow_fraction must be in [0, 1], got {self.slow_fraction}")
+
+
+FAULT_RATES = ("loss", "duplicate", "reorder", "partition", "freeze", "sync_crash")
+"""Fault options that are probabilities (in [0, 1])."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,12 +115,37 @@ class FaultConfig:
     """Non-elastic data parallel: interval between checkpoints (progress since is lost)."""
     reconfigure_s: float = 5.0
     """Elastic data parallel: pause to reconfigure when a replica leaves or returns."""
+    # The adversary (Decoupled DiLoCo and synchronous DiLoCo on the virtual cluster; all off by
+    # default). Probabilities per message, or per learner (synchronizer) and virtual second.
+    loss: float = 0.0
+    """Probability that a message is lost (a lost request or reply fails the call after its deadline)."""
+    duplicate: float = 0.0
+    """Probability that a message is delivered twice."""
+    reorder: float = 0.0
+    """Probability that a message is held back by a delay spike, so later ones overtake it."""
+    reorder_delay_s: float = 2.0
+    """Longest delay spike (uniform in [0, this])."""
+    partition: float = 0.0
+    """Per learner and virtual second: probability that its link to the synchronizer is cut."""
+    partition_s: float = 15.0
+    """Mean length of a partition (uniform in [0.5, 1.5] times this)."""
+    freeze: float = 0.0
+    """Per learner and virtual second: probability that it freezes (alive but silent, as under SIGSTOP)."""
+    freeze_s: float = 15.0
+    """Mean length of a freeze; longer than the lease, the learner comes back holding a stale state."""
+    sync_crash: float = 0.0
+    """Per virtual second: probability that the synchronizer crashes (it restarts from its last checkpoint)."""
+    sync_downtime_s: float = 10.0
+    """Mean time the synchronizer stays down after a crash."""
 
     def validate(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value < 0:
                 raise ConfigError(f"faults.{f.name} must be >= 0, got {value}")
+        for key in FAULT_RATES:
+            if getattr(self, key) > 1:
+                raise ConfigError(f"faults.{key} is a probability: it must be in [0, 1], got {getattr(self, key)}")
         if self.checkpoint_interval_s <= 0:
             raise ConfigError(f"faults.checkpoint_interval_s must be > 0, got {self.checkpoint_interval_s}")
 

@@ -94,6 +94,7 @@ class InProcessSync:
         import threading
 
         from ddiloco.runtime.auth import Address
+        from ddiloco.runtime.server import SyncServer
         from ddiloco.runtime.service import SyncService
 
         self.service = SyncService(config, options, layout=layout)
@@ -101,10 +102,11 @@ class InProcessSync:
         started = threading.Event()
 
         async def main() -> None:
-            self.port = await self.service.start(listen or Address("127.0.0.1", 0), credentials)
+            self.server = SyncServer(self.service)
+            self.port = await self.server.start(listen or Address("127.0.0.1", 0), credentials)
             started.set()
-            await self.service.wait_closed()
-            await self.service.stop()
+            await self.server.closing.wait()
+            await self.server.stop()
 
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
         self.thread.start()
@@ -121,5 +123,5 @@ class InProcessSync:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.service.request_stop)
+        self.loop.call_soon_threadsafe(self.server.closing.set)
         self.thread.join(30)

@@ -12,7 +12,7 @@ import torch
 
 from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Contribution
+from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import AuthenticationError, client_metadata
 from ddiloco.runtime.client import Refused, SyncClient
@@ -30,13 +30,13 @@ def tiny(**overrides: object) -> object:
     return build_config(preset="tiny", overrides=sets)
 
 
-def make_contribution(sync: SyncService, learner: str, fragment: int, seq: int, *, payload: bytes | None = None,
-                      base_version: int = 0, codec: str = "int4") -> Contribution:
+def make_contribution(sync: SyncService, learner: str, session: Session, fragment: int, seq: int, *,
+                      payload: bytes | None = None, base_version: int = 0, codec: str = "int4") -> Contribution:
     numel = sync.layout.plan.fragments[min(fragment, len(sync.layout.plan.fragments) - 1)].numel
     if payload is None:
         payload = get_codec(codec).encode(torch.full((numel,), 1e-3))
-    return Contribution(learner_id=learner, fragment=fragment, base_version=base_version, seq=seq, tokens=256,
-                        steps=1, compute_s=0.01, step_time_s=0.01, codec=codec, payload=payload)
+    return Contribution(learner_id=learner, session=session, fragment=fragment, base_version=base_version, seq=seq,
+                        tokens=256, steps=1, compute_s=0.01, step_time_s=0.01, codec=codec, payload=payload)
 
 
 def refused(call) -> Refused:
@@ -49,7 +49,7 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
     s = inproc_sync(tiny(), ServiceOptions(token=TOKEN))
     sync = s.service
     client = SyncClient(f"127.0.0.1:{s.port}", token=TOKEN)
-    client.join("intruder")
+    session = client.join(Join("intruder", "boot")).state.session
     before = client.fetch_state()
     numel0 = sync.layout.plan.fragments[0].numel
     int4 = get_codec("int4")
@@ -58,13 +58,13 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
     huge_payload = int4.encode(torch.full((numel0,), 1e30))
 
     cases = {
-        "bad_size": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=good[:-1])),
-        "non_finite": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=nan_payload)),
-        "norm_bound": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, payload=huge_payload)),
-        "unknown_fragment": lambda: client.contribute(make_contribution(sync, "intruder", 99, 0)),
-        "bad_codec": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, codec="int8")),
-        "future_version": lambda: client.contribute(make_contribution(sync, "intruder", 0, 0, base_version=7)),
-        "unknown_learner": lambda: client.contribute(make_contribution(sync, "ghost", 0, 0)),
+        "bad_size": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, payload=good[:-1])),
+        "non_finite": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, payload=nan_payload)),
+        "norm_bound": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, payload=huge_payload)),
+        "unknown_fragment": lambda: client.contribute(make_contribution(sync, "intruder", session, 99, 0)),
+        "bad_codec": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, codec="int8")),
+        "future_version": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, base_version=7)),
+        "unknown_learner": lambda: client.contribute(make_contribution(sync, "ghost", session, 0, 0)),
         "too_large": lambda: client.contribute_chunks([pb.ContributionChunk(
             header=pb.ContributionHeader(learner_id="intruder", payload_bytes=10**9, codec="int4", steps=1))]),
         "chunk_assembly": lambda: client.contribute_chunks([
@@ -85,7 +85,7 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
 
     # Garbage where a protobuf message should be, on a raw channel.
     channel = grpc.insecure_channel(f"127.0.0.1:{s.port}")
-    raw = channel.unary_unary("/ddiloco.v1.Synchronizer/Heartbeat")
+    raw = channel.unary_unary("/ddiloco.v2.Synchronizer/Heartbeat")
     with pytest.raises(grpc.RpcError) as info:
         raw(b"\xff\xff\xff\xff\x0f", metadata=client_metadata(TOKEN), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -105,7 +105,7 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
         assert torch.equal(a.values, b.values)
 
     # A valid contribution goes through; the same one again is a duplicate.
-    ok = make_contribution(sync, "intruder", 0, 0)
+    ok = make_contribution(sync, "intruder", session, 0, 0)
     client.contribute(ok)
     assert refused(lambda: client.contribute(ok)).reason == "duplicate"
 
@@ -186,10 +186,10 @@ def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync,
 def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync):
     s = inproc_sync(tiny())
     with SyncClient(f"127.0.0.1:{s.port}") as client:
-        joined = client.join("learner-0")
+        session = client.join(Join("learner-0", "boot")).state.session
         for seq in range(2):
-            client.contribute(make_contribution(s.service, "learner-0", 0, seq, base_version=seq))
-        stream = client.updates("learner-0", [0, 0, 0], joined.header.instance_id)
+            client.contribute(make_contribution(s.service, "learner-0", session, 0, seq, base_version=seq))
+        stream = client.updates("learner-0", [0, 0, 0], session)
         received = []
         for update in stream:
             received.append((update.fragment, update.version))
@@ -198,7 +198,7 @@ def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync
         assert received == [(0, 1), (0, 2)]
         # A learner from another incarnation of the synchronizer must join again first.
         with pytest.raises(Refused) as info:
-            list(client.updates("learner-0", [0, 0, 0], "another-instance"))
+            list(client.updates("learner-0", [0, 0, 0], Session(session.incarnation + 1, session.number)))
         assert info.value.reason == "unknown_learner"
 
 
@@ -209,8 +209,8 @@ def test_status_command_prints_the_documented_json(inproc_sync, capsys):
 
     s = inproc_sync(tiny())
     with SyncClient(f"127.0.0.1:{s.port}") as client:
-        client.join("learner-0")
-        client.contribute(make_contribution(s.service, "learner-0", 1, 0))
+        session = client.join(Join("learner-0", "boot")).state.session
+        client.contribute(make_contribution(s.service, "learner-0", session, 1, 0))
     assert cli.main(["status", f"127.0.0.1:{s.port}", "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert {"learners", "fragments", "bytes_up", "bytes_down", "uptime"} <= set(status)
@@ -249,7 +249,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
                       credentials=server_credentials(str(cert), str(key)))
     try:
         with SyncClient(f"127.0.0.1:{s.port}", tls_ca=str(cert)) as client:
-            assert client.join("learner-0").header.learner_index == 0
+            assert client.join(Join("learner-0", "boot")).header.learner_index == 0
         with SyncClient(f"127.0.0.1:{s.port}") as plaintext, pytest.raises(Exception):
             plaintext.status(timeout_s=3)
     finally:
@@ -260,7 +260,7 @@ def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
     from runtime_helpers import InProcessSync
 
     from ddiloco.runtime.learner_runtime import save_initial_state
-    from ddiloco.runtime.service import layout_from_file
+    from ddiloco.runtime.layout import layout_from_file
 
     torch.manual_seed(0)
 

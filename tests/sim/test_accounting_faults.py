@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.core.messages import MergedContribution, RoundClosed
+from ddiloco.core.actions import CloseReason, MergedContribution, RoundClosed
+from ddiloco.core.messages import Session
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.invariants import InvariantChecker, InvariantViolation
@@ -38,28 +39,56 @@ def test_goodput_counts_credited_compute_and_uptime_the_covered_time():
         acc.add_step(1, 5, 0.0, 1.0)
 
 
-def _round(fragment, version, learners, quorum, reason="grace"):
-    merged = tuple(MergedContribution(name, 0, 10, 1, 1.0, 1, version - 1) for name in learners)
-    return RoundClosed(fragment, version, merged, quorum, reason, 0.0, 0.0, 0.0)
+def _round(fragment, version, learners, quorum, reason=CloseReason.GRACE, base=None, seq=0, incarnation=1):
+    base = version - 1 if base is None else base
+    merged = tuple(MergedContribution(name, 1, seq, 10, 1, 1.0, 1, base, 0.0) for name in learners)
+    return RoundClosed(fragment, version, merged, quorum, reason, 0.0, 0.0, 0.0, incarnation)
 
 
-class _FakeSync:
-    def value(self, fragment):
-        return torch.zeros(3)
+def _checker(seed=0):
+    c = InvariantChecker(seed=seed, staleness_max=2, initial_values=[torch.zeros(4), torch.zeros(4)])
+    c.on_start(1, [torch.zeros(4), torch.zeros(4)], [0, 0], None)
+    return c
 
-    def pending_tokens(self):
-        return 0
+
+class _Holder:
+    """Just what on_anchor reads of a learner core."""
+
+    def __init__(self, version, anchor):
+        self.learner_id = "a"
+        self.session = Session(1, 1)
+        self.versions = [version, version]
+        self._anchor = anchor
+
+    def anchor(self, fragment):
+        return self._anchor
 
 
 def test_invariant_checker_catches_a_merge_below_quorum_and_a_skipped_version():
-    checker = InvariantChecker(seed=7)
-    checker.on_round(_round(0, 1, ["a", "b"], quorum=2), _FakeSync())
+    checker = _checker(seed=7)
+    checker.on_round(_round(0, 1, ["a", "b"], quorum=2), torch.zeros(4))
     with pytest.raises(InvariantViolation, match="quorum.*seed 7"):
-        checker.on_round(_round(0, 2, ["a"], quorum=2), _FakeSync())
+        checker.on_round(_round(0, 2, ["a"], quorum=2, seq=1), torch.zeros(4))
     with pytest.raises(InvariantViolation, match="version 3 after 0"):
-        InvariantChecker(seed=0).on_round(_round(0, 3, ["a"], quorum=1), _FakeSync())
-    checker2 = InvariantChecker(seed=0)
-    checker2.on_round(_round(1, 1, ["a"], quorum=1), _FakeSync())
-    checker2.on_anchor("a", 1, 1, torch.zeros(3))  # matches the global value
+        _checker().on_round(_round(0, 3, ["a"], quorum=1), torch.zeros(4))
+    checker2 = _checker()
+    checker2.on_round(_round(1, 1, ["a"], quorum=1), torch.ones(4))
+    checker2.on_anchor(_Holder(1, torch.ones(4)), 1)  # matches the global value
     with pytest.raises(InvariantViolation, match="differs"):
-        checker2.on_anchor("a", 1, 1, torch.ones(3))
+        checker2.on_anchor(_Holder(1, torch.full((4,), 2.0)), 1)
+    with pytest.raises(InvariantViolation, match="never produced"):
+        checker2.on_anchor(_Holder(5, torch.ones(4)), 1)
+
+
+def test_invariant_checker_catches_double_merges_stale_merges_and_a_restart_past_its_checkpoint():
+    checker = _checker()
+    checker.on_round(_round(0, 1, ["a"], quorum=1), torch.zeros(4))
+    with pytest.raises(InvariantViolation, match="merged twice"):
+        checker.on_round(_round(0, 2, ["a"], quorum=1), torch.zeros(4))  # same (learner, session, seq)
+    stale = _checker()
+    for v in range(1, 4):
+        stale.on_round(_round(0, v, ["a"], quorum=1, seq=v), torch.zeros(4))
+    with pytest.raises(InvariantViolation, match="staleness"):
+        stale.on_round(_round(0, 4, ["b"], quorum=1, base=0), torch.zeros(4))  # 3 behind > 2
+    with pytest.raises(InvariantViolation, match="checkpoint knew"):
+        _checker().on_start(2, [torch.zeros(4), torch.zeros(4)], [3, 1], [2, 1])

@@ -111,8 +111,11 @@ def test_counted_bytes_are_exactly_the_messages_the_schedule_sends(clean_run):
         for f in plan.fragments:
             regular, flush = _due(steps, f.offset, plan.period)
             assert run.recorder.bytes.counts[(lr.name, f.index, "up")] == (regular + flush) * size[f.index]
-            # No failures: every learner is alive for every round and receives every version.
-            assert run.recorder.bytes.counts[(lr.name, f.index, "down")] == versions[f.index] * size[f.index]
+            # No failures: every learner is sent every version made while it is registered, each
+            # exactly once (the last may still be on the wire when the run ends); only the last
+            # rounds, merged after it flushed and left, are not sent to it.
+            sent, rest = divmod(run.recorder.bytes.counts[(lr.name, f.index, "down")], size[f.index])
+            assert rest == 0 and versions[f.index] - 2 <= lr.core.versions[f.index] <= sent <= versions[f.index]
 
 
 def test_model_rate_is_the_codec_bytes_of_one_period(clean_run):

@@ -23,6 +23,7 @@ from ddiloco.config import Config, apply_section
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import SyncClient
+from ddiloco.core.messages import Join
 from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
 from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.workload.corpus import BatchSampler
@@ -94,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         # Probe first (no lease yet): building the workload may take longer than a lease.
         client = SyncClient(address, token=load_token(args.token_file), tls_ca=args.tls_ca)
-        probe = join_with_backoff(client, args.id, timeout_s=args.join_timeout, probe=True)
+        probe = join_with_backoff(client, Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
+        if probe.header.finished:
+            log.info("the run is already finished")
+            return 0
         box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
     else:
         box = [None, None]
@@ -136,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
             steps += 1
             if rank == 0 and steps % 50 == 0:
                 st = runtime.stats
-                log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  requeued %d  "
+                log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
                          "unreachable %d", steps, loss, runtime.versions, st.contributions_sent, st.updates_applied,
-                         runtime.backlog, st.requeued, st.unreachable)
+                         runtime.backlog, st.contributions_dropped, st.unreachable)
     finally:
-        runtime.close(flush=runtime._fatal is None)  # noqa: SLF001
+        runtime.close()
     elapsed = time.perf_counter() - started
     if rank == 0:
         s = runtime.stats

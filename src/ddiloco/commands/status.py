@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_status(s: dict) -> None:
     out = Console()
-    state = "finished" if s["finished"] else "running"
+    state = s["phase"]
     budget = f" of {s['token_budget']:,}" if s["token_budget"] else ""
     out.print(f"[bold]synchronizer[/bold] {s['instance_id'][:8]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
               f"tokens {s['tokens']:,}{budget}  goodput {s['goodput']:.1%}  "

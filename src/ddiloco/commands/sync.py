@@ -12,7 +12,9 @@ from pathlib import Path
 
 from ddiloco.commands.options import add_workload_options, config_from_args
 from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
-from ddiloco.runtime.service import ServiceOptions, SyncService, layout_from_file, serve
+from ddiloco.runtime.layout import layout_from_file
+from ddiloco.runtime.server import serve
+from ddiloco.runtime.service import ServiceOptions, SyncService
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 

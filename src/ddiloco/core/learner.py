@@ -194,7 +194,7 @@ class Learner:
         """The synchronizer registered us: adopt the global state it sent (a new session)."""
         if state.session is None or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
-        if self.session is not None and state.session <= self.session:
+        if self.phase is not LearnerPhase.JOINING and not self._newer_session(state.session):
             return []  # an answer to an older (duplicated or retried) join
         self._adopt(state)
         self.session = state.session
@@ -203,6 +203,11 @@ class Learner:
         if self.phase is LearnerPhase.JOINING:
             self.phase = LearnerPhase.TRAINING
         return self.on_stop(now) if stop else []
+
+    def _newer_session(self, session: Session) -> bool:
+        """A later registration at the same synchronizer incarnation (incarnations have no order)."""
+        held = self.session
+        return held is None or (session.incarnation == held.incarnation and session.number > held.number)
 
     def _adopt(self, state: GlobalState) -> None:
         if len(state.fragments) != len(self._tensors):

@@ -57,13 +57,14 @@ class Rejected(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True)
 class Session:
     """One registration of a learner at one synchronizer incarnation.
 
     Numbers are handed out in order within an incarnation; a synchronizer that restarts is a
     new incarnation, so a session of the old one is recognised (and its learner told to
-    register again) whatever its number.
+    register again) whatever its number. Incarnations are ids, not counters: they have no
+    order (a restarted process draws a fresh random one).
     """
 
     incarnation: int

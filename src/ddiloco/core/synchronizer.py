@@ -51,6 +51,7 @@ from ddiloco.core.messages import (
     RejectReason,
     Rejected,
     Request,
+    Session,
 )
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Registry
@@ -90,6 +91,8 @@ class SyncStatus:
     token_budget: int
     pending_tokens: int
     longest_pause_s: float
+    started_at_s: float | None
+    """When the run's first learner joined (this incarnation's clock), None before."""
 
 
 class Synchronizer:
@@ -162,6 +165,14 @@ class Synchronizer:
         """The grace window a round reaching its quorum now would get."""
         return self._grace.length_s(self._registry.fastest_step_s())
 
+    def holds_session(self, learner_id: str, session: Session) -> bool:
+        """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
+        try:
+            self._registry.check(learner_id, session)
+        except Rejected:
+            return False
+        return True
+
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
         times = [f.round.deadline_s for f in self._fragments if f.round.phase is RoundPhase.GRACE]
@@ -193,6 +204,7 @@ class Synchronizer:
             token_budget=run.limits.tokens,
             pending_tokens=self.pending_tokens(),
             longest_pause_s=self._longest_pause_s,
+            started_at_s=run.started_at_s,
         )
 
     # ---- the one entry point ---------------------------------------------------------------
@@ -371,7 +383,7 @@ class Synchronizer:
     def _close(self, index: int, now: float, reason: CloseReason) -> list[SyncAction]:
         frag = self._fragments[index]
         rnd = frag.round
-        entries = [rnd.pending[key] for key in sorted(rnd.pending)]
+        entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         merged = frag.merge(entries, self.config.merge)
         payload = frag.step(merged, self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         record = RoundClosed(

@@ -23,8 +23,8 @@ TOKEN_ENV = "DDILOCO_TOKEN"
 AUTH_HEADER = "authorization"
 PROTOCOL_HEADER = "ddiloco-protocol"
 REASON_HEADER = "ddiloco-reason"
-PROTOCOL_VERSION = 1
-"""Major version of the wire protocol (the ``ddiloco.v1`` package of the schema)."""
+PROTOCOL_VERSION = 2
+"""Major version of the wire protocol (the ``ddiloco.v2`` package of the schema)."""
 
 
 class AuthenticationError(DdilocoError):

@@ -25,7 +25,7 @@ from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize, write_config
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
-from ddiloco.runtime.service import reference_layout
+from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.workload import Workload, weights_sha256
 
 POLL_S = 0.25

@@ -9,22 +9,13 @@ after every inner step::
         runtime.step(tokens=x.numel())
     runtime.close()
 
-The protocol is the core's :class:`~ddiloco.core.learner.Learner`; this module only moves
-its messages. ``step`` never waits for the network: it takes the outer gradients that
-fell due (a memory copy), hands them to a background thread that compresses and uploads
-them, and applies the global updates that arrived meanwhile (between two steps, as the
-algorithm wants). Three background threads do the talking:
-
-- *sender*: compresses and uploads contributions; one it cannot deliver goes back to the
-  training thread, which folds it into the fragment's next contribution (``requeue``);
-- *receiver*: holds the stream of updates the synchronizer pushes, resubscribing (with the
-  versions held, so recent updates are replayed) whenever it breaks;
-- *control*: renews the lease with heartbeats and (re)joins — after a lease expiry, a
-  missed version or a synchronizer restart — downloading the full state, which the
-  training thread adopts at its next step.
-
-A synchronizer that cannot be reached is retried with exponential backoff while training
-goes on; a refused auth token is permanent and raised from the next ``step``.
+The protocol is the core's :class:`~ddiloco.core.learner.Learner`; this module feeds it the
+training loop's steps and carries out its actions through
+:class:`~ddiloco.runtime.learner_link.LearnerLink` (background threads that compress,
+upload, heartbeat, rejoin and receive). ``step`` never waits for the network: it takes the
+outer gradients that fell due (a memory copy), hands them to the sender thread, and applies
+the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
+waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``.
 
 Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runtime is
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
@@ -34,14 +25,13 @@ user's to all-reduce (``DistributedDataParallel``), so all ranks keep identical 
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import queue
-import random
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,66 +40,36 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from ddiloco.core.actions import SendJoin
 from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import Fragment, FragmentPlan
-from ddiloco.core.learner import Learner, UpdateResult
+from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.messages import Join, RejectReason
 from ddiloco.errors import ConfigError, DdilocoError
-from ddiloco.runtime.auth import AuthenticationError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
-from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
+from ddiloco.runtime.learner_link import BACKOFF_START_S, Inbox, LearnerLink, next_delay
 
 log = logging.getLogger("ddiloco.learner")
 
-BACKOFF_START_S = 0.2
-BACKOFF_MAX_S = 2.0
-_STOP = object()
+__all__ = ["LayoutMismatch", "LearnerRuntime", "RuntimeStats", "join_with_backoff", "save_initial_state"]
 
 
-class LayoutMismatch(ConfigError):
-    """The wrapped model does not have the parameters the synchronizer serves."""
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RuntimeStats:
-    """What the runtime did, for logs, tests and benchmarks."""
+    """What the runtime did so far, for logs, tests and benchmarks."""
 
-    steps: int = 0
-    contributions_sent: int = 0
-    contributions_dropped: int = 0
-    requeued: int = 0
-    rejected: collections.Counter = field(default_factory=collections.Counter)
-    updates_applied: int = 0
-    updates_ignored: int = 0
-    gaps: int = 0
-    joins: int = 0
-    unreachable: int = 0
-    bytes_up: int = 0
-    step_overhead_s: float = 0.0
+    steps: int
+    contributions_sent: int
+    contributions_dropped: int
+    rejected: dict[str, int]
+    updates_applied: int
+    updates_ignored: int
+    gaps: int
+    joins: int
+    unreachable: int
+    bytes_up: int
+    step_overhead_s: float
     """Seconds spent inside ``step`` (the runtime's whole cost to the training loop)."""
-
-
-def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> FragmentPlan:
-    """The synchronizer's fragment plan, checked against the model's parameters."""
-    served: set[str] = set()
-    fragments = []
-    for f in header.fragments:
-        names = []
-        for p in f.params:
-            if p.name not in params:
-                raise LayoutMismatch(f"the synchronizer serves parameter {p.name!r}, which this model lacks "
-                                     "(start learner and synchronizer with the same model options)")
-            shape = tuple(params[p.name].shape)
-            if shape != tuple(p.shape):
-                raise LayoutMismatch(f"parameter {p.name!r} has shape {shape} here, {tuple(p.shape)} at the "
-                                     "synchronizer (start both with the same model options)")
-            names.append(p.name)
-            served.add(p.name)
-        fragments.append(Fragment(index=f.index, param_names=tuple(names), numel=f.numel, offset=f.offset,
-                                  is_embedding=f.is_embedding))
-    extra = sorted(set(params) - served)
-    if extra:
-        raise LayoutMismatch(f"parameters {extra[:3]} are not served by the synchronizer (another model?)")
-    return FragmentPlan(fragments=tuple(fragments), period=header.period)
 
 
 def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list[str] | None = None) -> None:
@@ -125,24 +85,20 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     save_file(tensors, str(path), metadata={"embedding_names": json.dumps(embedding_names)})
 
 
-def join_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float | None = None,
+def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None = None,
                       probe: bool = False) -> JoinResult:
     """Join (or ``probe``), retrying while the synchronizer is unreachable (forever unless ``timeout_s``)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     delay = BACKOFF_START_S
     while True:
         try:
-            return client.join(learner_id, probe=probe)
+            return client.join(join, probe=probe)
         except Unreachable as err:
             if deadline is not None and time.monotonic() + delay > deadline:
                 raise DdilocoError(f"synchronizer at {client.address} unreachable: {err}") from None
             log.info("synchronizer at %s unreachable; retrying in %.1fs", client.address, delay)
             time.sleep(delay)
-            delay = _next_delay(delay)
-
-
-def _next_delay(delay: float) -> float:
-    return min(BACKOFF_MAX_S, delay * 2) * random.uniform(0.8, 1.2)
+            delay = next_delay(delay)
 
 
 class LearnerRuntime:
@@ -156,79 +112,63 @@ class LearnerRuntime:
         *,
         token: str | None = None,
         tls_ca: str | None = None,
-        join: JoinResult | None = None,
         join_timeout_s: float | None = None,
     ) -> None:
         if not learner_id:
             raise ConfigError("a learner needs a non-empty id")
         self.model = model
         self.learner_id = learner_id
-        self.stats = RuntimeStats()
+        self.boot = uuid.uuid4().hex[:12]
         self._params = dict(model.named_parameters())
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
         self.is_leader = self.rank == 0
-        self._stop_flag = threading.Event()
-        self._closing = threading.Event()
-        self._fatal: BaseException | None = None
+        self._lock = threading.RLock()
         self._last_step_end = time.perf_counter()
+        self._steps = 0
+        self._overhead_s = 0.0
+        self._closed = False
+        self._finished_before_start = False
         self.core: Learner | None = None
-        self.plan: FragmentPlan | None = None
-        self.instance_id = ""
-        self.header: pb.JoinHeader | None = None
+        self.link: LearnerLink | None = None
+        self.plan = None
         if self.is_leader:
             if connect is None:
                 raise ConfigError("the leading rank needs a synchronizer address")
             self.client = connect if isinstance(connect, SyncClient) else SyncClient(connect, token=token, tls_ca=tls_ca)
-            if join is None:
-                join = join_with_backoff(self.client, learner_id, timeout_s=join_timeout_s)
-            self._setup(join)
+            self._setup(join_timeout_s)
         if self.world > 1:
             self._share_layout()
 
     # ---- setup -----------------------------------------------------------------------------
 
-    def _setup(self, join: JoinResult) -> None:
-        self.header = join.header
-        self.instance_id = join.header.instance_id
-        protocol = ProtocolConfig(**join.protocol)
-        self.protocol = protocol
-        self.plan = plan_from_layout(join.header, self._params)
-        self.core = Learner(self.learner_id, protocol, self.plan, self._params)
-        self.stats.joins += 1
-        self._outbox: queue.Queue = queue.Queue()
-        self._inbox: queue.Queue = queue.Queue()
-        self._send_lock = threading.Lock()
-        self._join_needed = threading.Event()
-        self._resubscribe = threading.Event()
-        """Set after a (re)join: the receiver stops backing off and subscribes at once."""
-        self._join_epoch = 0
-        self._adopted_epoch = 0
-        self._adopted_instance = join.header.instance_id
-        self._published_versions: list[int] = list(join.header.versions)
-        self._progress_lock = threading.Lock()
-        self._unreported_tokens = 0
-        self._unreported_steps = 0
-        self._stream = None
-        self.heartbeat_s = protocol.heartbeat_interval_s
-        if join.header.finished:
-            self._stop_flag.set()
+    def _setup(self, join_timeout_s: float | None) -> None:
+        join = Join(self.learner_id, self.boot)
+        try:
+            result = join_with_backoff(self.client, join, timeout_s=join_timeout_s)
+        except Refused as err:
+            if err.reason != RejectReason.FINISHED:
+                raise DdilocoError(f"the synchronizer at {self.client.address} refused to admit "
+                                   f"{self.learner_id!r}: {err.detail}") from None
+            self._finished_before_start = True
             return
-        self.core.adopt(join.state)
-        self._published_versions = list(self.core.versions)
-        self._threads = [
-            threading.Thread(target=self._sender, name=f"ddiloco-send-{self.learner_id}", daemon=True),
-            threading.Thread(target=self._receiver, name=f"ddiloco-recv-{self.learner_id}", daemon=True),
-            threading.Thread(target=self._control, name=f"ddiloco-ctl-{self.learner_id}", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self.plan = plan_from_layout(result.header, self._params)
+        protocol = ProtocolConfig(**result.protocol)
+        self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot)
+        now = time.monotonic()
+        (first,) = core.start(now)
+        assert isinstance(first, SendJoin)  # carried out above: the join also told us the layout
+        actions = core.on_admitted(result.state, now, stop=result.header.stop)
+        self.link = LearnerLink(core, self.client, self._lock)
+        self.link.stats.joins += 1
+        self.link.start(result.state.session)
+        self.link.dispatch(actions)
 
     def _share_layout(self) -> None:
         """Rank 0 tells the other ranks the fragments, then everyone takes rank 0's weights."""
         box = [[f.param_names for f in self.plan.fragments] if self.plan is not None else None,
-               self._stop_flag.is_set()]
+               self._leader_should_stop()]
         dist.broadcast_object_list(box, src=0)
-        self._fragment_names = box[0]
+        self._fragment_names = box[0] or []
         self._stop_agreed = bool(box[1])
         with torch.no_grad():
             for names in self._fragment_names:
@@ -239,79 +179,100 @@ class LearnerRuntime:
 
     @property
     def should_stop(self) -> bool:
-        """True once the synchronizer says the run's budget is spent.
+        """True once the synchronizer says the run's budget is spent (or the run failed).
 
         Under torchrun every rank sees the value rank 0 broadcast at the last ``step``, so
         all ranks leave their loop after the same step.
         """
-        return self._stop_agreed if self.world > 1 else self._stop_flag.is_set()
+        if self.world > 1:
+            return self._stop_agreed
+        return self._leader_should_stop()
+
+    def _leader_should_stop(self) -> bool:
+        if self._finished_before_start:
+            return True
+        return self.core is not None and self.core.should_stop
 
     @property
     def backlog(self) -> int:
         """Contributions waiting for the sender thread."""
-        return self._outbox.qsize() if self.core is not None else 0
+        return self.link.backlog if self.link is not None else 0
 
     @property
     def versions(self) -> list[int]:
         return list(self.core.versions) if self.core is not None else []
 
+    @property
+    def stats(self) -> RuntimeStats:
+        link, core = self.link, self.core
+        updates = core.updates if core is not None else {}
+        return RuntimeStats(
+            steps=self._steps,
+            contributions_sent=link.stats.contributions_sent if link else 0,
+            contributions_dropped=core.dropped if core else 0,
+            rejected=dict(link.stats.rejected) if link else {},
+            updates_applied=updates.get(UpdateResult.APPLIED, 0),
+            updates_ignored=updates.get(UpdateResult.IGNORED, 0),
+            gaps=updates.get(UpdateResult.GAP, 0),
+            joins=link.stats.joins if link else 0,
+            unreachable=link.stats.unreachable if link else 0,
+            bytes_up=link.stats.bytes_up if link else 0,
+            step_overhead_s=self._overhead_s,
+        )
+
     def step(self, tokens: int, duration_s: float | None = None) -> None:
         """Account one finished inner step of ``tokens`` tokens (this rank's batch).
 
         ``duration_s`` defaults to the time since the previous call (the step time the
-        synchronizer uses to size its grace window). Never waits for the network (except
-        in synchronous DiLoCo mode, whose learners wait for their fragments by design).
+        synchronizer uses to size its grace window). Never waits for the network unless the
+        core says the learner must wait (synchronous DiLoCo, ``protocol.max_wait_s``).
         """
         entered = time.perf_counter()
         if duration_s is None:
             duration_s = entered - self._last_step_end
         changed: set[int] = set()
-        if self.is_leader and self.core is not None:
-            if self._fatal is not None:
-                raise self._fatal
-            self.stats.steps += 1
-            if self.core.joined:
-                for due in self.core.record_step_unencoded(tokens * self.world, duration_s):
-                    self._outbox.put((self._adopted_epoch, due))
-            with self._progress_lock:
-                self._unreported_tokens += tokens * self.world
-                self._unreported_steps += 1
+        core, link = self.core, self.link
+        if self.is_leader and core is not None and link is not None:
+            self._raise_if_failed()
+            self._steps += 1
+            if core.joined and core.phase not in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
+                with self._lock:
+                    actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
+                link.dispatch(actions)
             changed = self._drain_inbox(block=False)
-            while not self.core.can_step() and not self._stop_flag.is_set() and self._fatal is None:
-                changed |= self._drain_inbox(block=True)  # synchronous DiLoCo: wait for our fragments
-            if self._fatal is not None:
-                raise self._fatal
+            while not self._may_step():
+                changed |= self._drain_inbox(block=True)  # the core says: wait for the synchronizer
+            self._raise_if_failed()
         if self.world > 1:
             changed = self._sync_ranks(changed)
         now = time.perf_counter()
-        self.stats.step_overhead_s += now - entered
+        self._overhead_s += now - entered
         self._last_step_end = now
+
+    def _may_step(self) -> bool:
+        assert self.core is not None and self.link is not None
+        if self.core.should_stop or self.link.fatal is not None:
+            return True
+        with self._lock:
+            return self.core.can_step(time.monotonic())
+
+    def _raise_if_failed(self) -> None:
+        if self.link is not None and self.link.fatal is not None:
+            raise self.link.fatal
 
     def close(self, *, flush: bool = True, timeout_s: float = 60.0) -> None:
         """Send what is left (``flush``), leave the run, stop the background threads."""
-        if not self.is_leader or self.core is None or self._closing.is_set():
+        if not self.is_leader or self._closed:
             return
-        threads = getattr(self, "_threads", [])
-        if flush and self._fatal is None and self.core.joined and threads:
-            self._drain_inbox(block=False)
-            for due in self.core.flush_unencoded():
-                self._outbox.put((self._adopted_epoch, due))
-        self._outbox.put((0, _STOP))
-        if threads:
-            threads[0].join(timeout_s)  # the sender delivers everything queued before _STOP
-        if threads and self._fatal is None:
-            try:
-                self.client.leave(self.learner_id)
-            except (Unreachable, Refused, AuthenticationError) as err:
-                log.info("leave failed: %s", err)
-        self._closing.set()
-        self._join_needed.set()
-        self._resubscribe.set()
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()
-        for t in threads[1:]:
-            t.join(timeout_s)
+        self._closed = True
+        core, link = self.core, self.link
+        if core is not None and link is not None:
+            if flush and link.fatal is None:
+                self._drain_inbox(block=False)
+                with self._lock:
+                    actions = core.close(time.monotonic())
+                link.dispatch(actions)
+            link.close(timeout_s)
         self.client.close()
 
     def __enter__(self) -> "LearnerRuntime":
@@ -323,51 +284,41 @@ class LearnerRuntime:
     # ---- training thread internals ---------------------------------------------------------
 
     def _drain_inbox(self, *, block: bool) -> set[int]:
-        """Apply what the background threads received; returns the fragments that changed."""
-        assert self.core is not None
+        """Hand the core what the background threads received; returns the fragments that changed."""
+        core, link = self.core, self.link
+        assert core is not None and link is not None
         changed: set[int] = set()
         while True:
             try:
-                kind, tag, item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+                kind, item = link.inbox.get(timeout=0.1) if block else link.inbox.get_nowait()
             except queue.Empty:
                 return changed
             block = False
-            if kind == "adopt":
-                join: JoinResult = item
-                if join.header.finished:
-                    self._stop_flag.set()
-                    continue
-                self.core.adopt(join.state)
-                self._adopted_epoch = tag
-                self._adopted_instance = join.header.instance_id
-                changed |= set(range(len(join.state.fragments)))
-                log.info("adopted the global state at versions %s", list(self.core.versions))
-            elif kind == "update":
-                if tag != self._adopted_instance:
-                    continue  # from a synchronizer incarnation we no longer follow
-                result = self.core.apply_update(item)
-                if result is UpdateResult.APPLIED:
-                    self.stats.updates_applied += 1
-                    changed.add(item.fragment)
-                elif result is UpdateResult.IGNORED:
-                    self.stats.updates_ignored += 1
-                elif not self._join_needed.is_set():
-                    self.stats.gaps += 1
-                    log.info("missed a version of fragment %d: fetching the full state", item.fragment)
-                    self._join_needed.set()
-            elif kind == "requeue":
-                if tag == self._adopted_epoch:
-                    self.core.requeue(item)
-                    self.stats.requeued += 1
-            self._published_versions = list(self.core.versions)
+            now = time.monotonic()
+            if kind is Inbox.ADMITTED:
+                result: JoinResult = item
+                with self._lock:
+                    held = core.session
+                    actions = core.on_admitted(result.state, now, stop=result.header.stop)
+                    if core.session != held:
+                        changed |= set(range(len(result.state.fragments)))
+                        log.info("adopted the global state at versions %s", list(core.versions))
+                link.dispatch(actions)
+            elif kind is Inbox.UPDATE:
+                with self._lock:
+                    before = core.versions[item.fragment]
+                    actions = core.on_update(item, now)
+                    if core.versions[item.fragment] != before:
+                        changed.add(item.fragment)
+                link.dispatch(actions)
 
     def _sync_ranks(self, changed: set[int]) -> set[int]:
         """Every rank takes rank 0's merged fragments (and stop / error flags)."""
         names = self._fragment_names
         flags = torch.zeros(len(names) + 2, dtype=torch.int64)
         if self.is_leader:
-            flags[0] = int(self._stop_flag.is_set())
-            flags[1] = int(self._fatal is not None)
+            flags[0] = int(self._leader_should_stop())
+            flags[1] = int(self.link is not None and self.link.fatal is not None)
             for p in changed:
                 flags[2 + p] = 1
         dist.broadcast(flags, src=0)
@@ -380,180 +331,6 @@ class LearnerRuntime:
                 for name in names[p]:
                     dist.broadcast(self._params[name].data, src=0)
         return changed
-
-    # ---- background threads ----------------------------------------------------------------
-
-    def _fail(self, err: BaseException) -> None:
-        if self._fatal is None:
-            self._fatal = err
-            log.error("%s", err)
-        self._closing.set()
-        self._join_needed.set()
-        self._inbox.put(("noop", None, None))
-
-    def _take_progress(self) -> tuple[int, int]:
-        with self._progress_lock:
-            tokens, steps = self._unreported_tokens, self._unreported_steps
-            self._unreported_tokens = self._unreported_steps = 0
-        return tokens, steps
-
-    def _return_progress(self, tokens: int, steps: int) -> None:
-        with self._progress_lock:
-            self._unreported_tokens += tokens
-            self._unreported_steps += steps
-
-    def _sender(self) -> None:
-        while True:
-            epoch, due = self._outbox.get()
-            if due is _STOP:
-                return
-            if self._fatal is not None:
-                continue
-            if epoch != self._join_epoch:
-                self.stats.contributions_dropped += 1  # measured from a state we no longer hold
-                continue
-            contribution = due.encode()
-            tokens, steps = self._take_progress()
-            try:
-                with self._send_lock:
-                    if epoch != self._join_epoch:
-                        self.stats.contributions_dropped += 1
-                        self._return_progress(tokens, steps)
-                        continue
-                    reply = self.client.contribute(contribution, instance_id=self.instance_id,
-                                                   trained_tokens=tokens, trained_steps=steps)
-                self.stats.contributions_sent += 1
-                self.stats.bytes_up += len(contribution.payload)
-                if reply.stop:
-                    self._stop_flag.set()
-            except Unreachable as err:
-                if str(err) != getattr(self, "_last_upload_error", None):
-                    self._last_upload_error = str(err)
-                    log.info("upload failed, folding it into the next one: %s", err)
-                self.stats.unreachable += 1
-                self._return_progress(tokens, steps)
-                self._inbox.put(("requeue", epoch, due))  # folded into this fragment's next one
-            except Refused as err:
-                self.stats.rejected[err.reason] += 1
-                if err.reason in ("unknown_learner", "stale", "future_version"):
-                    # Not registered any more, or our anchors are too far from the global
-                    # versions (missed updates, or a synchronizer that rolled back): join again.
-                    if not self._join_needed.is_set():
-                        log.info("contribution to fragment %d refused (%s): joining again", due.fragment,
-                                 err.reason)
-                    self._join_needed.set()
-                elif err.reason == "finished":
-                    self._stop_flag.set()
-                else:
-                    log.warning("contribution to fragment %d rejected: %s", due.fragment, err.detail)
-            except AuthenticationError as err:
-                self._fail(err)
-
-    def _receiver(self) -> None:
-        delay = BACKOFF_START_S
-        while not self._closing.is_set():
-            if self._join_needed.is_set():
-                self._closing.wait(0.05)
-                continue
-            instance = self.instance_id
-            self._resubscribe.clear()
-            try:
-                stream = self.client.updates(self.learner_id, list(self._published_versions), instance)
-                self._stream = stream
-                for update in stream:
-                    delay = BACKOFF_START_S
-                    if update is None:
-                        self._stop_flag.set()
-                    else:
-                        self._inbox.put(("update", instance, update))
-                self._resubscribe.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
-            except Unreachable:
-                if self._resubscribe.wait(delay):
-                    delay = BACKOFF_START_S
-                else:
-                    delay = _next_delay(delay)
-            except Refused as err:
-                if err.reason == "unknown_learner":
-                    self._join_needed.set()
-                else:
-                    log.warning("update stream refused: %s", err.detail)
-                    self._resubscribe.wait(delay)
-                    delay = _next_delay(delay)
-            except AuthenticationError as err:
-                self._fail(err)
-                return
-            finally:
-                self._stream = None
-
-    def _control(self) -> None:
-        delay = BACKOFF_START_S
-        while not self._closing.is_set():
-            if self._join_needed.is_set():
-                if self._rejoin():
-                    delay = BACKOFF_START_S
-                    continue
-                self._closing.wait(delay)
-                delay = _next_delay(delay)
-                continue
-            tokens, steps = self._take_progress()
-            try:
-                reply = self.client.heartbeat(self.learner_id, tokens=tokens, steps=steps,
-                                              instance_id=self.instance_id)
-                if reply.stop:
-                    self._stop_flag.set()
-                delay = BACKOFF_START_S
-                wait = self.heartbeat_s
-            except Unreachable as err:
-                if str(err) != getattr(self, "_last_upload_error", None):
-                    self._last_upload_error = str(err)
-                    log.info("upload failed, folding it into the next one: %s", err)
-                self.stats.unreachable += 1
-                self._return_progress(tokens, steps)
-                wait = delay
-                delay = _next_delay(delay)
-            except Refused as err:
-                if err.reason == "unknown_learner":
-                    # Lease lost or the synchronizer restarted: it no longer knows us. The
-                    # tokens were still trained; report them after joining again.
-                    self._return_progress(tokens, steps)
-                    self._join_needed.set()
-                    continue
-                log.warning("heartbeat refused: %s", err.detail)
-                wait = delay
-            except AuthenticationError as err:
-                self._fail(err)
-                return
-            self._join_needed.wait(wait)
-
-    def _rejoin(self) -> bool:
-        """Register again and hand the full state to the training thread."""
-        try:
-            with self._send_lock:
-                join = self.client.join(self.learner_id)
-                self._join_epoch += 1
-                self.instance_id = join.header.instance_id
-                epoch = self._join_epoch
-        except Unreachable as err:
-            self.stats.unreachable += 1
-            log.info("rejoin: synchronizer unreachable (%s)", err)
-            return False
-        except Refused as err:
-            log.warning("rejoin refused: %s", err.detail)
-            return False
-        except AuthenticationError as err:
-            self._fail(err)
-            return False
-        self.stats.joins += 1
-        log.info("rejoined synchronizer instance %s at versions %s", join.header.instance_id[:8],
-                 list(join.header.versions))
-        self._published_versions = list(join.header.versions)
-        self._inbox.put(("adopt", epoch, join))
-        self._join_needed.clear()
-        self._resubscribe.set()
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()  # subscribe again for this incarnation of the synchronizer
-        return True
 
 
 def _distributed() -> bool:

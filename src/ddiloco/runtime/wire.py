@@ -1,9 +1,28 @@
-"""The wire between learners and the synchronizer: message sizes, channel options, conversions.
-
-Client and server both import from here, so neither depends on the other's module.
+"""The wire between learners and the synchronizer: every conversion between the core's
+messages (:mod:`ddiloco.core.messages`) and protobuf, the chunking of large payloads,
+message sizes and channel options. Client and server both import from here, so neither
+depends on the other's module and no message is written by hand twice.
 """
 
 from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from ddiloco.core.messages import (
+    Contribution,
+    FragmentUpdate,
+    FragmentValue,
+    GlobalState,
+    Heartbeat,
+    Join,
+    Leave,
+    Progress,
+    Session,
+)
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed message: far below gRPC's 4 MiB default message limit."""
@@ -14,3 +33,237 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+
+class WireError(ValueError):
+    """A message that parses as protobuf but does not make a valid core message."""
+
+
+# ---- small parts ---------------------------------------------------------------------------
+
+
+def session_to_pb(session: Session) -> pb.Session:
+    return pb.Session(incarnation=session.incarnation, number=session.number)
+
+
+def session_from_pb(msg: pb.Session) -> Session:
+    return Session(int(msg.incarnation), int(msg.number))
+
+
+def progress_to_pb(progress: Progress) -> pb.Progress:
+    return pb.Progress(boot=progress.boot, tokens=progress.tokens, steps=progress.steps)
+
+
+def progress_from_pb(msg: pb.Progress) -> Progress | None:
+    return Progress(msg.boot, int(msg.tokens), int(msg.steps)) if msg.boot else None
+
+
+def _checked(build: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return build(*args, **kwargs)
+    except ValueError as err:
+        raise WireError(str(err)) from None
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+def join_to_pb(join: Join, *, probe: bool = False) -> pb.JoinRequest:
+    return pb.JoinRequest(learner_id=join.learner_id, boot=join.boot, probe=probe)
+
+
+def join_from_pb(msg: pb.JoinRequest) -> Join:
+    return _checked(Join, msg.learner_id, msg.boot)
+
+
+def heartbeat_to_pb(beat: Heartbeat) -> pb.HeartbeatRequest:
+    return pb.HeartbeatRequest(learner_id=beat.learner_id, session=session_to_pb(beat.session),
+                               progress=progress_to_pb(beat.progress))
+
+
+def heartbeat_from_pb(msg: pb.HeartbeatRequest) -> Heartbeat:
+    progress = progress_from_pb(msg.progress)
+    if progress is None:
+        raise WireError("heartbeat without progress")
+    return _checked(Heartbeat, msg.learner_id, _checked(session_from_pb, msg.session), progress)
+
+
+def leave_to_pb(leave: Leave) -> pb.LeaveRequest:
+    return pb.LeaveRequest(learner_id=leave.learner_id, session=session_to_pb(leave.session),
+                           progress=progress_to_pb(leave.progress))
+
+
+def leave_from_pb(msg: pb.LeaveRequest) -> Leave:
+    progress = progress_from_pb(msg.progress)
+    if progress is None:
+        raise WireError("leave without progress")
+    return _checked(Leave, msg.learner_id, _checked(session_from_pb, msg.session), progress)
+
+
+def contribution_header(c: Contribution) -> pb.ContributionHeader:
+    header = pb.ContributionHeader(
+        learner_id=c.learner_id, fragment=c.fragment, base_version=c.base_version, seq=c.seq,
+        tokens=c.tokens, steps=c.steps, compute_s=c.compute_s, step_time_s=c.step_time_s,
+        codec=c.codec, payload_bytes=len(c.payload), first_step=c.first_step, session=session_to_pb(c.session),
+    )
+    if c.progress is not None:
+        header.progress.CopyFrom(progress_to_pb(c.progress))
+    return header
+
+
+def contribution_from_pb(header: pb.ContributionHeader, payload: bytes) -> Contribution:
+    return _checked(
+        Contribution,
+        learner_id=header.learner_id,
+        session=_checked(session_from_pb, header.session),
+        fragment=int(header.fragment),
+        base_version=int(header.base_version),
+        seq=int(header.seq),
+        tokens=int(header.tokens),
+        steps=int(header.steps),
+        compute_s=float(header.compute_s),
+        step_time_s=float(header.step_time_s),
+        codec=header.codec,
+        payload=payload,
+        first_step=int(header.first_step),
+        progress=progress_from_pb(header.progress),
+    )
+
+
+def contribution_chunks(c: Contribution) -> Iterator[pb.ContributionChunk]:
+    """A contribution as a stream of chunks (the header rides in the first one)."""
+    view = memoryview(c.payload)
+    for offset in range(0, max(len(view), 1), CHUNK_BYTES):
+        chunk = pb.ContributionChunk(offset=offset, data=bytes(view[offset : offset + CHUNK_BYTES]))
+        if offset == 0:
+            chunk.header.CopyFrom(contribution_header(c))
+        yield chunk
+
+
+# ---- the downlink --------------------------------------------------------------------------
+
+
+def update_chunks(update: FragmentUpdate) -> list[bytes]:
+    """A compressed outer update as serialized Update messages, ready for every stream."""
+    data = memoryview(update.payload)
+    total = len(data)
+    return [
+        pb.Update(fragment=update.fragment, version=update.version, codec=update.codec, offset=offset,
+                  total_bytes=total, incarnation=update.incarnation,
+                  data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
+        for offset in range(0, max(total, 1), CHUNK_BYTES)
+    ]
+
+
+class UpdateAssembler:
+    """Rebuilds :class:`FragmentUpdate` values from a stream of Update chunks."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._current: tuple[int, int, int] | None = None
+
+    def add(self, msg: pb.Update) -> FragmentUpdate | None:
+        key = (msg.fragment, msg.version, msg.incarnation)
+        if msg.offset == 0:
+            self._parts, self._current = [], key
+        elif self._current != key or msg.offset != sum(map(len, self._parts)):
+            self._parts, self._current = [], None  # a broken sequence: drop it (the learner will see a gap)
+            return None
+        self._parts.append(msg.data)
+        if sum(map(len, self._parts)) < msg.total_bytes:
+            return None
+        payload = b"".join(self._parts)
+        self._parts, self._current = [], None
+        return FragmentUpdate(msg.fragment, msg.version, msg.codec, payload, int(msg.incarnation))
+
+
+def state_chunks(state: GlobalState) -> Iterable[pb.StateChunk]:
+    for frag in state.fragments:
+        data = memoryview(frag.values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+                          .tobytes())
+        total = len(data)
+        for offset in range(0, max(total, 1), CHUNK_BYTES):
+            yield pb.StateChunk(fragment=frag.fragment, version=frag.version, offset=offset, total_bytes=total,
+                                data=bytes(data[offset : offset + CHUNK_BYTES]))
+
+
+class StateAssembler:
+    """Rebuilds fp32 fragment values from StateChunks (each fragment's chunks in order)."""
+
+    def __init__(self, fragments: int | None = None) -> None:
+        self._parts: dict[int, list[bytes]] = {}
+        self._meta: dict[int, tuple[int, int]] = {}
+        self._expected = fragments
+
+    def add(self, chunk: pb.StateChunk) -> None:
+        parts = self._parts.setdefault(chunk.fragment, [])
+        if chunk.offset != sum(map(len, parts)):
+            raise WireError(f"state chunk of fragment {chunk.fragment} out of order")
+        parts.append(chunk.data)
+        self._meta[chunk.fragment] = (chunk.version, chunk.total_bytes)
+
+    def state(self, *, incarnation: int = 0, session: Session | None = None) -> GlobalState:
+        values = []
+        for p in sorted(self._parts):
+            version, total = self._meta[p]
+            data = b"".join(self._parts[p])
+            if len(data) != total:
+                raise WireError(f"state of fragment {p} incomplete ({len(data)} of {total} bytes)")
+            tensor = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
+            values.append(FragmentValue(p, version, tensor))
+        if self._expected is not None and len(values) != self._expected:
+            raise WireError(f"state has {len(values)} fragments, expected {self._expected}")
+        if [v.fragment for v in values] != list(range(len(values))):
+            raise WireError("state is missing fragments")
+        return GlobalState(tuple(values), incarnation=incarnation, session=session)
+
+
+# ---- status --------------------------------------------------------------------------------
+
+
+def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    """The JSON of ``ddiloco status --json`` (and of the status page's ``/api/status``)."""
+    return {
+        "instance_id": f"{reply.incarnation:x}",
+        "incarnation": reply.incarnation,
+        "protocol_version": reply.protocol_version,
+        "mode": reply.mode,
+        "phase": reply.phase,
+        "uptime": round(reply.uptime_s, 3),
+        "finished": reply.finished,
+        "tokens": reply.tokens,
+        "token_budget": reply.token_budget,
+        "pending_tokens": reply.pending_tokens,
+        "learners": [
+            {
+                "id": lr.id,
+                "alive": lr.alive,
+                "last_seen_s_ago": round(lr.last_seen_s_ago, 3),
+                "accepted": lr.accepted,
+                "rejected": lr.rejected,
+                "registrations": lr.registrations,
+                "tokens": lr.tokens,
+                "step_time_s": round(lr.step_time_s, 6),
+                "bytes_up": lr.bytes_up,
+                "bytes_down": lr.bytes_down,
+            }
+            for lr in reply.learners
+        ],
+        "fragments": [
+            {"id": f.id, "version": f.version, "numel": f.numel, "bytes_up": f.bytes_up, "bytes_down": f.bytes_down,
+             "round": reply.round_phases[i] if i < len(reply.round_phases) else ""}
+            for i, f in enumerate(reply.fragments)
+        ],
+        "quorum": {"required": reply.quorum, "effective": reply.effective_quorum,
+                   "rounds_closed": {e.key: e.count for e in reply.rounds_closed}},
+        "grace": {"window_s": round(reply.grace_window_s, 6), "quorum_s": round(reply.grace_quorum_s, 6),
+                  "sync_s": round(reply.grace_sync_s, 6)},
+        "rejections": {e.key: e.count for e in reply.rejections},
+        "bytes_up": reply.bytes_up,
+        "bytes_down": reply.bytes_down,
+        "longest_pause_s": round(reply.longest_pause_s, 3),
+        "goodput": round(reply.goodput, 6),
+        "model_uptime": round(reply.model_uptime, 6),
+        "checkpoints": reply.checkpoints,
+        "last_checkpoint_s_ago": round(reply.last_checkpoint_s_ago, 3),
+    }

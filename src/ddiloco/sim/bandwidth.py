@@ -260,8 +260,9 @@ class ByteCheck:
     predicted_bytes: float
     """Model bytes per learner and step x ``steps`` x ``rounds_per_period``."""
     end_allowance_bytes: float
-    """What the end of a run may add on top: one message per fragment and learner (the final
-    flush of unsent progress, or the last broadcast)."""
+    """What the end of a run may add or take away: one message per fragment and learner (the
+    final flush of unsent progress adds one; a last round merged after the learners flushed
+    and left is not sent to them)."""
     rounds_per_period: float
 
     @property
@@ -278,9 +279,9 @@ class ByteCheck:
         return self.counted_bytes / self.predicted_bytes if self.predicted_bytes > 0 else math.inf
 
     def agrees(self, rel_tol: float = 1e-3) -> bool:
-        """Counted lies in [predicted, predicted + end allowance], up to ``rel_tol``
+        """Counted lies within the end allowance of predicted, up to ``rel_tol``
         (per-block scales and packed codes round up to whole bytes in each message)."""
-        low = self.predicted_bytes * (1.0 - rel_tol)
+        low = (self.predicted_bytes - self.end_allowance_bytes) * (1.0 - rel_tol)
         high = (self.predicted_bytes + self.end_allowance_bytes) * (1.0 + rel_tol)
         return low <= self.counted_bytes <= high
 

@@ -1,9 +1,17 @@
-"""Invariants the virtual cluster checks all along a run (STYLE.md: simulation testing).
+"""Invariants the virtual cluster checks after every event (STYLE.md: simulation testing).
+
+Safety properties of the protocol, whatever the adversary does:
 
 - a round never merges below the quorum required when it closed (except the final drain);
-- versions of a fragment only increase, by one per round;
-- every token accepted is merged exactly once, or still pending;
-- a learner's anchor is always, bit for bit, a value the synchronizer produced at that version.
+- within one synchronizer incarnation versions only increase, by one per round, starting
+  from what the checkpoint it restarted from knew (never past it);
+- every merged contribution was measured from a version at most ``staleness_max`` behind;
+- no contribution is accepted (or merged) twice;
+- the tokens an incarnation accepted are exactly the tokens it merged, plus what it still
+  holds (or lost with it when it crashed);
+- a learner's anchor is always, bit for bit, a value the synchronizer produced at that
+  version in that incarnation;
+- a learner only sends work of its current session, measured from the anchor it holds.
 
 A violation raises :class:`InvariantViolation` naming the seed that reproduces it.
 """
@@ -11,14 +19,14 @@ A violation raises :class:`InvariantViolation` naming the seed that reproduces i
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Sequence
 
 import torch
 
-from ddiloco.core.messages import Contribution, RoundClosed
-
-if TYPE_CHECKING:
-    from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.actions import CloseReason, RoundClosed
+from ddiloco.core.learner import Learner
+from ddiloco.core.messages import Contribution
 
 
 class InvariantViolation(AssertionError):
@@ -30,41 +38,96 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 class InvariantChecker:
-    def __init__(self, *, seed: int) -> None:
+    def __init__(self, *, seed: int, staleness_max: int, initial_values: Sequence[torch.Tensor]) -> None:
         self.seed = seed
-        self.tokens_accepted = 0
-        self.tokens_merged = 0
-        self._versions: dict[int, int] = {}
-        self._values: dict[tuple[int, int], str] = {}
+        self.staleness_max = staleness_max
+        self.tokens_accepted: Counter[int] = Counter()
+        self.tokens_merged: Counter[int] = Counter()
+        self.tokens_lost: Counter[int] = Counter()
+        self._versions: dict[tuple[int, int], int] = {}
+        self._values: dict[tuple[int, int, int], str] = {}
+        self._initial = [_digest(v) for v in initial_values]
+        self._accepted: set[tuple[int, str, int, int, int]] = set()
+        self._merged: set[tuple[int, str, int, int, int]] = set()
+        self.checks = 0
 
     def _fail(self, message: str) -> None:
         raise InvariantViolation(f"{message} (reproduce with seed {self.seed})")
 
-    def on_accepted(self, c: Contribution) -> None:
-        self.tokens_accepted += c.tokens
+    def on_start(self, incarnation: int, values: Sequence[torch.Tensor], versions: Sequence[int],
+                 checkpoint_versions: Sequence[int] | None) -> None:
+        """A synchronizer incarnation starts (first start, or restart from ``checkpoint_versions``)."""
+        expected = list(checkpoint_versions) if checkpoint_versions is not None else [0] * len(versions)
+        if list(versions) != expected:
+            self._fail(f"incarnation {incarnation} starts at versions {list(versions)}, "
+                       f"its checkpoint knew {expected}")
+        for p, (value, version) in enumerate(zip(values, versions)):
+            self._versions[(incarnation, p)] = version
+            self._values[(incarnation, p, version)] = _digest(value)
 
-    def on_round(self, record: RoundClosed, sync: "Synchronizer") -> None:
+    def on_crash(self, incarnation: int, pending_tokens: int) -> None:
+        self.tokens_lost[incarnation] += pending_tokens
+        self._balance(incarnation, pending_tokens=0)
+
+    def on_accepted(self, c: Contribution, incarnation: int) -> None:
+        self.checks += 1
+        key = (incarnation, c.learner_id, c.session.number, c.fragment, c.seq)
+        if key in self._accepted:
+            self._fail(f"contribution {key} accepted twice")
+        self._accepted.add(key)
+        self.tokens_accepted[incarnation] += c.tokens
+
+    def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
+        self.checks += 1
+        inc, p = record.incarnation, record.fragment
         contributors = {m.learner_id for m in record.merged}
-        if record.reason != "drain" and len(contributors) < record.quorum_required:
-            self._fail(f"fragment {record.fragment} v{record.version} merged {len(contributors)} "
-                       f"< quorum {record.quorum_required}")
-        previous = self._versions.get(record.fragment, 0)
+        if record.reason is not CloseReason.DRAIN and len(contributors) < record.quorum_required:
+            self._fail(f"fragment {p} v{record.version} merged {len(contributors)} < quorum {record.quorum_required}")
+        previous = self._versions.get((inc, p), 0)
         if record.version != previous + 1:
-            self._fail(f"fragment {record.fragment}: version {record.version} after {previous}")
-        self._versions[record.fragment] = record.version
-        self.tokens_merged += record.tokens
-        self._values[(record.fragment, record.version)] = _digest(sync.value(record.fragment))
+            self._fail(f"fragment {p}: version {record.version} after {previous} (incarnation {inc})")
+        self._versions[(inc, p)] = record.version
+        for m in record.merged:
+            if not record.version - 1 - self.staleness_max <= m.base_version <= record.version - 1:
+                self._fail(f"fragment {p} v{record.version} merged {m.learner_id}'s work from version "
+                           f"{m.base_version} (staleness bound {self.staleness_max})")
+            key = (inc, m.learner_id, m.session, p, m.seq)
+            if key in self._merged:
+                self._fail(f"contribution {key} merged twice")
+            self._merged.add(key)
+        self.tokens_merged[inc] += record.tokens
+        self._values[(inc, p, record.version)] = _digest(value)
 
-    def on_anchor(self, learner: str, fragment: int, version: int, anchor: torch.Tensor) -> None:
-        if version == 0:
-            return  # the initial value: every learner and the synchronizer build it from the seed
-        expected = self._values.get((fragment, version))
+    def on_anchor(self, learner: Learner, fragment: int) -> None:
+        """After a learner adopts a state or applies an update: its anchor is a produced value."""
+        self.checks += 1
+        assert learner.session is not None
+        version = learner.versions[fragment]
+        expected = self._values.get((learner.session.incarnation, fragment, version))
+        if expected is None and version == 0:
+            expected = self._initial[fragment]
         if expected is None:
-            self._fail(f"{learner} holds fragment {fragment} v{version}, which was never produced")
-        elif _digest(anchor) != expected:
-            self._fail(f"{learner}'s anchor for fragment {fragment} v{version} differs from the global value")
+            self._fail(f"{learner.learner_id} holds fragment {fragment} v{version}, which incarnation "
+                       f"{learner.session.incarnation} never produced")
+        elif _digest(learner.anchor(fragment)) != expected:
+            self._fail(f"{learner.learner_id}'s anchor for fragment {fragment} v{version} differs from the "
+                       f"global value")
 
-    def at_end(self, sync: "Synchronizer") -> None:
-        if self.tokens_accepted != self.tokens_merged + sync.pending_tokens():
-            self._fail(f"tokens accepted {self.tokens_accepted} != merged {self.tokens_merged} "
-                       f"+ pending {sync.pending_tokens()}")
+    def on_sent(self, learner: Learner, c: Contribution) -> None:
+        self.checks += 1
+        if c.session != learner.session:
+            self._fail(f"{learner.learner_id} sent work of session {c.session} while holding {learner.session}")
+        if c.base_version != learner.versions[c.fragment]:
+            self._fail(f"{learner.learner_id} sent Δ of fragment {c.fragment} from version {c.base_version} "
+                       f"while holding version {learner.versions[c.fragment]}")
+
+    def _balance(self, incarnation: int, pending_tokens: int) -> None:
+        accepted = self.tokens_accepted[incarnation]
+        accounted = self.tokens_merged[incarnation] + self.tokens_lost[incarnation] + pending_tokens
+        if accepted != accounted:
+            self._fail(f"incarnation {incarnation}: tokens accepted {accepted} != merged "
+                       f"{self.tokens_merged[incarnation]} + lost {self.tokens_lost[incarnation]} + pending "
+                       f"{pending_tokens}")
+
+    def at_end(self, incarnation: int, pending_tokens: int) -> None:
+        self._balance(incarnation, pending_tokens)

@@ -1,12 +1,33 @@
-"""Virtual links: a message costs latency + bits / bandwidth, and every byte is counted."""
+"""Virtual links: a message costs latency + bits / bandwidth, every byte is counted, and the
+adversary may lose, duplicate or delay it.
+
+Each learner has a FIFO uplink and downlink to the synchronizer. A message normally arrives
+in order; a *delay spike* holds one back so later ones overtake it (reordering); a *loss*
+drops it; a *duplicate* delivers it twice; a *partition* drops everything on the learner's
+links while it lasts (checked when the message leaves and when it would arrive).
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import enum
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 HEADER_BYTES = 64
 """Fixed per-message framing (ids, versions, counters) added to every payload."""
+
+
+class Direction(enum.StrEnum):
+    UP = "up"
+    DOWN = "down"
+
+
+class NetFault(enum.StrEnum):
+    LOSS = "loss"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"
 
 
 @dataclass(slots=True)
@@ -31,7 +52,7 @@ class ByteCounter:
     counts: dict[tuple[str, int, str], int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, learner: str, fragment: int, direction: str, num_bytes: int) -> None:
-        self.counts[(learner, fragment, direction)] += num_bytes
+        self.counts[(learner, fragment, str(direction))] += num_bytes
 
     def total(self, direction: str) -> int:
         return sum(n for (_, _, d), n in self.counts.items() if d == direction)
@@ -42,3 +63,62 @@ class ByteCounter:
             if d == direction:
                 out[frag] += n
         return dict(out)
+
+
+@dataclass(frozen=True, slots=True)
+class NetFaults:
+    """Per-message fault probabilities (``faults.loss``, ``duplicate``, ``reorder``)."""
+
+    loss: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    reorder_delay_s: float = 2.0
+
+
+class Network:
+    """The links of every learner, with the adversary's per-message faults.
+
+    ``deliveries`` returns the arrival times of one message: none (lost), one, or two
+    (duplicated). Draws come from one seeded stream in event order, so a run is reproducible.
+    """
+
+    def __init__(self, learners: list[str], *, bandwidth_bps: float, latency_s: float, faults: NetFaults,
+                 seed: int, bytes_counter: ByteCounter) -> None:
+        self._links = {(name, d): Link(bandwidth_bps, latency_s) for name in learners for d in Direction}
+        self.faults = faults
+        self.bytes = bytes_counter
+        self.injected: Counter[NetFault] = Counter()
+        self._rng = np.random.default_rng(np.random.SeedSequence([seed, 0x4E37]))
+        self._partitioned_until: dict[str, float] = {}
+
+    def reset(self, learner: str, now: float) -> None:
+        """A restarted process opens fresh connections: nothing queued on its links."""
+        for d in Direction:
+            self._links[(learner, d)].busy_until_s = now
+
+    def partition(self, learner: str, until_s: float) -> None:
+        self._partitioned_until[learner] = max(until_s, self._partitioned_until.get(learner, 0.0))
+
+    def partitioned(self, learner: str, t: float) -> bool:
+        return t < self._partitioned_until.get(learner, 0.0)
+
+    def deliveries(self, learner: str, direction: Direction, fragment: int, payload_bytes: int,
+                   now: float) -> list[float]:
+        """Count the bytes, apply the faults; return when (and how often) the message arrives."""
+        size = payload_bytes + HEADER_BYTES
+        self.bytes.add(learner, fragment, direction, size)
+        arrival = self._links[(learner, direction)].send(now, size)
+        if self.partitioned(learner, now) or self.partitioned(learner, arrival):
+            return []
+        f = self.faults
+        if f.loss and self._rng.random() < f.loss:
+            self.injected[NetFault.LOSS] += 1
+            return []
+        if f.reorder and self._rng.random() < f.reorder:
+            self.injected[NetFault.REORDER] += 1
+            arrival += float(self._rng.uniform(0.0, f.reorder_delay_s))
+        times = [arrival]
+        if f.duplicate and self._rng.random() < f.duplicate:
+            self.injected[NetFault.DUPLICATE] += 1
+            times.append(arrival + float(self._rng.uniform(0.0, max(f.reorder_delay_s, 0.01))))
+        return times

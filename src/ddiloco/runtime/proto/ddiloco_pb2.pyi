@@ -28,17 +28,37 @@ class FragmentLayout(_message.Message):
     is_embedding: bool
     def __init__(self, index: _Optional[int] = ..., params: _Optional[_Iterable[_Union[Param, _Mapping]]] = ..., numel: _Optional[int] = ..., offset: _Optional[int] = ..., is_embedding: _Optional[bool] = ...) -> None: ...
 
+class Session(_message.Message):
+    __slots__ = ("incarnation", "number")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    number: int
+    def __init__(self, incarnation: _Optional[int] = ..., number: _Optional[int] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("boot", "tokens", "steps")
+    BOOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    boot: str
+    tokens: int
+    steps: int
+    def __init__(self, boot: _Optional[str] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "probe")
+    __slots__ = ("learner_id", "probe", "boot")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     probe: bool
-    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
+    boot: str
+    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("instance_id", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "heartbeat_s", "run_json")
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
     PERIOD_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -46,9 +66,10 @@ class JoinHeader(_message.Message):
     LEARNER_INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SHA256_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_JSON_FIELD_NUMBER: _ClassVar[int]
-    instance_id: str
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
     protocol_json: str
     period: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
@@ -56,9 +77,10 @@ class JoinHeader(_message.Message):
     learner_index: int
     finished: bool
     layout_sha256: str
-    heartbeat_s: float
+    session: Session
     run_json: str
-    def __init__(self, instance_id: _Optional[str] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., run_json: _Optional[str] = ...) -> None: ...
+    stop: bool
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("fragment", "version", "offset", "total_bytes", "data")
@@ -83,27 +105,23 @@ class JoinReply(_message.Message):
     def __init__(self, header: _Optional[_Union[JoinHeader, _Mapping]] = ..., chunk: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "tokens", "steps", "instance_id")
+    __slots__ = ("learner_id", "session", "progress")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
-    tokens: int
-    steps: int
-    instance_id: str
-    def __init__(self, learner_id: _Optional[str] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    session: Session
+    progress: Progress
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("stop", "versions")
+    __slots__ = ("stop",)
     STOP_FIELD_NUMBER: _ClassVar[int]
-    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     stop: bool
-    versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stop: _Optional[bool] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, stop: _Optional[bool] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "instance_id", "trained_tokens", "trained_steps")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "session", "progress")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -115,9 +133,8 @@ class ContributionHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TRAINED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -129,10 +146,9 @@ class ContributionHeader(_message.Message):
     codec: str
     payload_bytes: int
     first_step: int
-    instance_id: str
-    trained_tokens: int
-    trained_steps: int
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., instance_id: _Optional[str] = ..., trained_tokens: _Optional[int] = ..., trained_steps: _Optional[int] = ...) -> None: ...
+    session: Session
+    progress: Progress
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -145,25 +161,23 @@ class ContributionChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ContributeReply(_message.Message):
-    __slots__ = ("versions", "stop")
-    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("stop",)
     STOP_FIELD_NUMBER: _ClassVar[int]
-    versions: _containers.RepeatedScalarFieldContainer[int]
     stop: bool
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., stop: _Optional[bool] = ...) -> None: ...
+    def __init__(self, stop: _Optional[bool] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
-    __slots__ = ("learner_id", "have_versions", "instance_id")
+    __slots__ = ("learner_id", "have_versions", "session")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     have_versions: _containers.RepeatedScalarFieldContainer[int]
-    instance_id: str
-    def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    session: Session
+    def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes")
+    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +185,7 @@ class Update(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -178,17 +193,22 @@ class Update(_message.Message):
     stop: bool
     offset: int
     total_bytes: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("learner_id",)
+    __slots__ = ("learner_id", "session", "progress")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
-    def __init__(self, learner_id: _Optional[str] = ...) -> None: ...
+    session: Session
+    progress: Progress
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()
@@ -245,8 +265,8 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("instance_id", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s")
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
@@ -269,7 +289,10 @@ class StatusReply(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LONGEST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
-    instance_id: str
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
     protocol_version: int
     uptime_s: float
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
@@ -292,4 +315,7 @@ class StatusReply(_message.Message):
     checkpoints: int
     mode: str
     longest_pause_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ...) -> None: ...
+    phase: str
+    pending_tokens: int
+    round_phases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ...) -> None: ...

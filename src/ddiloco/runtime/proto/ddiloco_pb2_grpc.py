@@ -35,37 +35,37 @@ class SynchronizerStub:
             channel: A grpc.Channel.
         """
         self.Join = channel.unary_stream(
-                '/ddiloco.v1.Synchronizer/Join',
+                '/ddiloco.v2.Synchronizer/Join',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.JoinRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.JoinReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
-                '/ddiloco.v1.Synchronizer/Heartbeat',
+                '/ddiloco.v2.Synchronizer/Heartbeat',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.Contribute = channel.stream_unary(
-                '/ddiloco.v1.Synchronizer/Contribute',
+                '/ddiloco.v2.Synchronizer/Contribute',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.ContributionChunk.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.ContributeReply.FromString,
                 _registered_method=True)
         self.Updates = channel.unary_stream(
-                '/ddiloco.v1.Synchronizer/Updates',
+                '/ddiloco.v2.Synchronizer/Updates',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.UpdatesRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.Update.FromString,
                 _registered_method=True)
         self.FetchState = channel.unary_stream(
-                '/ddiloco.v1.Synchronizer/FetchState',
+                '/ddiloco.v2.Synchronizer/FetchState',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StateChunk.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
-                '/ddiloco.v1.Synchronizer/Leave',
+                '/ddiloco.v2.Synchronizer/Leave',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.LeaveReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
-                '/ddiloco.v1.Synchronizer/Status',
+                '/ddiloco.v2.Synchronizer/Status',
                 request_serializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StatusReply.FromString,
                 _registered_method=True)
@@ -165,9 +165,9 @@ def add_SynchronizerServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'ddiloco.v1.Synchronizer', rpc_method_handlers)
+            'ddiloco.v2.Synchronizer', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('ddiloco.v1.Synchronizer', rpc_method_handlers)
+    server.add_registered_method_handlers('ddiloco.v2.Synchronizer', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -188,7 +188,7 @@ class Synchronizer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/Join',
+            '/ddiloco.v2.Synchronizer/Join',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.JoinRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.JoinReply.FromString,
             options,
@@ -215,7 +215,7 @@ class Synchronizer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/Heartbeat',
+            '/ddiloco.v2.Synchronizer/Heartbeat',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.HeartbeatRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.HeartbeatReply.FromString,
             options,
@@ -242,7 +242,7 @@ class Synchronizer:
         return grpc.experimental.stream_unary(
             request_iterator,
             target,
-            '/ddiloco.v1.Synchronizer/Contribute',
+            '/ddiloco.v2.Synchronizer/Contribute',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.ContributionChunk.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.ContributeReply.FromString,
             options,
@@ -269,7 +269,7 @@ class Synchronizer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/Updates',
+            '/ddiloco.v2.Synchronizer/Updates',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.UpdatesRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.Update.FromString,
             options,
@@ -296,7 +296,7 @@ class Synchronizer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/FetchState',
+            '/ddiloco.v2.Synchronizer/FetchState',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.FetchStateRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StateChunk.FromString,
             options,
@@ -323,7 +323,7 @@ class Synchronizer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/Leave',
+            '/ddiloco.v2.Synchronizer/Leave',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.LeaveRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.LeaveReply.FromString,
             options,
@@ -350,7 +350,7 @@ class Synchronizer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ddiloco.v1.Synchronizer/Status',
+            '/ddiloco.v2.Synchronizer/Status',
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StatusRequest.SerializeToString,
             ddiloco_dot_runtime_dot_proto_dot_ddiloco__pb2.StatusReply.FromString,
             options,

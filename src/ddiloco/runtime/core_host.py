@@ -1,0 +1,140 @@
+"""The thread that runs the synchronizer's core, and the carrying-out of its actions.
+
+Every call into the core runs on one dedicated worker thread, so its calls are serialized
+without locks and a long merge never stalls the sockets (which the asyncio event loop
+serves). ``handle`` feeds it one event with the host's clock and carries out what comes
+back — except the reply, which it returns to the gRPC handler that asked:
+
+- ``Broadcast`` → every recipient's update stream (and the measured merge-and-send time
+  back to the core, which sizes its grace window);
+- ``StopLearners`` → a stop notice on those streams; ``LeaseExpired`` → close that stream;
+- ``RoundClosed`` and ``Checkpoint`` → the service's observer (metrics, goodput, the
+  state directory); ``Finished`` → :attr:`finished`.
+
+A timer task calls ``Tick`` at the core's ``next_deadline()`` (grace windows, leases, the
+time budget, the drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol, TypeVar
+
+from ddiloco.core.actions import (
+    Accepted,
+    Admitted,
+    Broadcast,
+    Checkpoint,
+    Finished,
+    LeaseExpired,
+    Refused,
+    Reply,
+    RoundClosed,
+    StopLearners,
+    SyncAction,
+    SyncEvent,
+    SyncTimeObserved,
+    Tick,
+)
+from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime.streams import UpdateStreams
+
+T = TypeVar("T")
+TIMER_MAX_WAIT_S = 1.0
+"""The timer wakes at least this often (an idle core has no deadline)."""
+
+
+class HostObserver(Protocol):
+    """What the service does with the core's records."""
+
+    def on_round(self, record: RoundClosed, elapsed_s: float) -> None: ...
+
+    def on_checkpoint(self, state: dict[str, Any]) -> None: ...
+
+    def on_event(self, actions: list[SyncAction]) -> None: ...
+
+
+class SyncHost:
+    def __init__(self, core: Synchronizer, streams: UpdateStreams, observer: HostObserver, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = core
+        self.streams = streams
+        self.observer = observer
+        self.clock = clock
+        self.finished = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
+        self._timer: asyncio.Task | None = None
+        self._stopped = False
+
+    async def query(self, fn: Callable[[Synchronizer], T]) -> T:
+        """Run a read-only question to the core on its thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.core)
+
+    async def handle(self, event: SyncEvent) -> Reply | None:
+        """Feed one event; carry out the actions; return the reply to the request, if any."""
+
+        def run() -> tuple[list[SyncAction], float]:
+            started = time.perf_counter()
+            actions = self.core.handle(event, self.clock())
+            return actions, time.perf_counter() - started
+
+        actions, compute_s = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        reply = actions[0] if actions and isinstance(actions[0], (Admitted, Accepted, Refused)) else None
+        self._execute(actions, compute_s)
+        return reply
+
+    def _execute(self, actions: list[SyncAction], compute_s: float) -> None:
+        started = time.perf_counter()
+        merged: list[RoundClosed] = []
+        for action in actions:
+            if isinstance(action, Broadcast):
+                self.streams.publish(action.update, action.recipients)
+            elif isinstance(action, StopLearners):
+                self.streams.stop(action.recipients)
+            elif isinstance(action, LeaseExpired):
+                self.streams.close(action.learner_id)
+            elif isinstance(action, RoundClosed):
+                merged.append(action)
+            elif isinstance(action, Checkpoint):
+                self.observer.on_checkpoint(action.state)
+            elif isinstance(action, Finished):
+                self.finished.set()
+        if merged:
+            elapsed = compute_s + time.perf_counter() - started
+            for record in merged:
+                self.observer.on_round(record, elapsed)
+            if not self._stopped:
+                self._pool.submit(self.core.handle, SyncTimeObserved(elapsed), self.clock())
+        self.observer.on_event(actions)
+        self._wake.set()  # deadlines may have moved
+
+    # ---- the timer -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._timer = asyncio.ensure_future(self._timer_loop())
+
+    async def _timer_loop(self) -> None:
+        while not self._stopped:
+            deadline = await self.query(lambda core: core.next_deadline())
+            now = self.clock()
+            wait_s = TIMER_MAX_WAIT_S if deadline is None else min(TIMER_MAX_WAIT_S, max(0.0, deadline - now))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait_s)
+            self._wake.clear()
+            if not self._stopped:
+                await self.handle(Tick())
+
+    async def stop(self) -> None:
+        # A flag, not only cancel(): asyncio.wait_for in Python 3.11 can swallow a cancellation
+        # that arrives as its inner wait completes, and the loop would run on.
+        self._stopped = True
+        self._wake.set()
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,97 @@
+"""Serving a :class:`~ddiloco.runtime.service.SyncService` over gRPC: bind, run, shut down."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.auth import Address
+from ddiloco.runtime.service import SyncService
+from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
+
+log = logging.getLogger("ddiloco.sync")
+
+SERVER_OPTIONS = KEEPALIVE_OPTIONS + [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class SyncServer:
+    """A started gRPC server around one service (``start`` binds, ``stop`` checkpoints and closes)."""
+
+    def __init__(self, service: SyncService) -> None:
+        self.service = service
+        self._server: grpc.aio.Server | None = None
+        self.closing = asyncio.Event()
+
+    async def start(self, listen: Address, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Bind and start serving; returns the port (useful with port 0)."""
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers([self.service.handlers()])
+        target = str(listen)
+        try:
+            port = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
+        except RuntimeError as err:
+            raise ConfigError(f"cannot listen on {target}: {err}") from None
+        if port == 0:
+            raise ConfigError(f"cannot listen on {target} (address in use?)")
+        self.service.start_host()
+        await server.start()
+        self._server = server
+        self.service.port = port
+        s = self.service
+        log.info("synchronizer %s listening on %s:%d (%s, M=%d, %d fragments, incarnation %x)",
+                 "resumed" if s.checkpoints else "started", listen.host, port, s.config.run.mode,
+                 s.config.run.learners, len(s.layout.plan.fragments), s.incarnation)
+        return port
+
+    async def stop(self) -> None:
+        await self.service.stop()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+
+
+async def serve(service: SyncService, listen: Address, *, credentials: grpc.ServerCredentials | None = None,
+                port_file: Path | None = None, exit_when_finished: bool = False) -> None:
+    """Run ``service`` until SIGINT/SIGTERM (or the end of the run with ``exit_when_finished``)."""
+    server = SyncServer(service)
+    port = await server.start(listen, credentials)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.closing.set)
+    loop.add_signal_handler(signal.SIGUSR2, _dump_tasks)
+    if port_file is not None:
+        tmp = port_file.with_name(port_file.name + ".tmp")
+        tmp.write_text(f"{port}\n")
+        os.replace(tmp, port_file)
+    try:
+        waits = [asyncio.ensure_future(server.closing.wait())]
+        if exit_when_finished:
+            assert service.host is not None
+            waits.append(asyncio.ensure_future(service.host.finished.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+    finally:
+        log.info("shutting down")
+        await server.stop()
+
+
+def _dump_tasks() -> None:
+    """``kill -USR2 PID``: log where every asyncio task of the service is waiting."""
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(file=out)
+        log.warning("task %s:\n%s", task.get_name(), out.getvalue())
+
+

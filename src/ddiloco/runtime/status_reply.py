@@ -1,0 +1,75 @@
+"""The Status call's answer: the core's :class:`~ddiloco.core.synchronizer.SyncStatus` plus
+what only the service measures (bytes on the wire, goodput, checkpoints, wire rejections)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from ddiloco.core.run import RunPhase
+from ddiloco.core.synchronizer import SyncStatus
+from ddiloco.runtime.auth import PROTOCOL_VERSION
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
+
+if TYPE_CHECKING:
+    from ddiloco.runtime.service import SyncService
+
+
+def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.StatusReply:
+    wall_now = time.monotonic()
+    last_ckpt = service.last_checkpoint_s
+    reply = pb.StatusReply(
+        incarnation=core.incarnation,
+        protocol_version=PROTOCOL_VERSION,
+        uptime_s=wall_now - service.process_start_s,
+        quorum=core.quorum,
+        effective_quorum=core.effective_quorum,
+        grace_window_s=core.grace_window_s,
+        grace_quorum_s=core.grace_quorum_s,
+        grace_sync_s=core.grace_sync_s,
+        bytes_up=service.ledger.total("up"),
+        bytes_down=service.ledger.total("down"),
+        tokens=core.tokens,
+        token_budget=core.token_budget,
+        finished=core.phase is RunPhase.FINISHED,
+        checkpoints=service.checkpoints,
+        last_checkpoint_s_ago=-1.0 if last_ckpt is None else wall_now - last_ckpt,
+        mode=service.config.run.mode,
+        longest_pause_s=core.longest_pause_s,
+        phase=str(core.phase),
+        pending_tokens=core.pending_tokens,
+        round_phases=[str(p) for p in core.round_phases],
+    )
+    first = service.first_join_s
+    if first is not None:
+        end = wall_now
+        reply.goodput = service.goodput.goodput(end - first)
+        reply.model_uptime = service.goodput.uptime(first, end)
+    up_by_learner, down_by_learner = service.ledger.by(0, "up"), service.ledger.by(0, "down")
+    for rec in core.learners:
+        name = rec.learner_id
+        reply.learners.append(pb.LearnerStatus(
+            id=name,
+            alive=rec.alive,
+            last_seen_s_ago=now - rec.last_seen_s if rec.last_seen_s else -1.0,
+            accepted=rec.accepted,
+            rejected=rec.rejected + service.learner_wire_rejected.get(name, 0),
+            registrations=rec.registrations,
+            tokens=rec.tokens,
+            bytes_up=up_by_learner.get(name, 0),
+            bytes_down=down_by_learner.get(name, 0),
+            step_time_s=rec.step_time_s or 0.0,
+        ))
+    up_by_frag, down_by_frag = service.ledger.by(1, "up"), service.ledger.by(1, "down")
+    for index, (version, f) in enumerate(zip(core.versions, service.layout.plan.fragments)):
+        reply.fragments.append(pb.FragmentStatus(
+            id=index, version=version, numel=f.numel,
+            bytes_up=up_by_frag.get(index, 0), bytes_down=down_by_frag.get(index, 0),
+        ))
+    for key, count in sorted(core.rounds_closed.items()):
+        reply.rounds_closed.append(pb.CountEntry(key=key, count=count))
+    rejections = collections.Counter(core.rejections) + service.wire_rejections
+    for key, count in sorted(rejections.items()):
+        reply.rejections.append(pb.CountEntry(key=key, count=count))
+    return reply

@@ -1,0 +1,60 @@
+"""The adversary's timed faults: partitions and freezes of learners, crashes of the synchronizer.
+
+Learner crashes come from :class:`~ddiloco.sim.faults.FailureTrace` (shared with the
+baselines); the faults here exist to attack the protocol: a *partition* cuts a learner off
+the synchronizer (both directions) for a while; a *freeze* keeps a learner's process alive
+but silent (SIGSTOP) for longer than its lease, so it resumes holding a stale state; a
+*synchronizer crash* loses everything after its last checkpoint. Each is a Poisson process
+with a rate per virtual second, drawn from its own seeded stream, and only inside the
+attack window (``until_s``: the safety phase of ``ddiloco simtest``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddiloco.config import FaultConfig
+
+
+class TimedFault(enum.StrEnum):
+    PARTITION = "partition"
+    FREEZE = "freeze"
+    SYNC_CRASH = "sync_crash"
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    kind: TimedFault
+    target: int
+    """Learner index (-1 for the synchronizer)."""
+    start_s: float
+    end_s: float
+
+
+def plan_windows(faults: FaultConfig, *, learners: int, until_s: float, seed: int) -> list[Window]:
+    """Every timed fault of a run, in time order (windows of one target never overlap)."""
+    windows: list[Window] = []
+    streams = np.random.SeedSequence([seed, 0xADD5]).spawn(2 * learners + 1)
+    for m in range(learners):
+        windows += _poisson(TimedFault.PARTITION, m, faults.partition, faults.partition_s, until_s, streams[2 * m])
+        windows += _poisson(TimedFault.FREEZE, m, faults.freeze, faults.freeze_s, until_s, streams[2 * m + 1])
+    windows += _poisson(TimedFault.SYNC_CRASH, -1, faults.sync_crash, faults.sync_downtime_s, until_s, streams[-1])
+    return sorted(windows, key=lambda w: (w.start_s, w.kind, w.target))
+
+
+def _poisson(kind: TimedFault, target: int, rate: float, mean_s: float, until_s: float,
+             stream: np.random.SeedSequence) -> list[Window]:
+    rng = np.random.default_rng(stream)
+    out: list[Window] = []
+    t = 0.0
+    while rate > 0:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= until_s:
+            break
+        end = t + mean_s * float(rng.uniform(0.5, 1.5))
+        out.append(Window(kind, target, t, end))
+        t = end
+    return out

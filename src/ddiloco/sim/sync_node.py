@@ -1,0 +1,131 @@
+"""The synchronizer process of the virtual cluster: carries out the core's actions, keeps its
+checkpoints, and crashes and restarts from the latest one when the adversary says so.
+
+A crash loses what a real crash loses: the pending rounds, every merge since the last
+checkpoint, the registry's leases. The restarted process is a new *incarnation* (a number
+no earlier one used), restored from the checkpoint; learners find out from its refusals
+and join again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ddiloco.core.actions import (
+    Accepted,
+    Admitted,
+    Broadcast,
+    Checkpoint,
+    Finished,
+    Refused,
+    RoundClosed,
+    StopLearners,
+    SyncAction,
+    SyncTimeObserved,
+    Tick,
+)
+from ddiloco.core.messages import Contribution, Request, StopNotice
+from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.sim.events import Ev
+
+if TYPE_CHECKING:
+    from ddiloco.sim.cluster import VirtualCluster
+
+
+class SyncNode:
+    def __init__(self, build: Callable[[int], Synchronizer], initial_values: Sequence[torch.Tensor], seed: int) -> None:
+        self._build = build
+        self.initial_values = [v.clone() for v in initial_values]
+        # Incarnations are random ids, as in the real service: nothing may rely on their order.
+        self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7]))
+        self.incarnation = self._new_incarnation()
+        self.core = build(self.incarnation)
+        self.up = True
+        self.checkpoint: dict[str, Any] | None = None
+        self.tick_at: float | None = None
+        self.crashes = 0
+        self.finished = False
+
+    def _new_incarnation(self) -> int:
+        return int(self._ids.integers(1, 2**48))
+
+    def start(self, cluster: "VirtualCluster") -> None:
+        if cluster.checker:
+            cluster.checker.on_start(self.incarnation, [self.core.value(p) for p in range(self.core.num_fragments)],
+                                     self.core.versions(), None)
+
+    # ---- events ------------------------------------------------------------------------
+
+    def on_request(self, cluster: "VirtualCluster", m: int, boot: int, call_id: int, request: Request) -> None:
+        if not self.up:
+            return  # nobody listening: the caller's deadline will tell it
+        self.execute(cluster, self.core.handle(request, cluster.queue.now), reply_to=(m, boot, call_id))
+
+    def on_tick(self, cluster: "VirtualCluster", incarnation: int) -> None:
+        if incarnation != self.incarnation or not self.up:
+            return
+        self.tick_at = None
+        self.execute(cluster, self.core.handle(Tick(), cluster.queue.now))
+
+    def execute(self, cluster: "VirtualCluster", actions: list[SyncAction],
+                reply_to: tuple[int, int, int] | None = None) -> None:
+        now = cluster.queue.now
+        for action in actions:
+            if isinstance(action, (Admitted, Accepted, Refused)):
+                assert reply_to is not None
+                m, boot, call_id = reply_to
+                size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
+                cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action)
+                if isinstance(action, Accepted) and isinstance(action.request, Contribution) and cluster.checker:
+                    cluster.checker.on_accepted(action.request, self.incarnation)
+            elif isinstance(action, Broadcast):
+                arrivals = [cluster.push_to(name, action.update.fragment, len(action.update.payload), action.update)
+                            for name in action.recipients]
+                arrivals = [t for t in arrivals if t is not None]
+                if arrivals:
+                    self.core.handle(SyncTimeObserved(max(arrivals) - now), now)
+            elif isinstance(action, StopLearners):
+                for name in action.recipients:
+                    cluster.push_to(name, -1, 0, StopNotice())
+            elif isinstance(action, RoundClosed):
+                cluster.on_round(action, self.core.value(action.fragment))
+            elif isinstance(action, Checkpoint):
+                self.checkpoint = action.state
+            elif isinstance(action, Finished):
+                self.finished = True
+        self.schedule_tick(cluster)
+
+    def schedule_tick(self, cluster: "VirtualCluster") -> None:
+        deadline = self.core.next_deadline()
+        if deadline is not None and (self.tick_at is None or deadline < self.tick_at):
+            self.tick_at = deadline
+            cluster.queue.at(deadline, Ev.SYNC_TICK, self.incarnation)
+
+    # ---- crash and restart -------------------------------------------------------------
+
+    def crash(self, cluster: "VirtualCluster") -> None:
+        if not self.up or self.finished:
+            return
+        self.up = False
+        self.crashes += 1
+        if cluster.checker:
+            cluster.checker.on_crash(self.incarnation, self.core.pending_tokens())
+
+    def restart(self, cluster: "VirtualCluster") -> None:
+        if self.up:
+            return
+        self.incarnation = self._new_incarnation()
+        self.core = self._build(self.incarnation)
+        if self.checkpoint is not None:
+            self.core.load_state_dict(self.checkpoint)
+        self.up = True
+        self.tick_at = None
+        if cluster.checker:
+            known = None if self.checkpoint is None else [f["version"] for f in self.checkpoint["fragments"]]
+            cluster.checker.on_start(self.incarnation, [self.core.value(p) for p in range(self.core.num_fragments)],
+                                     self.core.versions(), known)
+        self.schedule_tick(cluster)
+
