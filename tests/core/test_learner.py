@@ -193,6 +193,8 @@ def test_max_wait_holds_a_learner_tau_steps_after_sending_then_lets_it_train_on(
     assert not core.can_step(6.0)  # step 6 = 4 + τ without the update: wait
     assert core.next_deadline() == pytest.approx(11.0)
     assert not core.can_step(10.9) and core.can_step(11.0)  # waited max_wait_s: train on
+    core.tick(11.0)
+    assert core.next_deadline() is None or core.next_deadline() > 11.0  # nothing left due at 11 s
 
 
 def test_stop_then_close_flushes_everything_unsent_and_leaves():

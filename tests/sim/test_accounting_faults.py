@@ -39,14 +39,15 @@ def test_goodput_counts_credited_compute_and_uptime_the_covered_time():
         acc.add_step(1, 5, 0.0, 1.0)
 
 
-def _round(fragment, version, learners, quorum, reason=CloseReason.GRACE, base=None, seq=0, incarnation=1):
+def _round(fragment, version, learners, quorum, reason=CloseReason.GRACE, base=None, seq=0, incarnation=1, alive=1):
     base = version - 1 if base is None else base
     merged = tuple(MergedContribution(name, 1, seq, 10, 1, 1.0, 1, base, 0.0) for name in learners)
-    return RoundClosed(fragment, version, merged, quorum, reason, 0.0, 0.0, 0.0, incarnation)
+    return RoundClosed(fragment, version, merged, quorum, reason, 0.0, 0.0, 0.0, incarnation, alive)
 
 
 def _checker(seed=0):
-    c = InvariantChecker(seed=seed, staleness_max=2, initial_values=[torch.zeros(4), torch.zeros(4)])
+    c = InvariantChecker(seed=seed, staleness_max=2, quorum=2, strict_quorum=False,
+                         initial_values=[torch.zeros(4), torch.zeros(4)])
     c.on_start(1, [torch.zeros(4), torch.zeros(4)], [0, 0], None)
     return c
 
@@ -89,6 +90,15 @@ def test_invariant_checker_catches_double_merges_stale_merges_and_a_restart_past
     for v in range(1, 4):
         stale.on_round(_round(0, v, ["a"], quorum=1, seq=v), torch.zeros(4))
     with pytest.raises(InvariantViolation, match="staleness"):
-        stale.on_round(_round(0, 4, ["b"], quorum=1, base=0), torch.zeros(4))  # 3 behind > 2
+        stale.on_round(_round(0, 4, ["b"], quorum=1, base=0, reason=CloseReason.ALL_LIVE), torch.zeros(4))  # 3 behind
     with pytest.raises(InvariantViolation, match="checkpoint knew"):
         _checker().on_start(2, [torch.zeros(4), torch.zeros(4)], [3, 1], [2, 1])
+
+
+def test_invariant_checker_computes_the_quorum_itself():
+    # The synchronizer claims a quorum of 1, but K = 2 with 3 learners alive requires 2.
+    with pytest.raises(InvariantViolation, match="requires 2"):
+        _checker().on_round(_round(0, 1, ["a"], quorum=1, alive=3), torch.zeros(4))
+    _checker().on_round(_round(0, 1, ["a"], quorum=1, alive=1), torch.zeros(4))  # one alive: one is enough
+    with pytest.raises(InvariantViolation, match="requires 3"):  # "all live" closed without one of them
+        _checker().on_round(_round(0, 1, ["a", "b"], quorum=2, reason=CloseReason.ALL_LIVE, alive=3), torch.zeros(4))

@@ -127,6 +127,8 @@ class RoundClosed:
     opened_at_s: float
     closed_at_s: float
     incarnation: int = 0
+    alive: int = 0
+    """Live learners when the round's quorum was decided (at close for all-live and strict rounds)."""
 
     @property
     def tokens(self) -> int:

@@ -91,7 +91,8 @@ class _InFlight:
     """A fragment sent and not yet updated: what a waiting learner waits for."""
 
     sent_at_step: int
-    wait_from_s: float | None = None
+    wait_until_s: float | None = None
+    """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
 
 
 class Learner:
@@ -168,9 +169,8 @@ class Learner:
     def next_deadline(self) -> float | None:
         """When ``tick`` has something to do: a heartbeat, a join retry, the end of a wait."""
         times = [t for t in (self._heartbeat_due_s, self._join_retry_s) if t is not None]
-        if self.config.max_wait_s > 0 and not self.config.blocking:
-            times += [f.wait_from_s + self.config.max_wait_s for f in self._in_flight.values()
-                      if f.wait_from_s is not None]
+        times += [f.wait_until_s for f in self._in_flight.values()
+                  if f.wait_until_s is not None and f.wait_until_s != float("inf")]
         return min(times) if times else None
 
     def anchor(self, fragment: int) -> torch.Tensor:
@@ -272,20 +272,20 @@ class Learner:
     def _start_waits(self, now: float) -> None:
         """Fragments sent τ steps ago (0 when blocking) without an update: start waiting for them."""
         threshold = 0 if self.config.blocking else self.config.overlap
+        limit = float("inf") if self.config.blocking else self.config.max_wait_s
+        for flight in self._in_flight.values():
+            if flight.wait_until_s is None and self.step - flight.sent_at_step >= threshold:
+                flight.wait_until_s = now + limit
+        self._expire_waits(now)
+
+    def _expire_waits(self, now: float) -> None:
+        """Waited ``max_wait_s`` for an update that did not come: train on."""
         for p, flight in list(self._in_flight.items()):
-            if flight.wait_from_s is None and self.step - flight.sent_at_step >= threshold:
-                flight.wait_from_s = now
-            elif (flight.wait_from_s is not None and not self.config.blocking
-                  and now - flight.wait_from_s >= self.config.max_wait_s):
-                del self._in_flight[p]  # waited long enough: train on
+            if flight.wait_until_s is not None and now >= flight.wait_until_s:
+                del self._in_flight[p]
 
     def _waiting(self, now: float) -> bool:
-        for flight in self._in_flight.values():
-            if flight.wait_from_s is None:
-                continue
-            if self.config.blocking or now - flight.wait_from_s < self.config.max_wait_s:
-                return True
-        return False
+        return any(f.wait_until_s is not None and now < f.wait_until_s for f in self._in_flight.values())
 
     def close(self, now: float) -> list[LearnerAction]:
         """End of training: send every fragment with unsent steps, due or not, then leave."""
@@ -385,7 +385,11 @@ class Learner:
         return []
 
     def tick(self, now: float) -> list[LearnerAction]:
-        """Time passed: heartbeat when due, retry a join when due."""
+        """Time passed: heartbeat when due, retry a join when due, end waits that ran out.
+
+        Afterwards ``next_deadline()`` is later than ``now`` (or None).
+        """
+        self._expire_waits(now)
         actions: list[LearnerAction] = []
         if self._join_retry_s is not None and now >= self._join_retry_s and self.phase is LearnerPhase.JOINING:
             actions += self._join()

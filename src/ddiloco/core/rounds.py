@@ -51,6 +51,9 @@ class Round:
     """When the quorum was reached (valid in GRACE)."""
     deadline_s: float = 0.0
     """When the grace window closes the round (valid in GRACE)."""
+    quorum_required: int = 0
+    alive_at_quorum: int = 0
+    """The quorum the round met, and how many learners were alive then (valid in GRACE)."""
 
     def add(self, key: PendingKey, pending: Pending) -> None:
         """Queue a contribution (replacing what the same learner and session sent before)."""
@@ -59,10 +62,12 @@ class Round:
             self.opened_at_s = pending.arrived_s
         self.pending[key] = pending
 
-    def open_grace(self, now: float, length_s: float) -> None:
+    def open_grace(self, now: float, length_s: float, quorum: int, alive: int) -> None:
         self.phase = RoundPhase.GRACE
         self.quorum_at_s = now
         self.deadline_s = now + length_s
+        self.quorum_required = quorum
+        self.alive_at_quorum = alive
 
     def contributors(self) -> set[str]:
         return {learner for learner, _ in self.pending}
@@ -86,6 +91,7 @@ class Round:
         self.pending.clear()
         self.phase = RoundPhase.IDLE
         self.opened_at_s = self.quorum_at_s = self.deadline_s = 0.0
+        self.quorum_required = self.alive_at_quorum = 0
 
 
 @dataclass(slots=True)

@@ -92,7 +92,8 @@ class RunState:
         limits = self.limits
         if limits.tokens and self.tokens >= limits.tokens:
             return True
-        return bool(limits.time_s) and self.started_at_s is not None and now - self.started_at_s >= limits.time_s
+        # The same sum as in ``deadline()``: a tick at the deadline must find the budget spent.
+        return bool(limits.time_s) and self.started_at_s is not None and now >= self.started_at_s + limits.time_s
 
     def deadline(self) -> float | None:
         """When the run's clock next needs the synchronizer's attention."""

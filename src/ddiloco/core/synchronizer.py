@@ -377,7 +377,7 @@ class Synchronizer:
         grace = self.grace_length_s()
         if grace <= 0.0:
             return self._close(index, now, CloseReason.NO_GRACE)
-        rnd.open_grace(now, grace)
+        rnd.open_grace(now, grace, self.effective_quorum(), len(self.alive()))
         return []
 
     def _close(self, index: int, now: float, reason: CloseReason) -> list[SyncAction]:
@@ -386,6 +386,7 @@ class Synchronizer:
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         merged = frag.merge(entries, self.config.merge)
         payload = frag.step(merged, self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
+        in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
             fragment=index,
             version=frag.version,
@@ -395,12 +396,13 @@ class Synchronizer:
                                    p.contribution.first_step, p.contribution.base_version, p.arrived_s)
                 for p in entries
             ),
-            quorum_required=self.effective_quorum(),
+            quorum_required=rnd.quorum_required if in_grace else self.effective_quorum(),
             reason=reason,
             grace_s=rnd.grace_s,
             opened_at_s=rnd.opened_at_s,
             closed_at_s=now,
             incarnation=self.incarnation,
+            alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.alive()),
         )
         rnd.clear()
         self._rounds_closed[str(reason)] += 1

@@ -74,18 +74,20 @@ class VirtualCluster:
         total = sum(f.numel for f in self.plan.fragments)
         self._share = [f.numel / total for f in self.plan.fragments]
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
-        self.checker = (InvariantChecker(seed=run.seed, staleness_max=protocol.staleness_max, initial_values=initial)
+        self.checker = (InvariantChecker(seed=run.seed, staleness_max=protocol.staleness_max, quorum=protocol.quorum,
+                                         strict_quorum=protocol.strict_quorum, initial_values=initial)
                         if check_invariants else None)
         self.queue = EventQueue()
         f = config.faults
+        self.attack_until_s = recorder.horizon_s() if attack_until_s is None else attack_until_s
         self.network = Network(
             [f"learner-{m}" for m in range(run.learners)], bandwidth_bps=cluster.bandwidth_bps,
             latency_s=cluster.latency_s, seed=run.seed, bytes_counter=recorder.bytes,
-            faults=NetFaults(loss=f.loss, duplicate=f.duplicate, reorder=f.reorder, reorder_delay_s=f.reorder_delay_s),
+            faults=NetFaults(loss=f.loss, duplicate=f.duplicate, reorder=f.reorder, reorder_delay_s=f.reorder_delay_s,
+                             until_s=self.attack_until_s),
         )
         self.learners = [self._new_node(m) for m in range(run.learners)]
         self._by_name = {node.name: node for node in self.learners}
-        self.attack_until_s = recorder.horizon_s() if attack_until_s is None else attack_until_s
         self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed)
         self.injected: Counter[str] = Counter()
         self.limit_s = 2 * recorder.horizon_s() + 100.0
@@ -108,6 +110,15 @@ class VirtualCluster:
     # ---- the run -------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        self.start()
+        while self.running():
+            self.step_event()
+        return self.finish()
+
+    def running(self) -> bool:
+        return bool(len(self.queue)) and not self.sync.finished and self.queue.now <= self.limit_s
+
+    def start(self) -> None:
         self.sync.start(self)
         for node in self.learners:
             node.execute(self, node.core.start(0.0))
@@ -117,9 +128,6 @@ class VirtualCluster:
                     TimedFault.SYNC_CRASH: Ev.SYNC_CRASH}[w.kind]
             self.queue.at(w.start_s, kind, w.target, w.end_s)
         self.evaluate()
-        while len(self.queue) and not self.sync.finished and self.queue.now <= self.limit_s:
-            self.step_event()
-        return self._finish()
 
     def step_event(self) -> None:
         """Take the next event off the queue and carry it out."""
@@ -198,7 +206,7 @@ class VirtualCluster:
 
     def _schedule_failure(self, m: int) -> None:
         down = self.recorder.trace.next_down(m, self.queue.now if self.queue.now > 0 else -1.0)
-        if down != float("inf"):
+        if down < self.attack_until_s:
             self.queue.at(down, Ev.CRASH, m)
 
     # ---- what the nodes call ---------------------------------------------------------------
@@ -239,7 +247,7 @@ class VirtualCluster:
             extra={"fragment_versions": list(core.versions()), "alive": len(core.alive())},
         )
 
-    def _finish(self) -> dict[str, Any]:
+    def finish(self) -> dict[str, Any]:
         if self.checker and self.sync.up:
             self.checker.at_end(self.sync.incarnation, self.sync.core.pending_tokens())
         status = self.sync.core.status()

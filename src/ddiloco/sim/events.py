@@ -55,6 +55,10 @@ class EventQueue:
         self.now = event.time
         return event
 
+    def next_time(self) -> float:
+        """When the next event happens (inf when there is none)."""
+        return self._heap[0].time if self._heap else float("inf")
+
     def __len__(self) -> int:
         return len(self._heap)
 

@@ -2,7 +2,9 @@
 
 Safety properties of the protocol, whatever the adversary does:
 
-- a round never merges below the quorum required when it closed (except the final drain);
+- a round never merges below its quorum (except the final drain): K fresh contributions, or
+  as many as there were live learners when the quorum was decided, computed here from K
+  and the live count, independently of the synchronizer's own rule;
 - within one synchronizer incarnation versions only increase, by one per round, starting
   from what the checkpoint it restarted from knew (never past it);
 - every merged contribution was measured from a version at most ``staleness_max`` behind;
@@ -38,9 +40,12 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 class InvariantChecker:
-    def __init__(self, *, seed: int, staleness_max: int, initial_values: Sequence[torch.Tensor]) -> None:
+    def __init__(self, *, seed: int, staleness_max: int, quorum: int, strict_quorum: bool,
+                 initial_values: Sequence[torch.Tensor]) -> None:
         self.seed = seed
         self.staleness_max = staleness_max
+        self.quorum = quorum
+        self.strict_quorum = strict_quorum
         self.tokens_accepted: Counter[int] = Counter()
         self.tokens_merged: Counter[int] = Counter()
         self.tokens_lost: Counter[int] = Counter()
@@ -80,9 +85,7 @@ class InvariantChecker:
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         self.checks += 1
         inc, p = record.incarnation, record.fragment
-        contributors = {m.learner_id for m in record.merged}
-        if record.reason is not CloseReason.DRAIN and len(contributors) < record.quorum_required:
-            self._fail(f"fragment {p} v{record.version} merged {len(contributors)} < quorum {record.quorum_required}")
+        self._check_quorum(record)
         previous = self._versions.get((inc, p), 0)
         if record.version != previous + 1:
             self._fail(f"fragment {p}: version {record.version} after {previous} (incarnation {inc})")
@@ -97,6 +100,24 @@ class InvariantChecker:
             self._merged.add(key)
         self.tokens_merged[inc] += record.tokens
         self._values[(inc, p, record.version)] = _digest(value)
+
+    def _check_quorum(self, record: RoundClosed) -> None:
+        contributors = {m.learner_id for m in record.merged}
+        fresh = {m.learner_id for m in record.merged if m.base_version == record.version - 1}
+        where = f"fragment {record.fragment} v{record.version} ({record.reason})"
+        if record.reason is CloseReason.DRAIN:
+            return
+        if len(contributors) < record.quorum_required:
+            self._fail(f"{where} merged {len(contributors)} < quorum {record.quorum_required}")
+        if record.reason is CloseReason.QUORUM:
+            needed, have = self.quorum, len(contributors)
+        elif record.reason is CloseReason.ALL_LIVE:
+            needed, have = record.alive, len(contributors)
+        else:
+            needed, have = max(1, min(self.quorum, record.alive)), len(fresh)
+        if have < needed:
+            self._fail(f"{where} merged {have} learners' work where quorum K={self.quorum} with {record.alive} "
+                       f"alive requires {needed}")
 
     def on_anchor(self, learner: Learner, fragment: int) -> None:
         """After a learner adopts a state or applies an update: its anchor is a produced value."""

@@ -28,6 +28,7 @@ from ddiloco.core.actions import (
 from ddiloco.core.learner import Learner, LearnerPhase
 from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import Ev
+from ddiloco.sim.invariants import InvariantViolation
 from ddiloco.sim.network import Direction
 
 if TYPE_CHECKING:
@@ -126,7 +127,13 @@ class LearnerNode:
 
     def on_tick(self, cluster: "VirtualCluster") -> None:
         self.tick_at = None
-        self.execute(cluster, self.core.tick(cluster.queue.now))
+        now = cluster.queue.now
+        actions = self.core.tick(now)
+        deadline = self.core.next_deadline()
+        if deadline is not None and deadline <= now:
+            raise InvariantViolation(f"{self.name}'s core asks to be woken at {deadline!r} after its tick at {now!r}: "
+                                     "time would stand still")
+        self.execute(cluster, actions)
 
     # ---- the training loop -----------------------------------------------------------------
 

@@ -73,6 +73,8 @@ class NetFaults:
     duplicate: float = 0.0
     reorder: float = 0.0
     reorder_delay_s: float = 2.0
+    until_s: float = float("inf")
+    """The adversary stops here (the end of the safety phase of ``ddiloco simtest``)."""
 
 
 class Network:
@@ -111,6 +113,8 @@ class Network:
         if self.partitioned(learner, now) or self.partitioned(learner, arrival):
             return []
         f = self.faults
+        if now >= f.until_s:
+            return [arrival]
         if f.loss and self._rng.random() < f.loss:
             self.injected[NetFault.LOSS] += 1
             return []

@@ -30,6 +30,7 @@ from ddiloco.core.actions import (
 from ddiloco.core.messages import Contribution, Request, StopNotice
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.events import Ev
+from ddiloco.sim.invariants import InvariantViolation
 
 if TYPE_CHECKING:
     from ddiloco.sim.cluster import VirtualCluster
@@ -68,7 +69,13 @@ class SyncNode:
         if incarnation != self.incarnation or not self.up:
             return
         self.tick_at = None
-        self.execute(cluster, self.core.handle(Tick(), cluster.queue.now))
+        now = cluster.queue.now
+        actions = self.core.handle(Tick(), now)
+        deadline = self.core.next_deadline()
+        if deadline is not None and deadline <= now:
+            raise InvariantViolation(f"the synchronizer asks to be woken at {deadline!r} after its tick at {now!r}: "
+                                     "time would stand still")
+        self.execute(cluster, actions)
 
     def execute(self, cluster: "VirtualCluster", actions: list[SyncAction],
                 reply_to: tuple[int, int, int] | None = None) -> None:
