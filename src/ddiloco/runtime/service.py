@@ -27,21 +27,21 @@ import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from ddiloco.config import Config
 from ddiloco.core.actions import Admitted, Finished, LeaseExpired, Refused, RoundClosed, StopLearners, SyncAction
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import Contribution, RejectReason
+from ddiloco.core.messages import RejectReason
 from ddiloco.core.run import RunLimits, RunPhase
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, token_matches
+from ddiloco.runtime.auth import REASON_HEADER
 from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.runtime.boundary import Abort, Boundary
 from ddiloco.runtime.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.runtime.metrics import ByteLedger, GoodputMeter, ServiceMetrics
@@ -54,30 +54,6 @@ log = logging.getLogger("ddiloco.sync")
 
 SERVICE_NAME = "ddiloco.v2.Synchronizer"
 
-_STATUS_CODES = {
-    RejectReason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    RejectReason.UNKNOWN_LEARNER: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.SUPERSEDED: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.FUTURE_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.BAD_PROTOCOL_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectReason.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
-    RejectReason.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-"""gRPC status per rejection reason; everything else is INVALID_ARGUMENT."""
-
-M = TypeVar("M", bound=Message)
-
-
-class _Abort(Exception):
-    """Internal: end the current call with a wire-level rejection."""
-
-    def __init__(self, reason: RejectReason, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +98,11 @@ class SyncService:
         )
         total = sum(f.numel for f in self.layout.plan.fragments)
         self._share = [f.numel / total for f in self.layout.plan.fragments]
-        self._max_payload = max(4 * f.numel for f in self.layout.plan.fragments)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
+        self.boundary = Boundary(options.token, max(4 * f.numel for f in self.layout.plan.fragments), self.metrics,
+                                 self.ledger)
         self.goodput = GoodputMeter(learners=config.run.learners)
-        self.wire_rejections: collections.Counter[str] = collections.Counter()
-        self.learner_wire_rejected: collections.Counter[str] = collections.Counter()
         self.learner_index: dict[str, int] = {}
         self.checkpoints = 0
         self.port: int | None = None
@@ -170,8 +145,8 @@ class SyncService:
         except (KeyError, ValueError) as err:
             raise CheckpointError(f"checkpoint does not fit this synchronizer: {err}") from None
         self.learner_index = {k: int(v) for k, v in service["learner_index"].items()}
-        self.wire_rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
-        self.learner_wire_rejected = collections.Counter(
+        self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
+        self.boundary.learner_rejected = collections.Counter(
             {k: int(v) for k, v in service["learner_wire_rejected"].items()})
         self.ledger.load_state_dict(service["bytes"])
         self.goodput.load_state_dict(service["goodput"])
@@ -184,8 +159,8 @@ class SyncService:
         return {
             "layout_sha256": self.layout_sha256,
             "learner_index": dict(self.learner_index),
-            "wire_rejections": dict(self.wire_rejections),
-            "learner_wire_rejected": dict(self.learner_wire_rejected),
+            "wire_rejections": dict(self.boundary.rejections),
+            "learner_wire_rejected": dict(self.boundary.learner_rejected),
             "bytes": self.ledger.state_dict(),
             "goodput": self.goodput.state_dict(wall, uptime),
             "checkpoints": self.checkpoints + 1,
@@ -242,57 +217,6 @@ class SyncService:
                 log.info("run finished: %d tokens, fragment versions %s", self.core.status().tokens,
                          list(self.core.versions()))
 
-    # ---- boundary checks -------------------------------------------------------------------
-
-    def _admit(self, context: grpc.aio.ServicerContext) -> None:
-        metadata = context.invocation_metadata()
-        if not token_matches(metadata, self.options.token):
-            raise _Abort(RejectReason.UNAUTHENTICATED, "missing or wrong auth token")
-        for key, value in metadata or ():
-            if key == PROTOCOL_HEADER and str(value) != str(PROTOCOL_VERSION):
-                raise _Abort(RejectReason.BAD_PROTOCOL_VERSION,
-                             f"client speaks protocol {value}, this synchronizer speaks {PROTOCOL_VERSION}")
-
-    @staticmethod
-    def _parse(message_type: type[M], raw: bytes) -> M:
-        try:
-            return message_type.FromString(raw)
-        except (DecodeError, RuntimeWarning, ValueError) as err:
-            raise _Abort(RejectReason.MALFORMED, f"cannot parse {message_type.__name__}: {err}") from None
-
-    def _receive(self, context: grpc.aio.ServicerContext, message_type: type[M], raw: bytes) -> M:
-        """Admit the caller, parse its request and count its bytes (raises :class:`_Abort`)."""
-        self._admit(context)
-        request = self._parse(message_type, raw)
-        if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
-            self._in(request.learner_id, -1, len(raw))
-        return request
-
-    async def _reject(self, context: grpc.aio.ServicerContext, reason: RejectReason, detail: str,
-                      learner: str | None = None, *, counted: bool = False) -> None:
-        """End the call with ``reason``; wire-level rejections are counted here (the core counts its own)."""
-        if not counted:
-            self.wire_rejections[str(reason)] += 1
-            if learner:
-                self.learner_wire_rejected[learner] += 1
-        self.metrics.rejections.labels(str(reason)).inc()
-        code = _STATUS_CODES.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
-        log.info("rejected %s%s: %s", reason, f" from {learner}" if learner else "", detail)
-        await context.abort(code, f"{reason}: {detail}", trailing_metadata=((REASON_HEADER, str(reason)),))
-
-    async def _refused(self, context: grpc.aio.ServicerContext, reply: Refused) -> None:
-        await self._reject(context, reply.reason, reply.detail, reply.learner_id, counted=True)
-
-    def _out(self, learner: str, fragment: int, message: Message) -> bytes:
-        data = message.SerializeToString()
-        self.ledger.add(learner, fragment, "down", len(data))
-        self.metrics.bytes.labels("down").inc(len(data))
-        return data
-
-    def _in(self, learner: str, fragment: int, size: int) -> None:
-        self.ledger.add(learner, fragment, "up", size)
-        self.metrics.bytes.labels("up").inc(size)
-
     def _header(self, learner: str) -> pb.JoinHeader:
         return pb.JoinHeader(
             incarnation=self.incarnation,
@@ -324,23 +248,23 @@ class SyncService:
     async def join(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         learner = ""
         try:
-            req = self._receive(context, pb.JoinRequest, raw)
+            req = self.boundary.receive(context, pb.JoinRequest, raw)
             learner = req.learner_id
             if req.probe:
                 header = self._header(learner)
                 header.versions.extend(self.core.versions())
-                yield self._out(learner, -1, pb.JoinReply(header=header))
+                yield self.boundary.out(learner, -1, pb.JoinReply(header=header))
                 return
             try:
                 join = wire.join_from_pb(req)
             except wire.WireError as err:
-                raise _Abort(RejectReason.MALFORMED, str(err)) from None
-        except _Abort as err:
-            await self._reject(context, err.reason, err.detail, learner or None)
+                raise Abort(RejectReason.MALFORMED, str(err)) from None
+        except Abort as err:
+            await self.boundary.reject(context, err.reason, err.detail, learner or None)
             return
         reply = await self._host.handle(join)
         if isinstance(reply, Refused):
-            await self._refused(context, reply)
+            await self.boundary.refused(context, reply)
             return
         assert isinstance(reply, Admitted) and reply.state.session is not None
         header = self._header(learner)
@@ -349,85 +273,47 @@ class SyncService:
         header.versions.extend(reply.state.versions())
         log.info("learner %s joined (index %d, session %s) at versions %s", learner, header.learner_index,
                  reply.state.session, list(header.versions))
-        yield self._out(learner, -1, pb.JoinReply(header=header))
+        yield self.boundary.out(learner, -1, pb.JoinReply(header=header))
         for chunk in wire.state_chunks(reply.state):
-            yield self._out(learner, chunk.fragment, pb.JoinReply(chunk=chunk))
+            yield self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk))
 
     async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            req = self._receive(context, pb.HeartbeatRequest, raw)
+            req = self.boundary.receive(context, pb.HeartbeatRequest, raw)
             beat = wire.heartbeat_from_pb(req)
-        except (_Abort, wire.WireError) as err:
-            await self._wire_error(context, err)
+        except (Abort, wire.WireError) as err:
+            await self.boundary.wire_error(context, err)
             return b""
         reply = await self._host.handle(beat)
         if isinstance(reply, Refused):
-            await self._refused(context, reply)
+            await self.boundary.refused(context, reply)
             return b""
-        return self._out(beat.learner_id, -1, pb.HeartbeatReply(stop=reply.stop))
+        return self.boundary.out(beat.learner_id, -1, pb.HeartbeatReply(stop=reply.stop))
 
     async def contribute(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         learner = ""
         try:
-            contribution = await self._assemble(requests, context)
+            contribution = await self.boundary.assemble(requests, context)
             learner = contribution.learner_id
-        except _Abort as err:
-            await self._reject(context, err.reason, err.detail, err.learner if hasattr(err, "learner") else None)
+        except Abort as err:
+            await self.boundary.reject(context, err.reason, err.detail, err.learner)
             return b""
         reply = await self._host.handle(contribution)
         if isinstance(reply, Refused):
             self.metrics.contributions.labels(str(reply.reason)).inc()
-            await self._refused(context, reply)
+            await self.boundary.refused(context, reply)
             return b""
         self.metrics.contributions.labels("accepted").inc()
-        return self._out(learner, -1, pb.ContributeReply(stop=reply.stop))
-
-    async def _assemble(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Contribution:
-        """Chunks into one contribution; wire-level problems raise :class:`_Abort`."""
-        learner, fragment = "", -1
-        header: pb.ContributionHeader | None = None
-        payload = bytearray()
-        try:
-            self._admit(context)
-            async for raw in requests:
-                chunk = self._parse(pb.ContributionChunk, raw)
-                if header is None:
-                    if not chunk.HasField("header"):
-                        raise _Abort(RejectReason.CHUNK_ASSEMBLY, "the first chunk carries no header")
-                    header = chunk.header
-                    learner, fragment = header.learner_id, int(header.fragment)
-                    if header.payload_bytes > self._max_payload:
-                        raise _Abort(RejectReason.TOO_LARGE, f"{header.payload_bytes} payload bytes, at most "
-                                                             f"{self._max_payload} accepted")
-                elif chunk.HasField("header"):
-                    raise _Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
-                self._in(learner, fragment, len(raw))
-                if chunk.offset != len(payload):
-                    raise _Abort(RejectReason.CHUNK_ASSEMBLY, f"chunk at offset {chunk.offset}, expected {len(payload)}")
-                if len(payload) + len(chunk.data) > header.payload_bytes:
-                    raise _Abort(RejectReason.CHUNK_ASSEMBLY, f"more than the announced {header.payload_bytes} bytes")
-                payload += chunk.data
-            if header is None:
-                raise _Abort(RejectReason.CHUNK_ASSEMBLY, "empty upload")
-            if len(payload) != header.payload_bytes:
-                raise _Abort(RejectReason.CHUNK_ASSEMBLY,
-                             f"upload ended after {len(payload)} of {header.payload_bytes} bytes")
-            try:
-                return wire.contribution_from_pb(header, bytes(payload))
-            except wire.WireError as err:
-                raise _Abort(RejectReason.MALFORMED, str(err)) from None
-        except _Abort as err:
-            err.learner = learner or None  # type: ignore[attr-defined]
-            raise
+        return self.boundary.out(learner, -1, pb.ContributeReply(stop=reply.stop))
 
     async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         learner = ""
         try:
-            req = self._receive(context, pb.UpdatesRequest, raw)
+            req = self.boundary.receive(context, pb.UpdatesRequest, raw)
             learner = req.learner_id
             session = wire.session_from_pb(req.session)
-        except (_Abort, ValueError) as err:
-            await self._wire_error(context, err, learner)
+        except (Abort, ValueError) as err:
+            await self.boundary.wire_error(context, err, learner)
             return
         if not await self._host.query(lambda core: core.holds_session(learner, session)):
             # Not counted: joining again is the normal way back after a lease expiry or a restart.
@@ -442,13 +328,13 @@ class SyncService:
                     self.ledger.add(learner, p, "down", len(data))
                     yield data
             if self.core.phase in (RunPhase.STOPPING, RunPhase.FINISHED):
-                yield self._out(learner, -1, pb.Update(stop=True))
+                yield self.boundary.out(learner, -1, pb.Update(stop=True))
             while True:
                 item = await sub.queue.get()
                 if item is StreamItem.CLOSE:
                     return
                 if item is StreamItem.STOP:
-                    yield self._out(learner, -1, pb.Update(stop=True))
+                    yield self.boundary.out(learner, -1, pb.Update(stop=True))
                     continue
                 sub.backlog -= 1
                 p, chunks = item
@@ -461,9 +347,9 @@ class SyncService:
 
     async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            self._receive(context, pb.FetchStateRequest, raw)
-        except _Abort as err:
-            await self._reject(context, err.reason, err.detail)
+            self.boundary.receive(context, pb.FetchStateRequest, raw)
+        except Abort as err:
+            await self.boundary.reject(context, err.reason, err.detail)
             return
         state = await self._host.query(lambda core: core.global_state())
         for chunk in wire.state_chunks(state):
@@ -471,21 +357,21 @@ class SyncService:
 
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            req = self._receive(context, pb.LeaveRequest, raw)
+            req = self.boundary.receive(context, pb.LeaveRequest, raw)
             leave = wire.leave_from_pb(req)
-        except (_Abort, wire.WireError) as err:
-            await self._wire_error(context, err)
+        except (Abort, wire.WireError) as err:
+            await self.boundary.wire_error(context, err)
             return b""
         await self._host.handle(leave)  # a refusal means the session had ended already: leaving is idempotent
         log.info("learner %s left", leave.learner_id)
         self.streams.close(leave.learner_id)
-        return self._out(leave.learner_id, -1, pb.LeaveReply())
+        return self.boundary.out(leave.learner_id, -1, pb.LeaveReply())
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            self._receive(context, pb.StatusRequest, raw)
-        except _Abort as err:
-            await self._reject(context, err.reason, err.detail)
+            self.boundary.receive(context, pb.StatusRequest, raw)
+        except Abort as err:
+            await self.boundary.reject(context, err.reason, err.detail)
             return b""
         return (await self.status_reply()).SerializeToString()
 
@@ -493,12 +379,6 @@ class SyncService:
         now = self.options.clock()
         core = await self._host.query(lambda c: c.status())
         return status_reply(self, core, now)
-
-    async def _wire_error(self, context: grpc.aio.ServicerContext, err: Exception, learner: str = "") -> None:
-        if isinstance(err, _Abort):
-            await self._reject(context, err.reason, err.detail, learner or None)
-        else:
-            await self._reject(context, RejectReason.MALFORMED, str(err), learner or None)
 
     # ---- serving ---------------------------------------------------------------------------
 

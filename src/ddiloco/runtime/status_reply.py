@@ -54,7 +54,7 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
             alive=rec.alive,
             last_seen_s_ago=now - rec.last_seen_s if rec.last_seen_s else -1.0,
             accepted=rec.accepted,
-            rejected=rec.rejected + service.learner_wire_rejected.get(name, 0),
+            rejected=rec.rejected + service.boundary.learner_rejected.get(name, 0),
             registrations=rec.registrations,
             tokens=rec.tokens,
             bytes_up=up_by_learner.get(name, 0),
@@ -69,7 +69,7 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
         ))
     for key, count in sorted(core.rounds_closed.items()):
         reply.rounds_closed.append(pb.CountEntry(key=key, count=count))
-    rejections = collections.Counter(core.rejections) + service.wire_rejections
+    rejections = collections.Counter(core.rejections) + service.boundary.rejections
     for key, count in sorted(rejections.items()):
         reply.rejections.append(pb.CountEntry(key=key, count=count))
     return reply

@@ -1,0 +1,155 @@
+"""The synchronizer's boundary: what is checked and counted before a message reaches the core.
+
+The auth token, the protocol version, protobuf syntax, chunk assembly and the size of an
+upload are the wire's business (rejections counted here, answered with a named reason);
+every other decision is the core's. Bytes are counted per learner, fragment and direction
+as they cross the socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import AsyncIterator, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from ddiloco.core.actions import Refused
+from ddiloco.core.messages import Contribution, RejectReason
+from ddiloco.runtime import wire
+from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, token_matches
+from ddiloco.runtime.metrics import ByteLedger, ServiceMetrics
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
+
+log = logging.getLogger("ddiloco.sync")
+
+STATUS_CODES = {
+    RejectReason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    RejectReason.UNKNOWN_LEARNER: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.SUPERSEDED: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.FUTURE_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.STALE: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.BAD_PROTOCOL_VERSION: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
+    RejectReason.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    RejectReason.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+"""gRPC status per rejection reason; everything else is INVALID_ARGUMENT."""
+
+M = TypeVar("M", bound=Message)
+
+
+class Abort(Exception):
+    """End the current call with a wire-level rejection."""
+
+    def __init__(self, reason: RejectReason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.learner: str | None = None
+
+
+class Boundary:
+    def __init__(self, token: str | None, max_payload: int, metrics: ServiceMetrics, ledger: ByteLedger) -> None:
+        self.token = token
+        self.max_payload = max_payload
+        self.metrics = metrics
+        self.ledger = ledger
+        self.rejections: collections.Counter[str] = collections.Counter()
+        self.learner_rejected: collections.Counter[str] = collections.Counter()
+
+    def admit(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = context.invocation_metadata()
+        if not token_matches(metadata, self.token):
+            raise Abort(RejectReason.UNAUTHENTICATED, "missing or wrong auth token")
+        for key, value in metadata or ():
+            if key == PROTOCOL_HEADER and str(value) != str(PROTOCOL_VERSION):
+                raise Abort(RejectReason.BAD_PROTOCOL_VERSION,
+                             f"client speaks protocol {value}, this synchronizer speaks {PROTOCOL_VERSION}")
+
+    @staticmethod
+    def parse(message_type: type[M], raw: bytes) -> M:
+        try:
+            return message_type.FromString(raw)
+        except (DecodeError, RuntimeWarning, ValueError) as err:
+            raise Abort(RejectReason.MALFORMED, f"cannot parse {message_type.__name__}: {err}") from None
+
+    def receive(self, context: grpc.aio.ServicerContext, message_type: type[M], raw: bytes) -> M:
+        """Admit the caller, parse its request and count its bytes (raises :class:`Abort`)."""
+        self.admit(context)
+        request = self.parse(message_type, raw)
+        if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
+            self.count_in(request.learner_id, -1, len(raw))
+        return request
+
+    async def reject(self, context: grpc.aio.ServicerContext, reason: RejectReason, detail: str,
+                      learner: str | None = None, *, counted: bool = False) -> None:
+        """End the call with ``reason``; wire-level rejections are counted here (the core counts its own)."""
+        if not counted:
+            self.rejections[str(reason)] += 1
+            if learner:
+                self.learner_rejected[learner] += 1
+        self.metrics.rejections.labels(str(reason)).inc()
+        code = STATUS_CODES.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
+        log.info("rejected %s%s: %s", reason, f" from {learner}" if learner else "", detail)
+        await context.abort(code, f"{reason}: {detail}", trailing_metadata=((REASON_HEADER, str(reason)),))
+
+    async def refused(self, context: grpc.aio.ServicerContext, reply: Refused) -> None:
+        await self.reject(context, reply.reason, reply.detail, reply.learner_id, counted=True)
+
+    def out(self, learner: str, fragment: int, message: Message) -> bytes:
+        data = message.SerializeToString()
+        self.ledger.add(learner, fragment, "down", len(data))
+        self.metrics.bytes.labels("down").inc(len(data))
+        return data
+
+    def count_in(self, learner: str, fragment: int, size: int) -> None:
+        self.ledger.add(learner, fragment, "up", size)
+        self.metrics.bytes.labels("up").inc(size)
+
+    async def assemble(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Contribution:
+        """Chunks into one contribution; wire-level problems raise :class:`Abort`."""
+        learner, fragment = "", -1
+        header: pb.ContributionHeader | None = None
+        payload = bytearray()
+        try:
+            self.admit(context)
+            async for raw in requests:
+                chunk = self.parse(pb.ContributionChunk, raw)
+                if header is None:
+                    if not chunk.HasField("header"):
+                        raise Abort(RejectReason.CHUNK_ASSEMBLY, "the first chunk carries no header")
+                    header = chunk.header
+                    learner, fragment = header.learner_id, int(header.fragment)
+                    if header.payload_bytes > self.max_payload:
+                        raise Abort(RejectReason.TOO_LARGE, f"{header.payload_bytes} payload bytes, at most "
+                                                             f"{self.max_payload} accepted")
+                elif chunk.HasField("header"):
+                    raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
+                self.count_in(learner, fragment, len(raw))
+                if chunk.offset != len(payload):
+                    raise Abort(RejectReason.CHUNK_ASSEMBLY, f"chunk at offset {chunk.offset}, expected {len(payload)}")
+                if len(payload) + len(chunk.data) > header.payload_bytes:
+                    raise Abort(RejectReason.CHUNK_ASSEMBLY, f"more than the announced {header.payload_bytes} bytes")
+                payload += chunk.data
+            if header is None:
+                raise Abort(RejectReason.CHUNK_ASSEMBLY, "empty upload")
+            if len(payload) != header.payload_bytes:
+                raise Abort(RejectReason.CHUNK_ASSEMBLY,
+                             f"upload ended after {len(payload)} of {header.payload_bytes} bytes")
+            try:
+                return wire.contribution_from_pb(header, bytes(payload))
+            except wire.WireError as err:
+                raise Abort(RejectReason.MALFORMED, str(err)) from None
+        except Abort as err:
+            err.learner = learner or None
+            raise
+
+    async def wire_error(self, context: grpc.aio.ServicerContext, err: Exception, learner: str = "") -> None:
+        if isinstance(err, Abort):
+            await self.reject(context, err.reason, err.detail, learner or None)
+        else:
+            await self.reject(context, RejectReason.MALFORMED, str(err), learner or None)
+
