@@ -3,7 +3,9 @@
 For each example: its ``init`` role writes the initial weights, ``ddiloco sync --init``
 serves them, two learner processes of the example train until the synchronizer's token
 budget is spent, and the global model they leave behind differs from the initial one and
-predicts bytes better. Waits poll with a deadline; nothing asserts on timing.
+predicts bytes better. Then what the Hugging Face example serves for tied and untied heads,
+and how a learner with a model the synchronizer does not serve is refused. Waits poll with
+a deadline; nothing asserts on timing.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.service import layout_from_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE_S = 120.0
@@ -67,7 +72,7 @@ def run_example(script: str, *args: str, log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=ENV)
 
 
-def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
         if time.monotonic() > deadline:
@@ -113,7 +118,7 @@ class SyncProcess:
 
 
 @pytest.fixture
-def start_sync(tmp_path: Path) -> Iterator:
+def start_sync(tmp_path: Path) -> Iterator[Callable[[Path], "SyncProcess"]]:
     """Starts synchronizers for a test and stops whichever the test left running."""
     started: list[SyncProcess] = []
 
@@ -200,3 +205,41 @@ def test_example_two_learners_spend_the_budget_and_improve_the_global_model(name
     print(f"{name}: loss of the global model {before:.3f} -> {after:.3f} (uniform: {math.log(256):.3f})")
     assert after < before - 0.1
     assert sync.stop() == 0, sync.log.read_text()
+
+
+@pytest.mark.parametrize(("options", "served_head", "embedding"), [
+    (("--arch", "gpt2"), None, "transformer.wte.weight"),
+    (("--arch", "llama"), None, "model.embed_tokens.weight"),
+    (("--arch", "llama", "--untied-head"), "lm_head.weight", "model.embed_tokens.weight"),
+])
+def test_hf_init_serves_a_tied_head_once_as_the_embedding_and_an_untied_head_densely(
+        options: tuple[str, ...], served_head: str | None, embedding: str, tmp_path: Path) -> None:
+    module = example_module("hf_causal_lm.py")
+    init = tmp_path / "init.safetensors"
+    assert module.main(["init", str(init), *options, "--d-model", "16", "--layers", "1", "--heads", "2",
+                        "--seq-len", "16"]) == 0
+    layout = layout_from_file(init, ProtocolConfig(fragments=3, period=6))
+    assert ("lm_head.weight" in layout.shapes) == (served_head is not None)  # a tied head is not served twice
+    embedding_fragments = [f.param_names for f in layout.plan.fragments if f.is_embedding]
+    assert embedding_fragments == [(embedding,)]  # GPT-2's position embedding wpe is merged by RDA
+    if served_head:
+        assert not layout.plan.fragments[layout.plan.fragment_of(served_head)].is_embedding
+
+
+@pytest.mark.slow
+def test_hf_learner_whose_model_has_an_unserved_head_exits_2_with_one_line_naming_it(tmp_path: Path,
+                                                                                    start_sync) -> None:
+    tiny_llama = ("--arch", "llama", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16")
+    init = tmp_path / "init.safetensors"
+    made = run_example("hf_causal_lm.py", "init", str(init), *tiny_llama, log=tmp_path / "init.log")
+    assert made.wait(timeout=DEADLINE_S) == 0, (tmp_path / "init.log").read_text()
+    sync = start_sync(init)
+    untied = subprocess.run([sys.executable, str(EXAMPLES / "hf_causal_lm.py"), "learner", "--connect",
+                             f"127.0.0.1:{sync.port}", "--id", "learner-0", *tiny_llama, "--untied-head",
+                             "--threads", "1", "--join-timeout", "60"],
+                            capture_output=True, text=True, env=ENV, timeout=DEADLINE_S)
+    assert untied.returncode == 2
+    errors = [line for line in untied.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["hf_causal_lm.py: error: parameters ['lm_head.weight'] are not served by the synchronizer "
+                      "(another model?)"]
+    assert "Traceback" not in untied.stderr
