@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 from byte_text import ByteBatches, TextError, learner_seed, load_bytes
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.learner_runtime import LearnerRuntime, save_initial_state
@@ -100,6 +106,9 @@ def init(args: argparse.Namespace) -> None:
 
 
 def learner(args: argparse.Namespace) -> None:
+    if args.lr <= 0 or args.log_every < 1 or (args.max_steps is not None and args.max_steps < 0):
+        raise DdilocoError(f"need --lr > 0, --log-every >= 1, --max-steps >= 0; got {args.lr}, {args.log_every}, "
+                           f"{args.max_steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")

@@ -18,7 +18,11 @@ from torch import nn
 from ddiloco.config import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.learner_runtime import LayoutMismatch, LearnerRuntime, save_initial_state
+from ddiloco.runtime.learner_runtime import (
+    LayoutMismatch,
+    LearnerRuntime,
+    save_initial_state,
+)
 from ddiloco.runtime.service import ServiceOptions, layout_from_file, model_layout
 
 
