@@ -1,0 +1,159 @@
+"""Your own PyTorch model and training loop as a Decoupled DiLoCo learner.
+
+Nothing here comes from ddiloco but the three calls that make a loop a learner:
+``save_initial_state`` (once, for the synchronizer), ``LearnerRuntime(...)`` around the loop
+and ``runtime.step(tokens=...)`` after each optimizer step. The model is a byte-level GRU
+language model whose output layer is tied to its input embedding. One script plays each
+role of a run::
+
+    python examples/own_loop.py init gru-init.safetensors
+    ddiloco sync --init gru-init.safetensors --learners 2 --tokens 2000000
+    python examples/own_loop.py learner --connect 127.0.0.1:7000 --id learner-0
+    python examples/own_loop.py learner --connect 127.0.0.1:7000 --id learner-1
+
+``init`` and ``learner`` take the same model options (``--d-model``, ``--layers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from byte_text import ByteBatches, TextError, learner_seed, load_bytes
+from torch import nn
+
+from ddiloco.errors import DdilocoError
+from ddiloco.runtime.learner_runtime import LearnerRuntime, save_initial_state
+
+PROG = "own_loop.py"
+VOCAB_SIZE = 256
+"""Byte-level: token id = byte value."""
+
+
+class ByteGRU(nn.Module):
+    """Embedding -> GRU -> LayerNorm -> output layer that shares the embedding's weights."""
+
+    def __init__(self, d_model: int, layers: int) -> None:
+        super().__init__()
+        if d_model < 1 or layers < 1:
+            raise DdilocoError(f"need --d-model >= 1 and --layers >= 1, got {d_model} and {layers}")
+        self.embed = nn.Embedding(VOCAB_SIZE, d_model)
+        self.gru = nn.GRU(d_model, d_model, num_layers=layers, batch_first=True)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB_SIZE, bias=False)
+        # nn.Embedding's N(0, 1) would make the tied head's first logits of size sqrt(d_model).
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+        # Tied: one tensor, listed once by named_parameters() (as "embed.weight"). The
+        # default embedding_names of save_initial_state (every nn.Embedding) finds it.
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, 256)`` for the byte after each position."""
+        hidden, _ = self.gru(self.embed(ids))
+        return self.head(self.norm(hidden))
+
+
+def build_model(args: argparse.Namespace) -> ByteGRU:
+    """The model the model options describe, randomly initialized."""
+    return ByteGRU(args.d_model, args.layers)
+
+
+def lm_loss(model: ByteGRU, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy of a ``(batch, seq)`` batch."""
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), ids[:, 1:].reshape(-1))
+
+
+def init(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    model = build_model(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_initial_state(model, args.out)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"ByteGRU: {n_params:,} parameters; wrote {args.out}")
+    print(f"serve it with: ddiloco sync --init {args.out} --learners 2 --tokens 2000000")
+
+
+def learner(args: argparse.Namespace) -> None:
+    if args.lr <= 0 or args.log_every < 1 or (args.max_steps is not None and args.max_steps < 0):
+        raise DdilocoError(f"need --lr > 0, --log-every >= 1, --max-steps >= 0; got {args.lr}, {args.log_every}, "
+                           f"{args.max_steps}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
+    model = build_model(args)
+    batches = ByteBatches(load_bytes(args.text), batch_size=args.batch_size, seq_len=args.seq_len,
+                          seed=learner_seed(args.id, args.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    token = args.token_file.read_text().strip() if args.token_file else os.environ.get("DDILOCO_TOKEN")
+    steps, loss_sum, started = 0, 0.0, time.monotonic()
+    # Joining downloads the global weights into `model`, replacing its random ones.
+    with LearnerRuntime(model, args.connect, args.id, token=token, join_timeout_s=args.join_timeout) as runtime:
+        while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
+            ids = batches.next()
+            loss = lm_loss(model, ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            runtime.step(tokens=ids.numel())  # merges global updates that arrived; never waits
+            steps += 1
+            loss_sum += loss.item()
+            if steps % args.log_every == 0:
+                print(f"{args.id} step {steps}: loss {loss_sum / args.log_every:.3f} "
+                      f"({steps / (time.monotonic() - started):.1f} steps/s)", flush=True)
+                loss_sum = 0.0
+    print(f"{args.id} done after {steps} steps", flush=True)
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """What defines the model: ``init`` and every learner must agree on these."""
+    parser.add_argument("--d-model", type=int, default=128, help="embedding and GRU width (default 128)")
+    parser.add_argument("--layers", type=int, default=2, help="stacked GRU layers (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights (init), batch order (learner)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    p_init = roles.add_parser("init", help="write the initial weights for `ddiloco sync --init`")
+    p_init.add_argument("out", type=Path, metavar="OUT.safetensors")
+    add_model_options(p_init)
+    p_init.set_defaults(func=init)
+    p_learn = roles.add_parser("learner", help="train one learner against `ddiloco sync`")
+    p_learn.add_argument("--connect", required=True, metavar="HOST:PORT", help="the synchronizer's address")
+    p_learn.add_argument("--id", required=True, help="this learner's id (stable across restarts)")
+    add_model_options(p_learn)
+    p_learn.add_argument("--text", type=Path, help="training text: a file or a directory (default: Python's stdlib)")
+    p_learn.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (default 128)")
+    p_learn.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
+    p_learn.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (default 3e-3)")
+    p_learn.add_argument("--max-steps", type=int, help="leave after N steps even if the budget is not spent")
+    p_learn.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p_learn.add_argument("--token-file", type=Path, help="shared auth token (else $DDILOCO_TOKEN)")
+    p_learn.add_argument("--join-timeout", type=float, help="give up if the synchronizer stays unreachable (s)")
+    p_learn.add_argument("--log-every", type=int, default=20, help="print the mean loss every N steps")
+    p_learn.set_defaults(func=learner)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (DdilocoError, TextError, OSError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

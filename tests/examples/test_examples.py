@@ -1,0 +1,245 @@
+"""The examples in examples/, run as a user runs them: real processes on 127.0.0.1.
+
+For each example: its ``init`` role writes the initial weights, ``ddiloco sync --init``
+serves them, two learner processes of the example train until the synchronizer's token
+budget is spent, and the global model they leave behind differs from the initial one and
+predicts bytes better. Then what the Hugging Face example serves for tied and untied heads,
+and how a learner with a model the synchronizer does not serve is refused. Waits poll with
+a deadline; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.fragments import unflatten_into
+from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.service import layout_from_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DEADLINE_S = 120.0
+"""Bound on any wait: generous on a loaded 2-core machine, never a timing claim."""
+STEP_TOKENS = 8 * 32
+"""One inner step of the examples' learners here: 8 sequences of 32 bytes."""
+MAX_STEPS = 40
+"""Each learner leaves after this many steps at the latest ..."""
+BUDGET_TOKENS = 60 * STEP_TOKENS
+"""... so one learner alone cannot spend the budget: it is spent only once both have trained
+(however late one of them starts), and then the synchronizer tells them to stop."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Example:
+    script: str
+    model_options: tuple[str, ...]
+    """Given to ``init`` and to every learner alike."""
+    learner_options: tuple[str, ...]
+
+
+TINY_GPT2 = ("--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32")
+CASES = {
+    "hf_gpt2": Example("hf_causal_lm.py", TINY_GPT2, ("--batch-size", "8")),
+    "own_gru": Example("own_loop.py", ("--d-model", "32", "--layers", "1"), ("--seq-len", "32", "--batch-size", "8")),
+}
+
+
+def example_module(script: str) -> ModuleType:
+    """Import an example as the test's own module (its directory holds byte_text.py)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(Path(script).stem)
+
+
+def run_example(script: str, *args: str, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=ENV)
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def status(port: int) -> dict | None:
+    try:
+        with SyncClient(f"127.0.0.1:{port}") as client:
+            return client.status_dict(timeout_s=5.0)
+    except (Unreachable, Refused):
+        return None
+
+
+class SyncProcess:
+    """``ddiloco sync --init FILE`` on a free port of 127.0.0.1, logging to ``sync.log``."""
+
+    def __init__(self, init: Path, workdir: Path) -> None:
+        port_file = workdir / "port"
+        self.log = workdir / "sync.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
+                 "--learners", "2", "--tokens", str(BUDGET_TOKENS), "--listen", "127.0.0.1:0",
+                 "--port-file", str(port_file), "--state-dir", str(workdir / "state"),
+                 "--set", "cluster.heartbeat_s=0.3"],
+                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        wait_for(lambda: port_file.exists() or self.proc.poll() is not None, "the synchronizer's port file")
+        assert self.proc.poll() is None, self.log.read_text()
+        self.port = int(port_file.read_text())
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit code (killed if it does not stop in time)."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=DEADLINE_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def start_sync(tmp_path: Path) -> Iterator[Callable[[Path], SyncProcess]]:
+    """Starts synchronizers for a test and stops whichever the test left running."""
+    started: list[SyncProcess] = []
+
+    def start(init: Path) -> SyncProcess:
+        started.append(SyncProcess(init, tmp_path))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for s in started:
+            if s.proc.poll() is None:
+                s.stop()
+
+
+def global_weights(port: int) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+    """The synchronizer's current global model, by parameter name, and its fragment versions."""
+    with SyncClient(f"127.0.0.1:{port}") as client:
+        header = client.join("test-reader", probe=True).header
+        state = client.fetch_state()
+    weights: dict[str, torch.Tensor] = {}
+    for fragment, value in zip(header.fragments, state.fragments, strict=True):
+        tensors = [torch.empty(tuple(p.shape)) for p in fragment.params]
+        unflatten_into(value.values, tensors)
+        weights.update({p.name: t for p, t in zip(fragment.params, tensors)})
+    return weights, state.versions()
+
+
+def held_out_loss(module: ModuleType, example: Example, weights: dict[str, torch.Tensor]) -> float:
+    """The example's own loss, on fixed batches, of its model holding ``weights``."""
+    args = module.build_parser().parse_args(["init", "unused", *example.model_options])
+    model = module.build_model(args)
+    params = dict(model.named_parameters())
+    assert set(params) == set(weights)
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    batches = module.ByteBatches(module.load_bytes(), batch_size=16, seq_len=32, seed=1234)
+    model.eval()
+    with torch.no_grad():
+        return sum(module.lm_loss(model, batches.next()).item() for _ in range(4)) / 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_two_learners_spend_the_budget_and_improve_the_global_model(name: str, tmp_path: Path,
+                                                                            start_sync) -> None:
+    example = CASES[name]
+    init = tmp_path / "init.safetensors"
+    made = run_example(example.script, "init", str(init), *example.model_options, log=tmp_path / "init.log")
+    assert made.wait(timeout=DEADLINE_S) == 0, (tmp_path / "init.log").read_text()
+    sync = start_sync(init)
+    port = sync.port
+
+    learners = {i: run_example(example.script, "learner", "--connect", f"127.0.0.1:{port}", "--id", f"learner-{i}",
+                               *example.model_options, *example.learner_options, "--max-steps", str(MAX_STEPS),
+                               "--threads", "1", "--log-every", "5",
+                               log=tmp_path / f"learner-{i}.log")
+                for i in range(2)}
+    for i, proc in learners.items():
+        log = tmp_path / f"learner-{i}.log"
+        try:
+            code = proc.wait(timeout=DEADLINE_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert code == 0, log.read_text()
+        assert f"learner-{i} done after" in log.read_text()
+
+    finished = wait_for(lambda: (s := status(port)) and s["finished"] and s, "the run to finish")
+    assert finished["tokens"] >= BUDGET_TOKENS
+    assert {lr["id"] for lr in finished["learners"] if lr["accepted"] > 0} == {"learner-0", "learner-1"}
+
+    initial = load_file(str(init))
+    final, versions = global_weights(port)
+    assert min(versions) >= 1, f"a fragment was never merged: versions {versions}"
+    assert set(final) == set(initial)
+    moved = [n for n in initial if not torch.equal(final[n], initial[n])]
+    assert len(moved) == len(initial), f"unchanged: {sorted(set(initial) - set(moved))}"
+    assert all(torch.isfinite(t).all() for t in final.values())
+
+    module = example_module(example.script)
+    before, after = held_out_loss(module, example, initial), held_out_loss(module, example, final)
+    print(f"{name}: loss of the global model {before:.3f} -> {after:.3f} (uniform: {math.log(256):.3f})")
+    assert after < before - 0.1
+    assert sync.stop() == 0, sync.log.read_text()
+
+
+@pytest.mark.parametrize(("options", "served_head", "embedding"), [
+    (("--arch", "gpt2"), None, "transformer.wte.weight"),
+    (("--arch", "llama"), None, "model.embed_tokens.weight"),
+    (("--arch", "llama", "--untied-head"), "lm_head.weight", "model.embed_tokens.weight"),
+])
+def test_hf_init_serves_a_tied_head_once_as_the_embedding_and_an_untied_head_densely(
+        options: tuple[str, ...], served_head: str | None, embedding: str, tmp_path: Path) -> None:
+    module = example_module("hf_causal_lm.py")
+    init = tmp_path / "init.safetensors"
+    assert module.main(["init", str(init), *options, "--d-model", "16", "--layers", "1", "--heads", "2",
+                        "--seq-len", "16"]) == 0
+    layout = layout_from_file(init, ProtocolConfig(fragments=3, period=6))
+    assert ("lm_head.weight" in layout.shapes) == (served_head is not None)  # a tied head is not served twice
+    embedding_fragments = [f.param_names for f in layout.plan.fragments if f.is_embedding]
+    assert embedding_fragments == [(embedding,)]  # GPT-2's position embedding wpe is merged by RDA
+    if served_head:
+        assert not layout.plan.fragments[layout.plan.fragment_of(served_head)].is_embedding
+
+
+@pytest.mark.slow
+def test_hf_learner_whose_model_has_an_unserved_head_exits_2_with_one_line_naming_it(tmp_path: Path,
+                                                                                    start_sync) -> None:
+    tiny_llama = ("--arch", "llama", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16")
+    init = tmp_path / "init.safetensors"
+    made = run_example("hf_causal_lm.py", "init", str(init), *tiny_llama, log=tmp_path / "init.log")
+    assert made.wait(timeout=DEADLINE_S) == 0, (tmp_path / "init.log").read_text()
+    sync = start_sync(init)
+    untied = subprocess.run([sys.executable, str(EXAMPLES / "hf_causal_lm.py"), "learner", "--connect",
+                             f"127.0.0.1:{sync.port}", "--id", "learner-0", *tiny_llama, "--untied-head",
+                             "--threads", "1", "--join-timeout", "60"],
+                            capture_output=True, text=True, env=ENV, timeout=DEADLINE_S, check=False)
+    assert untied.returncode == 2
+    errors = [line for line in untied.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [("hf_causal_lm.py: error: parameters ['lm_head.weight'] are not served by the synchronizer "
+                       "(another model?)")]
+    assert "Traceback" not in untied.stderr
