@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
-from ddiloco.runtime.service import layout_from_file
+from ddiloco.runtime.layout import layout_from_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE_S = 120.0
@@ -100,7 +100,7 @@ class SyncProcess:
                 [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
                  "--learners", "2", "--tokens", str(BUDGET_TOKENS), "--listen", "127.0.0.1:0",
                  "--port-file", str(port_file), "--state-dir", str(workdir / "state"),
-                 "--set", "cluster.heartbeat_s=0.3"],
+                 "--set", "protocol.heartbeat_s=0.3"],
                 stdout=out, stderr=subprocess.STDOUT, env=ENV)
         wait_for(lambda: port_file.exists() or self.proc.poll() is not None, "the synchronizer's port file")
         assert self.proc.poll() is None, self.log.read_text()
@@ -137,7 +137,7 @@ def start_sync(tmp_path: Path) -> Iterator[Callable[[Path], SyncProcess]]:
 def global_weights(port: int) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """The synchronizer's current global model, by parameter name, and its fragment versions."""
     with SyncClient(f"127.0.0.1:{port}") as client:
-        header = client.join("test-reader", probe=True).header
+        header = client.probe("test-reader").header
         state = client.fetch_state()
     weights: dict[str, torch.Tensor] = {}
     for fragment, value in zip(header.fragments, state.fragments, strict=True):

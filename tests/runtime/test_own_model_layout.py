@@ -1,9 +1,5 @@
 """Serving your own model (``save_initial_state`` -> ``ddiloco sync --init``): tied weights,
-the embedding fragment, mismatched models; docs/own-models.md states these facts.
-
-Two tests are ``xfail(strict=True)``: they describe behaviour the runtime does not have yet
-(see their reasons); when it is fixed they pass, strict xfail fails, and the marker goes.
-"""
+the embedding fragment, mismatched models; docs/own-models.md states these facts."""
 
 from __future__ import annotations
 
@@ -23,7 +19,8 @@ from ddiloco.runtime.learner_runtime import (
     LearnerRuntime,
     save_initial_state,
 )
-from ddiloco.runtime.service import ServiceOptions, layout_from_file, model_layout
+from ddiloco.runtime.layout import layout_from_file, model_layout
+from ddiloco.runtime.service import ServiceOptions
 
 
 class TiedLM(nn.Module):
@@ -105,8 +102,6 @@ def test_a_learner_whose_model_has_an_unserved_parameter_is_refused_naming_it(tm
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="layout_from_file plans over the safetensors file's sorted key order "
-                   "(layer 10 sorts before layer 2), not the model's parameter order")
 def test_layerwise_fragments_of_a_served_model_are_contiguous_in_model_order(tmp_path):
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
     save_initial_state(model, tmp_path / "init.safetensors")
@@ -116,9 +111,6 @@ def test_layerwise_fragments_of_a_served_model_are_contiguous_in_model_order(tmp
     assert [f.param_names for f in served.fragments] == [f.param_names for f in in_model_order.fragments]
 
 
-@pytest.mark.xfail(strict=True, reason="LearnerRuntime registers (a full join, downloading the state) before "
-                   "checking the layout, and does not leave when the check fails: the synchronizer counts "
-                   "the refused learner as live until its lease expires")
 def test_a_learner_refused_for_its_layout_is_not_left_registered_as_live(tmp_path):
     save_initial_state(TiedLM(), tmp_path / "init.safetensors")
     config = tiny_config()

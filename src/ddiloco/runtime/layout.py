@@ -100,9 +100,12 @@ def layout_from_file(path: str | Path, protocol: ProtocolConfig) -> ModelLayout:
         raise ConfigError(f"--init {str(path)!r}: cannot read initial weights ({err})") from None
     try:
         embedding_names = json.loads(metadata.get("embedding_names", "[]"))
+        order = json.loads(metadata.get("param_order", "[]")) or sorted(params)
     except json.JSONDecodeError:
-        raise ConfigError(f"--init {str(path)!r}: bad embedding_names metadata") from None
-    return model_layout(protocol, params.items(), embedding_names)
+        raise ConfigError(f"--init {str(path)!r}: bad metadata (embedding_names, param_order)") from None
+    if sorted(order) != sorted(params):
+        raise ConfigError(f"--init {str(path)!r}: param_order metadata does not list the file's tensors")
+    return model_layout(protocol, [(name, params[name]) for name in order], embedding_names)
 
 
 def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> FragmentPlan:

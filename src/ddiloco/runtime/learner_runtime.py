@@ -82,7 +82,10 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
         embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         embedding_names = [n for n, p in model.named_parameters() if id(p) in embedding_ids]
     tensors = {n: p.detach().to(torch.float32).contiguous().clone() for n, p in model.named_parameters()}
-    save_file(tensors, str(path), metadata={"embedding_names": json.dumps(embedding_names)})
+    # safetensors stores tensors by sorted name; the model's own order is kept beside them, because
+    # layer-wise and strided fragmentation follow it (layer 10 must not come before layer 2).
+    metadata = {"embedding_names": json.dumps(embedding_names), "param_order": json.dumps(list(tensors))}
+    save_file(tensors, str(path), metadata=metadata)
 
 
 def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None = None,
@@ -142,16 +145,21 @@ class LearnerRuntime:
     # ---- setup -----------------------------------------------------------------------------
 
     def _setup(self, join_timeout_s: float | None) -> None:
-        join = Join(self.learner_id, self.boot)
+        # Check the model against the served layout before registering: a learner refused for
+        # its model must not hold a lease (and count toward the quorum) until it expires.
+        probe = join_with_backoff(self.client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s, probe=True)
+        self.plan = plan_from_layout(probe.header, self._params)
+        if probe.header.finished:
+            self._finished_before_start = True
+            return
         try:
-            result = join_with_backoff(self.client, join, timeout_s=join_timeout_s)
+            result = join_with_backoff(self.client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s)
         except Refused as err:
             if err.reason != RejectReason.FINISHED:
                 raise DdilocoError(f"the synchronizer at {self.client.address} refused to admit "
                                    f"{self.learner_id!r}: {err.detail}") from None
             self._finished_before_start = True
             return
-        self.plan = plan_from_layout(result.header, self._params)
         protocol = ProtocolConfig(**result.protocol)
         self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot)
         now = time.monotonic()
