@@ -121,7 +121,8 @@ class SimDriver:
 
     def __init__(self) -> None:
         self.queue = EventQueue()
-        self.network = Network(list(NAMES), bandwidth_bps=1e9, latency_s=0.001, faults=NetFaults(), seed=0,
+        # Instant links: the gRPC driver calls its synchronizer with the script's clock unchanged too.
+        self.network = Network(list(NAMES), bandwidth_bps=float("inf"), latency_s=0.0, faults=NetFaults(), seed=0,
                                bytes_counter=ByteCounter())
         self.sync = SyncNode(lambda inc: Synchronizer(PROTOCOL, INITIAL, EMBEDS, limits=LIMITS, incarnation=inc),
                              INITIAL, seed=0)
@@ -166,7 +167,7 @@ class SimDriver:
         size = len(message.payload) if isinstance(message, Contribution) else 0
         for t in self.network.deliveries(name, Direction.UP, -1, size, self.queue.now):
             self.queue.at(t, Ev.REQUEST, NAMES.index(name), 0, call, message)
-        self._run_until(self.queue.now + 0.01)
+        self._run_until(self.queue.now)  # instant links: everything arrives now
         return self._replies.pop(call)
 
     def pushes(self) -> list[tuple[str, Any]]:

@@ -26,7 +26,7 @@ from ddiloco.core.rounds import RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase
 from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
-BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2)
+BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 
 
 def contributions_for(cores, params, fragment, seed=0):
@@ -302,3 +302,23 @@ def test_a_learner_that_never_leaves_is_drained_after_the_timeout():
     actions = sync.handle(Tick(), 22.0)
     assert [r.reason for r in closed(actions)] == ["drain"] and isinstance(actions[-1], Finished)
     assert sync.pending_tokens() == 0
+
+
+def test_a_round_that_would_follow_too_soon_waits_for_the_spacing():
+    # K = 1, H = 6, τ = 2, steps of 1 s: rounds of one fragment at least (6 - 2) s apart.
+    config = dataclasses.replace(BASE, quorum=1, period=6, overlap=2, grace_gamma=0.0, lease_s=1e6,
+                                 space_rounds=True)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    a0, b0 = contributions_for(cores, params, fragment=1)
+    (first,) = closed(sync.handle(a0, 10.0))  # K = 1, no grace: closes at once
+    assert [m.learner_id for m in first.merged] == ["l0"]
+    # l1 got the update before it sent (it is out of phase): its work is fresh for version 1,
+    # but a round right after the last one would merge and broadcast the fragment twice in a period.
+    fresh = dataclasses.replace(b0, base_version=1)
+    assert closed(sync.handle(fresh, 10.5)) == []
+    assert sync.status().round_phases[1] is RoundPhase.COLLECTING
+    assert sync.next_deadline() == pytest.approx(10.0 + 4 * 1.0)  # the spacing is a deadline
+    assert closed(sync.handle(Tick(), 13.9)) == []
+    (second,) = closed(sync.handle(Tick(), 14.0))
+    assert [m.learner_id for m in second.merged] == ["l1"] and second.version == 2
+    assert sync.next_deadline() != pytest.approx(14.0)  # nothing left due now: time goes on

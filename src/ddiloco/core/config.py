@@ -68,6 +68,17 @@ class ProtocolConfig:
     H = 12 and partial rounds 0.4 gave the lowest eval loss here (docs/results.md)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum."""
+    align_sends: bool = True
+    """Learners keep their sends of a fragment in phase with its rounds: after applying an update,
+    the next contribution of that fragment is due H steps after the round's first contribution
+    arrived (``FragmentUpdate.round_age_s``), instead of on the learner's own fixed schedule,
+    which drifts with jitter, slow hardware and restarts."""
+    space_rounds: bool = True
+    """A fragment's next round may not reach its quorum sooner than (H − τ)·ξ_step after the
+    previous one closed (ξ_step: the fastest live learner's step time). Learners drift out of
+    phase; without this, one that sends after a round closed — measured from the new version,
+    so fresh — opens a round of its own, and each fragment is merged and broadcast 1.5–2.7
+    times per period. Its contribution now waits for the next round instead."""
     grace_gamma: float = 0.5
     """γ < 1: share of the measured slack the grace window may use."""
     grace_max_s: float = 30.0

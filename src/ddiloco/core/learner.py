@@ -95,6 +95,11 @@ class _InFlight:
     """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
 
 
+def _first_due(offset: int, period: int) -> int:
+    """The first step s >= 1 with s % period == offset (the plan's schedule)."""
+    return offset if offset >= 1 else period
+
+
 class Learner:
     """One learner's protocol state; holds references to the model's parameters, not copies."""
 
@@ -124,6 +129,9 @@ class Learner:
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._counters = [_Counters() for _ in plan.fragments]
         self._seq = [0] * len(plan.fragments)
+        self._next_due = [_first_due(f.offset, plan.period) for f in plan.fragments]
+        """Step after which each fragment is next sent: the plan's offsets, then H after each send,
+        or H after its round began (``align_sends``)."""
         self._in_flight: dict[int, _InFlight] = {}
         self.step = 0
         self.step_time = MovingAverage()
@@ -240,7 +248,7 @@ class Learner:
         sends: list[Send] = []
         if self.session is not None and self.phase is not LearnerPhase.JOINING:
             # (while rejoining nothing is sent: these steps start from an anchor about to be replaced)
-            sends = [self._contribution(p) for p in self.plan.due(self.step)]
+            sends = [self._contribution(p) for p, due in enumerate(self._next_due) if due <= self.step]
         self._start_waits(now)
         return sends
 
@@ -265,6 +273,7 @@ class Learner:
         )
         self._seq[p] += 1
         self._counters[p] = _Counters(first_step=self.step + 1)
+        self._next_due[p] = self.step + self.plan.period
         if self.config.blocking or self.config.max_wait_s > 0:
             self._in_flight[p] = _InFlight(sent_at_step=self.step)
         return Send(header, delta, self._uplink)
@@ -326,6 +335,13 @@ class Learner:
         local = flatten(self._tensors[p])
         unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
         self._in_flight.pop(p, None)
+        step_s = self.step_time.get()
+        if self.config.align_sends and step_s > 0:
+            # The next contribution is due H steps after this round began. A learner that missed
+            # the round (out of phase) skips its own slot: its steps go into the next round's
+            # contribution, sent in phase with everyone else's.
+            since_open = int(update.round_age_s / step_s)  # steps completed since the round began
+            self._next_due[p] = self.step + max(1, self.plan.period - since_open)
         return UpdateResult.APPLIED
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False) -> list[LearnerAction]:

@@ -184,6 +184,9 @@ class FragmentUpdate:
     codec: str
     payload: bytes
     incarnation: int = 0
+    round_age_s: float = 0.0
+    """How long before this update the round's first fresh contribution arrived: learners send
+    their next contribution of the fragment H steps after that moment, all in phase."""
 
     def __post_init__(self) -> None:
         if self.fragment < 0 or self.version < 1:

@@ -76,8 +76,9 @@ class Round:
         """Learners whose pending contribution was measured from the current version."""
         return {learner for (learner, _), p in self.pending.items() if p.contribution.base_version == version}
 
-    def first_fresh_arrival_s(self, version: int) -> float:
-        return min(p.arrived_s for p in self.pending.values() if p.contribution.base_version == version)
+    def first_fresh_arrival_s(self, version: int) -> float | None:
+        arrivals = [p.arrived_s for p in self.pending.values() if p.contribution.base_version == version]
+        return min(arrivals) if arrivals else None
 
     @property
     def grace_s(self) -> float:
@@ -104,6 +105,8 @@ class GlobalFragment:
     momentum: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     round: Round = field(default_factory=Round)
+    ready_at_s: float = 0.0
+    """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
 
     def merge(self, pending: list[Pending], rule: str) -> torch.Tensor:
         """Token-weighted merge of the pending Δs: RDA, or the plain mean for embeddings."""
@@ -132,5 +135,6 @@ class GlobalFragment:
         self.version += 1
         return payload
 
-    def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int) -> FragmentUpdate:
-        return FragmentUpdate(index, self.version, codec.name, payload, incarnation)
+    def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int,
+                       round_age_s: float) -> FragmentUpdate:
+        return FragmentUpdate(index, self.version, codec.name, payload, incarnation, round_age_s)

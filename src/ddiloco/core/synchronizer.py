@@ -176,6 +176,7 @@ class Synchronizer:
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
         times = [f.round.deadline_s for f in self._fragments if f.round.phase is RoundPhase.GRACE]
+        times += [f.ready_at_s for f in self._fragments if f.round.phase is RoundPhase.COLLECTING and f.ready_at_s]
         for t in (self._registry.next_expiry(), self._run.deadline()):
             if t is not None:
                 times.append(t)
@@ -327,11 +328,12 @@ class Synchronizer:
 
     def _tick(self, now: float) -> list[SyncAction]:
         actions: list[SyncAction] = [LeaseExpired(name, now) for name in self._registry.expire(now)]
+        expired = bool(actions)
         for index, frag in enumerate(self._fragments):
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
                 actions += self._close(index, now, CloseReason.GRACE)
-            elif frag.round.pending and actions:
-                actions += self._maybe_close(index, now)  # fewer live learners may complete it
+            elif frag.round.phase is RoundPhase.COLLECTING and (expired or 0 < frag.ready_at_s <= now):
+                actions += self._maybe_close(index, now)  # fewer live learners, or the spacing ended
         return actions
 
     def _after(self, now: float) -> list[SyncAction]:
@@ -365,6 +367,9 @@ class Synchronizer:
         if self.config.strict_quorum:
             # Synchronous DiLoCo: wait for K contributions, whoever is alive, then merge at once.
             return self._close(index, now, CloseReason.QUORUM) if len(rnd.contributors()) >= self.config.quorum else []
+        if now < frag.ready_at_s:
+            return []  # too soon after the previous round: this one waits (``space_rounds``)
+        frag.ready_at_s = 0.0
         if set(self.alive()) <= rnd.contributors():
             return self._close(index, now, CloseReason.ALL_LIVE)
         # Only contributions measured from the current version count toward its quorum. A late
@@ -373,7 +378,8 @@ class Synchronizer:
         # outer optimizer would step twice per period on half the learners.
         if rnd.phase is RoundPhase.GRACE or len(rnd.fresh_contributors(frag.version)) < self.effective_quorum():
             return []
-        self._grace.observe_quorum(now - rnd.first_fresh_arrival_s(frag.version))
+        first = rnd.first_fresh_arrival_s(frag.version)
+        self._grace.observe_quorum(now - (now if first is None else first))
         grace = self.grace_length_s()
         if grace <= 0.0:
             return self._close(index, now, CloseReason.NO_GRACE)
@@ -384,6 +390,8 @@ class Synchronizer:
         frag = self._fragments[index]
         rnd = frag.round
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
+        first_fresh = rnd.first_fresh_arrival_s(frag.version)
+        round_age_s = 0.0 if first_fresh is None else now - first_fresh
         merged = frag.merge(entries, self.config.merge)
         payload = frag.step(merged, self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         in_grace = rnd.phase is RoundPhase.GRACE
@@ -405,12 +413,15 @@ class Synchronizer:
             alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.alive()),
         )
         rnd.clear()
+        if self.config.space_rounds and not self.config.strict_quorum:
+            overlap = self.config.overlap
+            frag.ready_at_s = now + max(0, self.config.period - overlap) * self._registry.fastest_step_s()
         self._rounds_closed[str(reason)] += 1
         self._run.rounds_since_checkpoint += 1
         if self._last_merge_s is not None and self._run.phase is RunPhase.RUNNING:
             self._longest_pause_s = max(self._longest_pause_s, now - self._last_merge_s)
         self._last_merge_s = now
-        update = frag.update_message(payload, self._downlink, self.incarnation, index)
+        update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
         return [record, Broadcast(update, tuple(self.alive()))]
 
     # ---- checkpointing -------------------------------------------------------------------

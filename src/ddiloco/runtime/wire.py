@@ -149,7 +149,7 @@ def update_chunks(update: FragmentUpdate) -> list[bytes]:
     total = len(data)
     return [
         pb.Update(fragment=update.fragment, version=update.version, codec=update.codec, offset=offset,
-                  total_bytes=total, incarnation=update.incarnation,
+                  total_bytes=total, incarnation=update.incarnation, round_age_s=update.round_age_s,
                   data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
         for offset in range(0, max(total, 1), CHUNK_BYTES)
     ]
@@ -174,7 +174,7 @@ class UpdateAssembler:
             return None
         payload = b"".join(self._parts)
         self._parts, self._current = [], None
-        return FragmentUpdate(msg.fragment, msg.version, msg.codec, payload, int(msg.incarnation))
+        return FragmentUpdate(msg.fragment, msg.version, msg.codec, payload, int(msg.incarnation), msg.round_age_s)
 
 
 def state_chunks(state: GlobalState) -> Iterable[pb.StateChunk]:

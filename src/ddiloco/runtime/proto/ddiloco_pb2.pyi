@@ -177,7 +177,7 @@ class UpdatesRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation")
+    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation", "round_age_s")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class Update(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -194,7 +195,8 @@ class Update(_message.Message):
     offset: int
     total_bytes: int
     incarnation: int
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    round_age_s: float
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ..., round_age_s: _Optional[float] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ()
