@@ -125,7 +125,7 @@ class SimDriver:
         self.network = Network(list(NAMES), bandwidth_bps=float("inf"), latency_s=0.0, faults=NetFaults(), seed=0,
                                bytes_counter=ByteCounter())
         self.sync = SyncNode(lambda inc: Synchronizer(PROTOCOL, INITIAL, EMBEDS, limits=LIMITS, incarnation=inc),
-                             INITIAL, seed=0)
+                             seed=0)
         self.checker = None
         self._calls = itertools.count()
         self._replies: dict[int, Any] = {}
@@ -155,7 +155,7 @@ class SimDriver:
             if event.kind is Ev.REQUEST:
                 self.sync.on_request(self, *event.args)
             elif event.kind is Ev.SYNC_TICK:
-                self.sync.on_tick(self, *event.args)
+                self.sync.on_tick(self, event.args[1])
             elif event.kind is Ev.REPLY:
                 self._replies[event.args[2]] = event.args[3]
             elif event.kind is Ev.PUSH:

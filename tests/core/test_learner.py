@@ -66,7 +66,7 @@ def test_duplicate_updates_are_ignored_and_a_missed_version_asks_for_full_state(
     assert core.updates == {UpdateResult.APPLIED: 1, UpdateResult.IGNORED: 1}
     (join,) = core.on_update(update(core, 0, 3, payload), 1.0)
     assert isinstance(join, SendJoin) and core.updates[UpdateResult.GAP] == 1
-    assert core.versions[0] == 1 and core.phase is LearnerPhase.JOINING
+    assert core.versions[0] == 1 and core.rejoining()
     assert core.on_update(update(core, 0, 5, payload), 1.0) == []  # already rejoining: one join
 
 
@@ -121,7 +121,7 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
         local_step(params, seed=s)
         sent += step(core, 10, 1.0)
     (join,) = core.on_refused(sent[0], RejectReason(reason), 3.0)
-    assert isinstance(join, SendJoin) and core.phase is LearnerPhase.JOINING
+    assert isinstance(join, SendJoin) and core.rejoining()
     assert core.on_refused(sent[1], RejectReason(reason), 3.0) == []  # one join is enough
     assert core.can_step(3.0)  # it holds a state: it trains on while it rejoins
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it

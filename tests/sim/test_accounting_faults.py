@@ -48,7 +48,7 @@ def _round(fragment, version, learners, quorum, reason=CloseReason.GRACE, base=N
 def _checker(seed=0):
     c = InvariantChecker(seed=seed, staleness_max=2, quorum=2, strict_quorum=False,
                          initial_values=[torch.zeros(4), torch.zeros(4)])
-    c.on_start(1, [torch.zeros(4), torch.zeros(4)], [0, 0], None)
+    c.on_start(1, [0, 1], [torch.zeros(4), torch.zeros(4)], [0, 0], None)
     return c
 
 
@@ -60,6 +60,9 @@ class _Holder:
         self.session = Session(1, 1)
         self.versions = [version, version]
         self._anchor = anchor
+
+    def session_of(self, fragment):
+        return self.session
 
     def anchor(self, fragment):
         return self._anchor
@@ -92,7 +95,7 @@ def test_invariant_checker_catches_double_merges_stale_merges_and_a_restart_past
     with pytest.raises(InvariantViolation, match="staleness"):
         stale.on_round(_round(0, 4, ["b"], quorum=1, base=0, reason=CloseReason.ALL_LIVE), torch.zeros(4))  # 3 behind
     with pytest.raises(InvariantViolation, match="checkpoint knew"):
-        _checker().on_start(2, [torch.zeros(4), torch.zeros(4)], [3, 1], [2, 1])
+        _checker().on_start(2, [0, 1], [torch.zeros(4), torch.zeros(4)], [3, 1], [2, 1])
 
 
 def test_invariant_checker_computes_the_quorum_itself():

@@ -180,6 +180,8 @@ class Send:
     """Every field of the contribution but its payload, which is empty."""
     delta: torch.Tensor
     codec: Codec
+    shard: int = 0
+    """The synchronizer shard that owns the fragment."""
 
     @property
     def fragment(self) -> int:
@@ -192,16 +194,19 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class SendJoin:
     message: Join
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SendHeartbeat:
     message: Heartbeat
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class SendLeave:
     message: Leave
+    shard: int = 0
 
 
 @dataclass(frozen=True, slots=True)

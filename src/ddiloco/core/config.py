@@ -38,6 +38,8 @@ class ProtocolConfig:
 
     fragments: int = 4
     """P: number of parameter fragments; the token embedding gets one of its own."""
+    shards: int = 1
+    """Synchronizer shards: shard i owns the fragments p with p mod shards = i (at most P)."""
     period: int = 12
     """H: inner steps between two synchronizations of the same fragment."""
     overlap: int = 2
@@ -98,6 +100,10 @@ class ProtocolConfig:
         _positive_int("protocol.period", self.period)
         _positive_int("protocol.quorum", self.quorum)
         _positive_int("protocol.block_size", self.block_size)
+        _positive_int("protocol.shards", self.shards)
+        if self.shards > self.fragments:
+            raise ConfigError(f"protocol.shards ({self.shards}) exceeds protocol.fragments ({self.fragments}): "
+                              "a shard would own no fragment")
         if self.overlap < 0:
             raise ConfigError(f"protocol.overlap must be >= 0, got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -128,6 +134,10 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+
+    def shard_of(self, fragment: int) -> int:
+        """The synchronizer shard that owns ``fragment``."""
+        return fragment % self.shards
 
     @property
     def heartbeat_interval_s(self) -> float:

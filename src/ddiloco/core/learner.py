@@ -13,6 +13,9 @@ longer holds, how often to heartbeat, when to wait for the synchronizer.
 
 Per fragment it keeps the anchor a_p (the last global value it adopted) with its version,
 and the tokens, steps and compute seconds accumulated since the fragment was last sent.
+With a sharded synchronizer (``protocol.shards``) it keeps a session per shard
+(:mod:`ddiloco.core.shard_link`): losing its state at one shard, it joins that shard again
+and keeps exchanging the fragments of the others.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
 from ddiloco.core.grace import MovingAverage
+from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (
     Contribution,
     FragmentUpdate,
@@ -43,15 +47,11 @@ from ddiloco.core.messages import (
     Session,
 )
 
-JOIN_BACKOFF_START_S = 0.2
-JOIN_BACKOFF_MAX_S = 2.0
-
-
 class LearnerPhase(enum.StrEnum):
     IDLE = "idle"
     """Created; ``start`` sends the first join."""
     JOINING = "joining"
-    """A join is on its way (or will be retried); a learner that held a state trains on meanwhile."""
+    """The first joins are on their way (or will be retried): no state to train from yet."""
     TRAINING = "training"
     STOPPING = "stopping"
     """The run's budget is spent: the driver calls ``close`` at the next step boundary."""
@@ -120,7 +120,7 @@ class Learner:
         self.config = config
         self.plan = plan
         self.phase = LearnerPhase.IDLE
-        self.session: Session | None = None
+        self.links = [ShardLink() for _ in range(config.shards)]
         self._uplink = get_codec(config.codec, block_size=config.block_size)
         self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
         self._tensors = [[named_parameters[n] for n in f.param_names] for f in plan.fragments]
@@ -136,9 +136,6 @@ class Learner:
         self.step = 0
         self.step_time = MovingAverage()
         self._tokens_total = 0
-        self._heartbeat_due_s: float | None = None
-        self._join_retry_s: float | None = None
-        self._join_backoff_s = JOIN_BACKOFF_START_S
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
@@ -159,6 +156,18 @@ class Learner:
     def progress(self) -> Progress:
         return Progress(self.boot, self._tokens_total, self.step)
 
+    @property
+    def session(self) -> Session | None:
+        """The session at the first (or only) shard."""
+        return self.links[0].session
+
+    def session_of(self, fragment: int) -> Session | None:
+        return self.links[self.config.shard_of(fragment)].session
+
+    def rejoining(self) -> bool:
+        """Some shard is being joined again (its fragments are not sent meanwhile)."""
+        return any(link.joining for link in self.links)
+
     def can_step(self, now: float) -> bool:
         """May the training loop take its next inner step now?
 
@@ -170,13 +179,25 @@ class Learner:
         return not self._waiting(now)
 
     def is_current(self, request: Request | Send) -> bool:
-        """Was this request made in the learner's current session? (Older work is dropped.)"""
-        session = request.header.session if isinstance(request, Send) else getattr(request, "session", None)
-        return session is not None and session == self.session
+        """Was this request made in the current session of its shard? (Older work is dropped.)"""
+        shard = self._shard_of(request)
+        return shard is not None and self._session_of_request(request) == self.links[shard].session
+
+    def _session_of_request(self, request: Request | Send) -> Session | None:
+        return request.header.session if isinstance(request, Send) else getattr(request, "session", None)
+
+    def _shard_of(self, request: Request | Send) -> int | None:
+        """Which shard a request was for: by fragment, or by the session it carries."""
+        if isinstance(request, Send):
+            return request.shard
+        if isinstance(request, Contribution):
+            return self.config.shard_of(request.fragment)
+        session = getattr(request, "session", None)
+        return next((i for i, link in enumerate(self.links) if link.session == session), None)
 
     def next_deadline(self) -> float | None:
         """When ``tick`` has something to do: a heartbeat, a join retry, the end of a wait."""
-        times = [t for t in (self._heartbeat_due_s, self._join_retry_s) if t is not None]
+        times = [t for link in self.links for t in (link.heartbeat_due_s, link.join_retry_s) if t is not None]
         times += [f.wait_until_s for f in self._in_flight.values()
                   if f.wait_until_s is not None and f.wait_until_s != float("inf")]
         return min(times) if times else None
@@ -190,47 +211,42 @@ class Learner:
     def start(self, now: float) -> list[LearnerAction]:
         if self.phase is not LearnerPhase.IDLE:
             raise RuntimeError(f"learner already started ({self.phase})")
-        return self._join()
-
-    def _join(self) -> list[LearnerAction]:
         self.phase = LearnerPhase.JOINING
-        self._heartbeat_due_s = None
-        self._join_retry_s = None
-        return [SendJoin(Join(self.learner_id, self.boot))]
+        return [action for shard in range(len(self.links)) for action in self._join(shard)]
 
-    def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False) -> list[LearnerAction]:
-        """The synchronizer registered us: adopt the global state it sent (a new session)."""
+    def _join(self, shard: int) -> list[LearnerAction]:
+        self.links[shard].start_join()
+        return [SendJoin(Join(self.learner_id, self.boot), shard)]
+
+    def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
+        """A synchronizer shard registered us: adopt the fragments it sent (a new session there)."""
+        link = self.links[shard]
         if state.session is None or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
-        if self.phase is not LearnerPhase.JOINING and not self._newer_session(state.session):
+        if not link.joining and not link.newer(state.session):
             return []  # an answer to an older (duplicated or retried) join
-        self._adopt(state)
-        self.session = state.session
-        self._join_backoff_s = JOIN_BACKOFF_START_S
-        self._heartbeat_due_s = now + self.config.heartbeat_interval_s
-        if self.phase is LearnerPhase.JOINING:
+        self._adopt(state, shard)
+        link.admitted(state.session, now, self.config.heartbeat_interval_s)
+        if self.phase is LearnerPhase.JOINING and all(lk.session is not None for lk in self.links):
             self.phase = LearnerPhase.TRAINING
         return self.on_stop(now) if stop else []
 
-    def _newer_session(self, session: Session) -> bool:
-        """A later registration at the same synchronizer incarnation (incarnations have no order)."""
-        held = self.session
-        return held is None or (session.incarnation == held.incarnation and session.number > held.number)
-
-    def _adopt(self, state: GlobalState) -> None:
-        if len(state.fragments) != len(self._tensors):
-            raise ValueError(f"state has {len(state.fragments)} fragments, expected {len(self._tensors)}")
+    def _adopt(self, state: GlobalState, shard: int) -> None:
+        owned = [f.index for f in self.plan.fragments if self.config.shard_of(f.index) == shard]
+        if sorted(f.fragment for f in state.fragments) != owned:
+            raise ValueError(f"shard {shard} sent fragments {[f.fragment for f in state.fragments]}, "
+                             f"expected {owned}")
         for frag in state.fragments:
+            p = frag.fragment
             values = frag.values.to(torch.float32).flatten()
-            if values.numel() != self.plan.fragments[frag.fragment].numel:
-                raise ValueError(f"fragment {frag.fragment}: {values.numel()} values, expected "
-                                 f"{self.plan.fragments[frag.fragment].numel}")
-            unflatten_into(values, self._tensors[frag.fragment])
-            self._anchors[frag.fragment] = values.clone()
-            self.versions[frag.fragment] = frag.version
-        self._counters = [_Counters(first_step=self.step + 1) for _ in self._tensors]
-        self._seq = [0] * len(self._tensors)
-        self._in_flight.clear()
+            if values.numel() != self.plan.fragments[p].numel:
+                raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
+            unflatten_into(values, self._tensors[p])
+            self._anchors[p] = values.clone()
+            self.versions[p] = frag.version
+            self._counters[p] = _Counters(first_step=self.step + 1)
+            self._seq[p] = 0
+            self._in_flight.pop(p, None)
 
     # ---- training ------------------------------------------------------------------------
 
@@ -245,20 +261,26 @@ class Learner:
             c.tokens += tokens
             c.steps += 1
             c.compute_s += duration_s
-        sends: list[Send] = []
-        if self.session is not None and self.phase is not LearnerPhase.JOINING:
-            # (while rejoining nothing is sent: these steps start from an anchor about to be replaced)
-            sends = [self._contribution(p) for p, due in enumerate(self._next_due) if due <= self.step]
+        # Nothing is sent to a shard being joined again: those steps start from anchors about to
+        # be replaced.
+        sends = [self._contribution(p) for p, due in enumerate(self._next_due)
+                 if due <= self.step and self._may_send(p)]
         self._start_waits(now)
         return sends
 
+    def _may_send(self, p: int) -> bool:
+        link = self.links[self.config.shard_of(p)]
+        return link.session is not None and not link.joining
+
     def _contribution(self, p: int) -> Send:
-        assert self.session is not None
+        shard = self.config.shard_of(p)
+        session = self.links[shard].session
+        assert session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters = self._counters[p]
         header = Contribution(
             learner_id=self.learner_id,
-            session=self.session,
+            session=session,
             fragment=p,
             base_version=self.versions[p],
             seq=self._seq[p],
@@ -276,7 +298,7 @@ class Learner:
         self._next_due[p] = self.step + self.plan.period
         if self.config.blocking or self.config.max_wait_s > 0:
             self._in_flight[p] = _InFlight(sent_at_step=self.step)
-        return Send(header, delta, self._uplink)
+        return Send(header, delta, self._uplink, shard)
 
     def _start_waits(self, now: float) -> None:
         """Fragments sent τ steps ago (0 when blocking) without an update: start waiting for them."""
@@ -297,15 +319,16 @@ class Learner:
         return any(f.wait_until_s is not None and now < f.wait_until_s for f in self._in_flight.values())
 
     def close(self, now: float) -> list[LearnerAction]:
-        """End of training: send every fragment with unsent steps, due or not, then leave."""
+        """End of training: send every fragment with unsent steps, due or not, then leave every shard."""
         if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
-        actions: list[LearnerAction] = []
-        if self.session is not None and self.phase is not LearnerPhase.JOINING:
-            actions += [self._contribution(p) for p, c in enumerate(self._counters) if c.steps > 0]
-            actions.append(SendLeave(Leave(self.learner_id, self.session, self.progress)))
+        actions: list[LearnerAction] = [self._contribution(p) for p, c in enumerate(self._counters)
+                                        if c.steps > 0 and self._may_send(p)]
+        for shard, link in enumerate(self.links):
+            if link.session is not None and not link.joining:
+                actions.append(SendLeave(Leave(self.learner_id, link.session, self.progress), shard))
+            link.quiet()
         self.phase = LearnerPhase.STOPPED
-        self._heartbeat_due_s = self._join_retry_s = None
         return actions
 
     # ---- what comes back -----------------------------------------------------------------
@@ -314,15 +337,17 @@ class Learner:
         """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ."""
         result = self._apply(update)
         self.updates[result] += 1
-        if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING:
-            return self._join()  # missed a version: fetch the full state
+        shard = self.config.shard_of(update.fragment)
+        if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING and not self.links[shard].joining:
+            return self._join(shard)  # missed a version: fetch that shard's state again
         return []
 
     def _apply(self, update: FragmentUpdate) -> UpdateResult:
         p = update.fragment
         if not 0 <= p < len(self._tensors) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
-        if self.session is None or update.incarnation != self.session.incarnation:
+        session = self.session_of(p)
+        if session is None or update.incarnation != session.incarnation:
             return UpdateResult.IGNORED
         if update.version <= self.versions[p]:
             return UpdateResult.IGNORED
@@ -344,36 +369,42 @@ class Learner:
             self._next_due[p] = self.step + max(1, self.plan.period - since_open)
         return UpdateResult.APPLIED
 
-    def on_accepted(self, request: Request, now: float, *, stop: bool = False) -> list[LearnerAction]:
+    def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         return self.on_stop(now) if stop else []
 
-    def on_refused(self, request: Request, reason: RejectReason, now: float) -> list[LearnerAction]:
+    def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """React to a refusal, by reason (the table is ``REJOIN_ON`` / ``FATAL``)."""
         reason = RejectReason(reason)
         if reason in FATAL:
             self.phase = LearnerPhase.FAILED
             self.failure = Fail(reason, f"the synchronizer refused {type(request).__name__}: {reason}")
+            for link in self.links:
+                link.quiet()
             return [self.failure]
         if reason is RejectReason.FINISHED:
             self.phase = LearnerPhase.STOPPED
-            self._heartbeat_due_s = self._join_retry_s = None
+            for link in self.links:
+                link.quiet()
             return []
         if isinstance(request, Join):
-            self._join_retry_s = now + self._next_backoff()
+            if self.links[shard].joining:
+                self.links[shard].retry_later(now)
             return []
         if not self.is_current(request):
             return []  # about a session we already left
         if isinstance(request, Contribution):
             self._in_flight.pop(request.fragment, None)
-        if reason in REJOIN_ON and self.phase is LearnerPhase.TRAINING:
-            return self._join()
+        target = self._shard_of(request)
+        if (reason in REJOIN_ON and target is not None and self.phase is LearnerPhase.TRAINING
+                and not self.links[target].joining):
+            return self._join(target)
         return []  # duplicate, or a contribution the synchronizer found unusable: dropped
 
-    def on_undelivered(self, request: Request, now: float) -> list[LearnerAction]:
+    def on_undelivered(self, request: Request, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """A call got no answer (synchronizer down, network): retry, fold or drop."""
         if isinstance(request, Join):
-            if self.phase is LearnerPhase.JOINING:
-                self._join_retry_s = now + self._next_backoff()
+            if self.links[shard].joining:
+                self.links[shard].retry_later(now)
             return []
         if isinstance(request, Contribution):
             if self.is_current(request) and self.phase is not LearnerPhase.STOPPED:
@@ -407,16 +438,11 @@ class Learner:
         """
         self._expire_waits(now)
         actions: list[LearnerAction] = []
-        if self._join_retry_s is not None and now >= self._join_retry_s and self.phase is LearnerPhase.JOINING:
-            actions += self._join()
-        if self._heartbeat_due_s is not None and now >= self._heartbeat_due_s and self.session is not None:
-            if self.phase in (LearnerPhase.TRAINING, LearnerPhase.STOPPING):
-                actions.append(SendHeartbeat(Heartbeat(self.learner_id, self.session, self.progress)))
-            interval = self.config.heartbeat_interval_s
-            self._heartbeat_due_s += interval * max(1, math.ceil((now - self._heartbeat_due_s) / interval))
+        interval = self.config.heartbeat_interval_s
+        for shard, link in enumerate(self.links):
+            if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:
+                actions += self._join(shard)
+            if link.heartbeat_due(now, interval) and link.session is not None and not link.joining:
+                if self.phase in (LearnerPhase.TRAINING, LearnerPhase.STOPPING):
+                    actions.append(SendHeartbeat(Heartbeat(self.learner_id, link.session, self.progress), shard))
         return actions
-
-    def _next_backoff(self) -> float:
-        delay = self._join_backoff_s
-        self._join_backoff_s = min(JOIN_BACKOFF_MAX_S, delay * 2)
-        return delay

@@ -106,6 +106,7 @@ class Synchronizer:
         *,
         limits: RunLimits = RunLimits(),
         incarnation: int = 0,
+        shard: int = 0,
     ) -> None:
         config.validate()
         limits.validate()
@@ -115,11 +116,15 @@ class Synchronizer:
         self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
         self._outer = NesterovSGD(lr=config.outer_lr, momentum=config.outer_momentum)
         self._grace = GraceWindow(overlap_steps=config.overlap, gamma=config.grace_gamma, max_s=config.grace_max_s)
+        if not 0 <= shard < config.shards:
+            raise ValueError(f"shard {shard} of {config.shards}")
+        self.shard = shard
         embeds = set(embedding_fragments)
-        self._fragments = [
-            GlobalFragment(value=v.detach().to(torch.float32).flatten().clone(), is_embedding=i in embeds)
-            for i, v in enumerate(initial_values)
-        ]
+        # A shard holds only the fragments it owns (p mod shards = shard), by their global index.
+        self._fragments = {
+            i: GlobalFragment(value=v.detach().to(torch.float32).flatten().clone(), is_embedding=i in embeds)
+            for i, v in enumerate(initial_values) if config.shard_of(i) == shard
+        }
         self._registry = Registry(incarnation, config.lease_s)
         self._run = RunState(limits)
         self._rejections: Counter[str] = Counter()
@@ -134,11 +139,16 @@ class Synchronizer:
         return len(self._fragments)
 
     @property
+    def owned(self) -> tuple[int, ...]:
+        """The (global) indices of the fragments this synchronizer shard owns, in order."""
+        return tuple(self._fragments)
+
+    @property
     def phase(self) -> RunPhase:
         return self._run.phase
 
     def versions(self) -> tuple[int, ...]:
-        return tuple(f.version for f in self._fragments)
+        return tuple(f.version for f in self._fragments.values())
 
     def value(self, fragment: int) -> torch.Tensor:
         """The canonical global value of a fragment (do not modify)."""
@@ -150,12 +160,12 @@ class Synchronizer:
     def global_state(self) -> GlobalState:
         """Every fragment's value, without registering anyone (evaluation, monitoring)."""
         return GlobalState(
-            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in enumerate(self._fragments)),
+            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in self._fragments.items()),
             incarnation=self.incarnation,
         )
 
     def pending_tokens(self) -> int:
-        return sum(f.round.tokens for f in self._fragments)
+        return sum(f.round.tokens for f in self._fragments.values())
 
     def effective_quorum(self) -> int:
         """The number of fresh contributions a round needs right now (K, or fewer live learners)."""
@@ -175,8 +185,9 @@ class Synchronizer:
 
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
-        times = [f.round.deadline_s for f in self._fragments if f.round.phase is RoundPhase.GRACE]
-        times += [f.ready_at_s for f in self._fragments if f.round.phase is RoundPhase.COLLECTING and f.ready_at_s]
+        frags = self._fragments.values()
+        times = [f.round.deadline_s for f in frags if f.round.phase is RoundPhase.GRACE]
+        times += [f.ready_at_s for f in frags if f.round.phase is RoundPhase.COLLECTING and f.ready_at_s]
         for t in (self._registry.next_expiry(), self._run.deadline()):
             if t is not None:
                 times.append(t)
@@ -188,7 +199,7 @@ class Synchronizer:
             incarnation=self.incarnation,
             phase=run.phase,
             versions=self.versions(),
-            round_phases=tuple(f.round.phase for f in self._fragments),
+            round_phases=tuple(f.round.phase for f in self._fragments.values()),
             learners=tuple(
                 LearnerStatus(name, r.alive, r.last_seen_s, r.accepted, r.rejected, r.registrations, r.step_time_s,
                               run.tokens_of(name))
@@ -250,7 +261,7 @@ class Synchronizer:
         rec = self._registry.register(join.learner_id, now)
         self._run.start(now)
         state = GlobalState(
-            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in enumerate(self._fragments)),
+            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in self._fragments.items()),
             incarnation=self.incarnation,
             session=rec.session,
         )
@@ -294,8 +305,10 @@ class Synchronizer:
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
     def _validate(self, c: Contribution, last_seq: dict[int, int]) -> torch.Tensor:
-        if not 0 <= c.fragment < len(self._fragments):
-            raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} (have {len(self._fragments)})")
+        if c.fragment not in self._fragments:
+            raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
+                                                          f"{list(self._fragments)} (shard {self.shard} of "
+                                                          f"{self.config.shards})")
         frag = self._fragments[c.fragment]
         if c.codec != self._uplink.name:
             raise Rejected(RejectReason.BAD_CODEC, f"codec {c.codec!r}, expected {self._uplink.name!r}")
@@ -329,7 +342,7 @@ class Synchronizer:
     def _tick(self, now: float) -> list[SyncAction]:
         actions: list[SyncAction] = [LeaseExpired(name, now) for name in self._registry.expire(now)]
         expired = bool(actions)
-        for index, frag in enumerate(self._fragments):
+        for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
                 actions += self._close(index, now, CloseReason.GRACE)
             elif frag.round.phase is RoundPhase.COLLECTING and (expired or 0 < frag.ready_at_s <= now):
@@ -345,7 +358,7 @@ class Synchronizer:
             run.stopped_at_s = now
             actions.append(StopLearners(tuple(self.alive())))
         if run.drain_due(now, len(self.alive())):
-            for index, frag in enumerate(self._fragments):
+            for index, frag in self._fragments.items():
                 if frag.round.pending:
                     actions += self._close(index, now, CloseReason.DRAIN)
             run.phase = RunPhase.FINISHED
@@ -436,8 +449,9 @@ class Synchronizer:
                     "momentum": None if f.momentum is None else f.momentum.clone(),
                     "residual": None if f.residual is None else f.residual.clone(),
                 }
-                for f in self._fragments
+                for f in self._fragments.values()
             ],
+            "owned": list(self._fragments),
             "learners": self._registry.state_dict(),
             "rejections": dict(self._rejections),
             "rounds_closed": dict(self._rounds_closed),
@@ -448,9 +462,10 @@ class Synchronizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Learners must register again (leases are not restored)."""
         frags = state["fragments"]
-        if len(frags) != len(self._fragments):
-            raise ValueError(f"checkpoint has {len(frags)} fragments, expected {len(self._fragments)}")
-        for f, saved in zip(self._fragments, frags):
+        if list(state.get("owned", range(len(frags)))) != list(self._fragments):
+            raise ValueError(f"checkpoint holds fragments {list(state.get('owned', range(len(frags))))}, "
+                             f"this synchronizer owns {list(self._fragments)}")
+        for f, saved in zip(self._fragments.values(), frags):
             if saved["value"].numel() != f.value.numel():
                 raise ValueError("checkpoint fragment size mismatch")
             f.value = saved["value"].to(torch.float32).clone()

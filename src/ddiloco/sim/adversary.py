@@ -29,19 +29,21 @@ class TimedFault(enum.StrEnum):
 class Window:
     kind: TimedFault
     target: int
-    """Learner index (-1 for the synchronizer)."""
+    """Learner index, or synchronizer shard index for a synchronizer crash."""
     start_s: float
     end_s: float
 
 
-def plan_windows(faults: FaultConfig, *, learners: int, until_s: float, seed: int) -> list[Window]:
+def plan_windows(faults: FaultConfig, *, learners: int, until_s: float, seed: int, shards: int = 1) -> list[Window]:
     """Every timed fault of a run, in time order (windows of one target never overlap)."""
     windows: list[Window] = []
-    streams = np.random.SeedSequence([seed, 0xADD5]).spawn(2 * learners + 1)
+    streams = np.random.SeedSequence([seed, 0xADD5]).spawn(2 * learners + shards)
     for m in range(learners):
         windows += _poisson(TimedFault.PARTITION, m, faults.partition, faults.partition_s, until_s, streams[2 * m])
         windows += _poisson(TimedFault.FREEZE, m, faults.freeze, faults.freeze_s, until_s, streams[2 * m + 1])
-    windows += _poisson(TimedFault.SYNC_CRASH, -1, faults.sync_crash, faults.sync_downtime_s, until_s, streams[-1])
+    for shard in range(shards):
+        windows += _poisson(TimedFault.SYNC_CRASH, shard, faults.sync_crash, faults.sync_downtime_s, until_s,
+                            streams[2 * learners + shard])
     return sorted(windows, key=lambda w: (w.start_s, w.kind, w.target))
 
 

@@ -67,10 +67,12 @@ class VirtualCluster:
             checkpoint_every_rounds=cluster.checkpoint_every_rounds,
             checkpoint_every_s=cluster.checkpoint_every_s,
         )
-        self.sync = SyncNode(
-            lambda incarnation: Synchronizer(protocol, initial, embeds, limits=limits, incarnation=incarnation), initial,
-            seed=run.seed,
-        )
+        self.syncs = [
+            SyncNode(lambda incarnation, shard=shard: Synchronizer(protocol, initial, embeds, limits=limits,
+                                                                   incarnation=incarnation, shard=shard),
+                     seed=run.seed, shard=shard)
+            for shard in range(protocol.shards)
+        ]
         total = sum(f.numel for f in self.plan.fragments)
         self._share = [f.numel / total for f in self.plan.fragments]
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
@@ -88,7 +90,8 @@ class VirtualCluster:
         )
         self.learners = [self._new_node(m) for m in range(run.learners)]
         self._by_name = {node.name: node for node in self.learners}
-        self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed)
+        self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed,
+                                    shards=protocol.shards)
         self.injected: Counter[str] = Counter()
         self.limit_s = 2 * recorder.horizon_s() + 100.0
         """Virtual time after which a run that has not finished is given up (a liveness failure)."""
@@ -116,10 +119,18 @@ class VirtualCluster:
         return self.finish()
 
     def running(self) -> bool:
-        return bool(len(self.queue)) and not self.sync.finished and self.queue.now <= self.limit_s
+        return bool(len(self.queue)) and not self.finished and self.queue.now <= self.limit_s
+
+    @property
+    def finished(self) -> bool:
+        return all(sync.finished for sync in self.syncs)
+
+    def sync_of(self, fragment: int) -> SyncNode:
+        return self.syncs[self.protocol.shard_of(fragment)]
 
     def start(self) -> None:
-        self.sync.start(self)
+        for sync in self.syncs:
+            sync.start(self)
         for node in self.learners:
             node.execute(self, node.core.start(0.0))
             self._schedule_failure(node.index)
@@ -146,9 +157,11 @@ class VirtualCluster:
             node.advance(self)
         elif kind is Ev.REQUEST:
             if not self.network.partitioned(self.learners[args[0]].name, self.queue.now):
-                self.sync.on_request(self, *args)
+                m, boot, call_id, request, shard = args
+                self.syncs[shard].on_request(self, m, boot, call_id, request)
         elif kind is Ev.SYNC_TICK:
-            self.sync.on_tick(self, *args)
+            shard, incarnation = args
+            self.syncs[shard].on_tick(self, incarnation)
         else:
             self._fate(kind, args)
 
@@ -196,13 +209,14 @@ class VirtualCluster:
             self.network.partition(self.learners[m].name, until)
             self.injected["partition"] += 1
         elif kind is Ev.SYNC_CRASH:
-            _, until = args
-            if self.sync.up and not self.sync.finished:
-                self.sync.crash(self)
+            shard, until = args
+            sync = self.syncs[shard]
+            if sync.up and not sync.finished:
+                sync.crash(self)
                 self.injected["sync_crash"] += 1
-                self.queue.at(until, Ev.SYNC_RESTART)
+                self.queue.at(until, Ev.SYNC_RESTART, shard)
         elif kind is Ev.SYNC_RESTART:
-            self.sync.restart(self)
+            self.syncs[args[0]].restart(self)
 
     def _schedule_failure(self, m: int) -> None:
         down = self.recorder.trace.next_down(m, self.queue.now if self.queue.now > 0 else -1.0)
@@ -234,31 +248,41 @@ class VirtualCluster:
                 first = offset + mc.first_step
                 self.recorder.accounting.credit(node.index, first, first + mc.steps - 1, share)
 
+    def versions(self) -> list[int]:
+        """Every fragment's global version, from the shard that owns it."""
+        return [self.sync_of(f.index).core.versions()[self.sync_of(f.index).core.owned.index(f.index)]
+                for f in self.plan.fragments]
+
     def evaluate(self) -> dict[str, Any]:
-        core = self.sync.core
         params = dict(self.eval_model.named_parameters())
         with torch.no_grad():
             for f in self.plan.fragments:
-                unflatten_into(core.value(f.index), [params[n] for n in f.param_names])
+                unflatten_into(self.sync_of(f.index).core.value(f.index), [params[n] for n in f.param_names])
+        alive = set.intersection(*(set(sync.core.alive()) for sync in self.syncs))
         return self.recorder.record(
             now=self.queue.now,
             tokens=self.tokens,
             model=self.eval_model,
-            extra={"fragment_versions": list(core.versions()), "alive": len(core.alive())},
+            extra={"fragment_versions": self.versions(), "alive": len(alive)},
         )
 
     def finish(self) -> dict[str, Any]:
-        if self.checker and self.sync.up:
-            self.checker.at_end(self.sync.incarnation, self.sync.core.pending_tokens())
-        status = self.sync.core.status()
+        rounds: Counter[str] = Counter()
+        rejections: Counter[str] = Counter()
+        for sync in self.syncs:
+            if self.checker and sync.up:
+                self.checker.at_end(sync.incarnation, sync.core.pending_tokens())
+            status = sync.core.status()
+            rounds.update(status.rounds_closed)
+            rejections.update(status.rejections)
         final = self.evaluate()
         return {
             "final": final,
             "weights_sha256": weights_sha256(self.eval_model),
-            "fragment_versions": list(status.versions),
-            "rounds_closed": status.rounds_closed,
-            "rejections": status.rejections,
+            "fragment_versions": self.versions(),
+            "rounds_closed": dict(rounds),
+            "rejections": dict(rejections),
             "steps_per_learner": [self.recorder.accounting.steps(m) for m in range(len(self.learners))],
-            "finished": self.sync.finished,
+            "finished": self.finished,
             "faults": {**{str(k): v for k, v in self.network.injected.items()}, **self.injected},
         }

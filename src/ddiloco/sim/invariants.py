@@ -59,14 +59,14 @@ class InvariantChecker:
     def _fail(self, message: str) -> None:
         raise InvariantViolation(f"{message} (reproduce with seed {self.seed})")
 
-    def on_start(self, incarnation: int, values: Sequence[torch.Tensor], versions: Sequence[int],
-                 checkpoint_versions: Sequence[int] | None) -> None:
-        """A synchronizer incarnation starts (first start, or restart from ``checkpoint_versions``)."""
+    def on_start(self, incarnation: int, fragments: Sequence[int], values: Sequence[torch.Tensor],
+                 versions: Sequence[int], checkpoint_versions: Sequence[int] | None) -> None:
+        """A synchronizer (shard) incarnation starts: first start, or restart from ``checkpoint_versions``."""
         expected = list(checkpoint_versions) if checkpoint_versions is not None else [0] * len(versions)
         if list(versions) != expected:
             self._fail(f"incarnation {incarnation} starts at versions {list(versions)}, "
                        f"its checkpoint knew {expected}")
-        for p, (value, version) in enumerate(zip(values, versions)):
+        for p, value, version in zip(fragments, values, versions):
             self._versions[(incarnation, p)] = version
             self._values[(incarnation, p, version)] = _digest(value)
 
@@ -122,22 +122,24 @@ class InvariantChecker:
     def on_anchor(self, learner: Learner, fragment: int) -> None:
         """After a learner adopts a state or applies an update: its anchor is a produced value."""
         self.checks += 1
-        assert learner.session is not None
+        session = learner.session_of(fragment)
+        assert session is not None
         version = learner.versions[fragment]
-        expected = self._values.get((learner.session.incarnation, fragment, version))
+        expected = self._values.get((session.incarnation, fragment, version))
         if expected is None and version == 0:
             expected = self._initial[fragment]
         if expected is None:
             self._fail(f"{learner.learner_id} holds fragment {fragment} v{version}, which incarnation "
-                       f"{learner.session.incarnation} never produced")
+                       f"{session.incarnation} never produced")
         elif _digest(learner.anchor(fragment)) != expected:
             self._fail(f"{learner.learner_id}'s anchor for fragment {fragment} v{version} differs from the "
                        f"global value")
 
     def on_sent(self, learner: Learner, c: Contribution) -> None:
         self.checks += 1
-        if c.session != learner.session:
-            self._fail(f"{learner.learner_id} sent work of session {c.session} while holding {learner.session}")
+        if c.session != learner.session_of(c.fragment):
+            self._fail(f"{learner.learner_id} sent work of session {c.session} while holding "
+                       f"{learner.session_of(c.fragment)}")
         if c.base_version != learner.versions[c.fragment]:
             self._fail(f"{learner.learner_id} sent Δ of fragment {c.fragment} from version {c.base_version} "
                        f"while holding version {learner.versions[c.fragment]}")

@@ -49,7 +49,8 @@ class LearnerNode:
     stepping: bool = False
     step_offset: int = 0
     """Steps of earlier boots (the accounting numbers a learner's steps across restarts)."""
-    calls: dict[int, Request] = field(default_factory=dict)
+    calls: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    """Calls awaiting an answer: the request and the shard it went to."""
     tick_at: float | None = None
     offsets: dict[tuple[int, int], int] = field(default_factory=dict)
     """(incarnation, session) → step offset of the boot that held it (to credit merged steps)."""
@@ -63,20 +64,20 @@ class LearnerNode:
                 contribution = action.encode()
                 if cluster.checker:
                     cluster.checker.on_sent(self.core, contribution)
-                self.call(cluster, contribution, action.fragment, len(contribution.payload))
+                self.call(cluster, contribution, action.fragment, len(contribution.payload), action.shard)
             elif isinstance(action, (SendJoin, SendHeartbeat, SendLeave)):
-                self.call(cluster, action.message, -1, 0)
+                self.call(cluster, action.message, -1, 0, action.shard)
             elif isinstance(action, Fail):
                 self.failure = action
         self.schedule_tick(cluster)
 
-    def call(self, cluster: "VirtualCluster", request: Request, fragment: int, payload_bytes: int) -> None:
-        """One RPC: the request travels up; the reply (or the deadline) comes back later."""
+    def call(self, cluster: "VirtualCluster", request: Request, fragment: int, payload_bytes: int, shard: int) -> None:
+        """One RPC to a synchronizer shard: the request travels up; the reply (or the deadline) comes back."""
         now = cluster.queue.now
         call_id = cluster.new_call_id()
-        self.calls[call_id] = request
+        self.calls[call_id] = (request, shard)
         for arrival in cluster.network.deliveries(self.name, Direction.UP, fragment, payload_bytes, now):
-            cluster.queue.at(arrival, Ev.REQUEST, self.index, self.boot, call_id, request)
+            cluster.queue.at(arrival, Ev.REQUEST, self.index, self.boot, call_id, request, shard)
         deadline = cluster.config.cluster.rpc_timeout_s + 8.0 * payload_bytes / cluster.config.cluster.bandwidth_bps
         cluster.queue.at(now + deadline, Ev.CALL_TIMEOUT, self.index, self.boot, call_id)
 
@@ -88,25 +89,26 @@ class LearnerNode:
 
     # ---- what arrives ----------------------------------------------------------------------
 
-    def on_reply(self, cluster: "VirtualCluster", call_id: int, reply: Reply) -> None:
-        request = self.calls.pop(call_id, None)
-        if request is None:
+    def on_reply(self, cluster: "VirtualCluster", call_id: int, reply: Reply, shard: int) -> None:
+        call = self.calls.pop(call_id, None)
+        if call is None:
             return  # the call already timed out (or this is a duplicate answer)
+        request, _ = call
         now = cluster.queue.now
         if isinstance(reply, Admitted):
-            held = self.core.session
-            actions = self.core.on_admitted(reply.state, now, stop=reply.stop)
-            if self.core.session != held and self.core.session is not None:
-                session = self.core.session
+            held = self.core.links[shard].session
+            actions = self.core.on_admitted(reply.state, now, stop=reply.stop, shard=shard)
+            session = self.core.links[shard].session
+            if session != held and session is not None:
                 self.offsets[(session.incarnation, session.number)] = self.step_offset
                 if cluster.checker:
-                    for f in range(len(reply.state.fragments)):
-                        cluster.checker.on_anchor(self.core, f)
+                    for f in reply.state.fragments:
+                        cluster.checker.on_anchor(self.core, f.fragment)
         elif isinstance(reply, Accepted):
-            actions = self.core.on_accepted(request, now, stop=reply.stop)
+            actions = self.core.on_accepted(request, now, stop=reply.stop, shard=shard)
         else:
             assert isinstance(reply, Refused)
-            actions = self.core.on_refused(request, reply.reason, now)
+            actions = self.core.on_refused(request, reply.reason, now, shard=shard)
         self.execute(cluster, actions)
 
     def on_push(self, cluster: "VirtualCluster", message: FragmentUpdate | StopNotice) -> None:
@@ -121,9 +123,10 @@ class LearnerNode:
         self.execute(cluster, actions)
 
     def on_timeout(self, cluster: "VirtualCluster", call_id: int) -> None:
-        request = self.calls.pop(call_id, None)
-        if request is not None:
-            self.execute(cluster, self.core.on_undelivered(request, cluster.queue.now))
+        call = self.calls.pop(call_id, None)
+        if call is not None:
+            request, shard = call
+            self.execute(cluster, self.core.on_undelivered(request, cluster.queue.now, shard=shard))
 
     def on_tick(self, cluster: "VirtualCluster") -> None:
         self.tick_at = None

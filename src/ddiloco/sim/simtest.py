@@ -83,6 +83,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = 
     kinds = set(kinds)
     m = int(rng.integers(2, 6))
     fragments = int(rng.integers(1, 5))
+    shards = min(fragments, int(rng.choice([1, 1, 2, 3])))
     period = int(rng.integers(2, 9))
     lease_s = float(rng.uniform(4.0, 12.0))
 
@@ -92,7 +93,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = 
     sections = {
         "run": {"mode": "decoupled", "learners": m, "seed": seed},
         "protocol": {
-            "fragments": fragments, "period": period, "quorum": int(rng.integers(1, m + 1)),
+            "fragments": fragments, "shards": shards, "period": period, "quorum": int(rng.integers(1, m + 1)),
             "overlap": int(rng.integers(0, 4)), "staleness_max": int(rng.integers(1, 5)),
             "alpha": float(rng.choice([0.0, 0.5])), "merge": str(rng.choice(["rda", "mean"])),
             "lease_s": lease_s, "heartbeat_s": float(rng.uniform(0.5, 3.0)),
@@ -154,7 +155,7 @@ def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = FA
         while cluster.running():
             upcoming = cluster.queue.next_time()
             if target is None and upcoming > quiet_s:
-                target = cluster.sync.core.versions()
+                target = tuple(cluster.versions())
             if target is not None and upcoming > check_s and verdict is None:
                 verdict = _caught_up(cluster, target) or ""
                 if verdict:
@@ -164,10 +165,11 @@ def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = FA
             if events > MAX_EVENTS:
                 verdict = f"event storm: {events:,} events by virtual {cluster.queue.now:.1f}s"
                 break
-        if not verdict and not cluster.sync.finished:
+        if not verdict and not cluster.finished:
             verdict = f"the run did not finish its budget (stopped at virtual {cluster.queue.now:.1f}s)"
         if not verdict and cluster.checker:
-            cluster.checker.at_end(cluster.sync.incarnation, cluster.sync.core.pending_tokens())
+            for sync in cluster.syncs:
+                cluster.checker.at_end(sync.incarnation, sync.core.pending_tokens())
     except InvariantViolation as err:
         return _result(seed, cluster, events, violation=str(err))
     except Exception as err:  # noqa: BLE001 - any crash of the protocol code is a finding
@@ -177,8 +179,6 @@ def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = FA
 
 def _caught_up(cluster: VirtualCluster, target: tuple[int, ...]) -> str | None:
     """Why the liveness property does not hold now, or None."""
-    sync = cluster.sync
-    alive = set(sync.core.alive())
     for node in cluster.learners:
         core = node.core
         if not node.up or core.phase in (LearnerPhase.STOPPING, LearnerPhase.STOPPED):
@@ -186,10 +186,13 @@ def _caught_up(cluster: VirtualCluster, target: tuple[int, ...]) -> str | None:
         where = f"{node.name} at virtual {cluster.queue.now:.1f}s"
         if core.phase is not LearnerPhase.TRAINING or node.failure is not None:
             return f"{where} is {core.phase} ({node.failure.detail if node.failure else 'no failure'})"
-        if core.session is None or core.session.incarnation != sync.incarnation:
-            return f"{where} follows another synchronizer incarnation"
-        if node.name not in alive:
-            return f"{where} trains but holds no lease at the synchronizer"
+        for shard, (link, sync) in enumerate(zip(core.links, cluster.syncs)):
+            if link.joining:
+                return f"{where} is still joining shard {shard}"
+            if link.session is None or link.session.incarnation != sync.incarnation:
+                return f"{where} follows another incarnation of synchronizer shard {shard}"
+            if node.name not in sync.core.alive():
+                return f"{where} trains but holds no lease at synchronizer shard {shard}"
         behind = [p for p, (held, want) in enumerate(zip(core.versions, target)) if held < want]
         if behind:
             return f"{where} holds versions {core.versions}, behind {list(target)} on fragments {behind}"

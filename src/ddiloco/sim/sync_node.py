@@ -12,8 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
-
 from ddiloco.core.actions import (
     Accepted,
     Admitted,
@@ -37,11 +35,11 @@ if TYPE_CHECKING:
 
 
 class SyncNode:
-    def __init__(self, build: Callable[[int], Synchronizer], initial_values: Sequence[torch.Tensor], seed: int) -> None:
+    def __init__(self, build: Callable[[int], Synchronizer], seed: int, shard: int = 0) -> None:
         self._build = build
-        self.initial_values = [v.clone() for v in initial_values]
+        self.shard = shard
         # Incarnations are random ids, as in the real service: nothing may rely on their order.
-        self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7]))
+        self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7, shard]))
         self.incarnation = self._new_incarnation()
         self.core = build(self.incarnation)
         self.up = True
@@ -55,7 +53,7 @@ class SyncNode:
 
     def start(self, cluster: "VirtualCluster") -> None:
         if cluster.checker:
-            cluster.checker.on_start(self.incarnation, [self.core.value(p) for p in range(self.core.num_fragments)],
+            cluster.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
                                      self.core.versions(), None)
 
     # ---- events ------------------------------------------------------------------------
@@ -85,7 +83,7 @@ class SyncNode:
                 assert reply_to is not None
                 m, boot, call_id = reply_to
                 size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
-                cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action)
+                cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action, self.shard)
                 if isinstance(action, Accepted) and isinstance(action.request, Contribution) and cluster.checker:
                     cluster.checker.on_accepted(action.request, self.incarnation)
             elif isinstance(action, Broadcast):
@@ -109,7 +107,7 @@ class SyncNode:
         deadline = self.core.next_deadline()
         if deadline is not None and (self.tick_at is None or deadline < self.tick_at):
             self.tick_at = deadline
-            cluster.queue.at(deadline, Ev.SYNC_TICK, self.incarnation)
+            cluster.queue.at(deadline, Ev.SYNC_TICK, self.shard, self.incarnation)
 
     # ---- crash and restart -------------------------------------------------------------
 
@@ -132,7 +130,7 @@ class SyncNode:
         self.tick_at = None
         if cluster.checker:
             known = None if self.checkpoint is None else [f["version"] for f in self.checkpoint["fragments"]]
-            cluster.checker.on_start(self.incarnation, [self.core.value(p) for p in range(self.core.num_fragments)],
+            cluster.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
                                      self.core.versions(), known)
         self.schedule_tick(cluster)
 

@@ -1,0 +1,58 @@
+"""A learner's standing with one synchronizer shard: its session, lease upkeep and join retries.
+
+The synchronizer may be sharded by fragment (shard i owns the fragments p with
+p mod shards = i): every shard is a synchronizer of its own, with its own incarnation,
+registry and leases. A learner registers with each, heartbeats to each, and when it loses
+its state at one shard it joins that shard again while it keeps exchanging the fragments
+of the others. Unsharded runs have one shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddiloco.core.messages import Session
+
+JOIN_BACKOFF_START_S = 0.2
+JOIN_BACKOFF_MAX_S = 2.0
+
+
+@dataclass(slots=True)
+class ShardLink:
+    session: Session | None = None
+    joining: bool = False
+    """A join is on its way (or will be retried); the shard's fragments are not sent meanwhile."""
+    heartbeat_due_s: float | None = None
+    join_retry_s: float | None = None
+    backoff_s: float = JOIN_BACKOFF_START_S
+
+    def start_join(self) -> None:
+        self.joining = True
+        self.heartbeat_due_s = self.join_retry_s = None
+
+    def admitted(self, session: Session, now: float, heartbeat_interval_s: float) -> None:
+        self.session = session
+        self.joining = False
+        self.join_retry_s = None
+        self.backoff_s = JOIN_BACKOFF_START_S
+        self.heartbeat_due_s = now + heartbeat_interval_s
+
+    def newer(self, session: Session) -> bool:
+        """A later registration at the same incarnation (incarnations are ids: they have no order)."""
+        held = self.session
+        return held is None or (session.incarnation == held.incarnation and session.number > held.number)
+
+    def retry_later(self, now: float) -> None:
+        self.join_retry_s = now + self.backoff_s
+        self.backoff_s = min(JOIN_BACKOFF_MAX_S, self.backoff_s * 2)
+
+    def heartbeat_due(self, now: float, interval_s: float) -> bool:
+        """Is a heartbeat due now? (Moves the next one past ``now`` either way.)"""
+        if self.heartbeat_due_s is None or now < self.heartbeat_due_s:
+            return False
+        self.heartbeat_due_s += interval_s * max(1, math.ceil((now - self.heartbeat_due_s) / interval_s))
+        return True
+
+    def quiet(self) -> None:
+        self.heartbeat_due_s = self.join_retry_s = None
