@@ -380,7 +380,7 @@ class Synchronizer:
         if self.config.strict_quorum:
             # Synchronous DiLoCo: wait for K contributions, whoever is alive, then merge at once.
             return self._close(index, now, CloseReason.QUORUM) if len(rnd.contributors()) >= self.config.quorum else []
-        if now < frag.ready_at_s:
+        if now < frag.ready_at_s and self.alive() and self._run.phase is RunPhase.RUNNING:
             return []  # too soon after the previous round: this one waits (``space_rounds``)
         frag.ready_at_s = 0.0
         if set(self.alive()) <= rnd.contributors():

@@ -128,7 +128,7 @@ class SyncHost:
             if not self._stopped:
                 await self.handle(Tick())
 
-    async def stop(self) -> None:
+    async def stop_timer(self) -> None:
         # A flag, not only cancel(): asyncio.wait_for in Python 3.11 can swallow a cancellation
         # that arrives as its inner wait completes, and the loop would run on.
         self._stopped = True
@@ -137,4 +137,8 @@ class SyncHost:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
+            self._timer = None
+
+    async def stop(self) -> None:
+        await self.stop_timer()
         self._pool.shutdown(wait=True)

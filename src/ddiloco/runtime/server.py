@@ -56,9 +56,11 @@ class SyncServer:
         return port
 
     async def stop(self) -> None:
-        await self.service.stop()
+        """No more calls, then the service's final checkpoint (so it holds every merge)."""
+        self.service.streams.close_all()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        await self.service.stop()
 
 
 async def serve(service: SyncService, listen: Address, *, credentials: grpc.ServerCredentials | None = None,

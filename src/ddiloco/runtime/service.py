@@ -406,8 +406,9 @@ class SyncService:
         return self.host
 
     async def stop(self) -> None:
-        """Final checkpoint, then close every stream and stop the host."""
+        """Stop the timer, write the final checkpoint, close every stream, stop the host."""
         if self.host is not None:
+            await self.host.stop_timer()
             await self.checkpoint()
             self.streams.close_all()
             await self.host.stop()
