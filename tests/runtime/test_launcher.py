@@ -38,7 +38,7 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
     logs = [(tmp_path / "logs" / f"learner-{i}.log").read_text() for i in range(2)]
     assert any("training as learner" in log for log in logs)
     for i, log in enumerate(logs):
-        assert "training as learner" not in log or f"training as learner learner-{i} (shard {i} of 2" in log
+        assert "training as learner" not in log or f"training as learner learner-{i} (data shard {i} of 2" in log
         assert "Traceback" not in log
 
 

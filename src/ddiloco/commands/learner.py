@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "workload options it trains the synchronizer's own configuration; with them (the same as the "
         "synchronizer's) it checks that both agree. Under torchrun it is data parallel over its ranks.",
     )
-    parser.add_argument("--connect", required=True, metavar="HOST:PORT", help="the synchronizer's address")
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="the synchronizer's address; a synchronizer sharded by fragment: every shard's")
     parser.add_argument("--id", required=True, metavar="NAME", help="this learner's id (stable across restarts)")
     parser.add_argument("--index", type=int, metavar="N",
                         help="data shard (default: the id's trailing number, else assigned by the synchronizer)")
@@ -90,12 +91,15 @@ def run(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
-    address = parse_address(args.connect, option="--connect")
-    client = None
+    addresses = [parse_address(a.strip(), option="--connect") for a in args.connect.split(",") if a.strip()]
+    if not addresses:
+        raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT[,HOST:PORT...]")
+    clients: list[SyncClient] = []
     if rank == 0:
         # Probe first (no lease yet): building the workload may take longer than a lease.
-        client = SyncClient(address, token=load_token(args.token_file), tls_ca=args.tls_ca)
-        probe = join_with_backoff(client, Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
+        token = load_token(args.token_file)
+        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca) for a in addresses]
+        probe = join_with_backoff(clients[0], Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
         if probe.header.finished:
             log.info("the run is already finished")
             return 0
@@ -121,12 +125,12 @@ def run(args: argparse.Namespace) -> int:
     else:  # the other ranks of this learner draw other batches from the same shard
         sampler = BatchSampler(workload.corpus.train_shards[index], batch_size=config.train.batch_size,
                                seq_len=config.model.seq_len, seed=(config.run.seed * 1_000_003 + index) * 7919 + rank)
-    runtime = LearnerRuntime(model, client, args.id, join_timeout_s=args.join_timeout)
+    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout)
     if runtime.should_stop:
         log.info("the run is already finished")
         runtime.close(flush=False)
         return 0
-    log.info("training as learner %s (shard %d of %d, %d parameters)", args.id, index, config.run.learners,
+    log.info("training as learner %s (data shard %d of %d, %d parameters)", args.id, index, config.run.learners,
              sum(p.numel() for p in model.parameters()))
     steps, started = 0, time.perf_counter()
     try:

@@ -12,7 +12,8 @@ from rich.table import Table
 from ddiloco.commands.display import print_table
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import Refused, Unreachable
+from ddiloco.runtime.sharded import ShardedClient
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="learners, fragment versions, rejections and bytes of a running synchronizer",
         description="Ask a running synchronizer (`ddiloco sync`) for its state.",
     )
-    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument("address", metavar="HOST:PORT[,HOST:PORT...]",
+                        help="the synchronizer; a sharded one: every shard, comma-separated")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
@@ -30,14 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    address = parse_address(args.address, option="address")
-    with SyncClient(address, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
+    addresses = [str(parse_address(a.strip(), option="address")) for a in args.address.split(",") if a.strip()]
+    with ShardedClient(addresses, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
         try:
             status = client.status_dict(timeout_s=args.timeout)
         except Unreachable as err:
-            raise DdilocoError(f"cannot reach the synchronizer at {address}: {err}") from None
+            raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
         except Refused as err:
-            raise DdilocoError(f"the synchronizer at {address} refused: {err.detail}") from None
+            raise DdilocoError(f"the synchronizer at {args.address} refused: {err.detail}") from None
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -50,7 +52,8 @@ def print_status(s: dict) -> None:
     out = Console()
     state = s["phase"]
     budget = f" of {s['token_budget']:,}" if s["token_budget"] else ""
-    out.print(f"[bold]synchronizer[/bold] {s['instance_id'][:8]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
+    shards = f" ({s['shards']} shards)" if s.get('shards', 1) > 1 else ""
+    out.print(f"[bold]synchronizer[/bold]{shards} {s['instance_id'][:25]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
               f"tokens {s['tokens']:,}{budget}  goodput {s['goodput']:.1%}  "
               f"MB up {s['bytes_up'] / 1e6:.2f}  MB down {s['bytes_down'] / 1e6:.2f}  "
               f"checkpoints {s['checkpoints']}")

@@ -8,9 +8,11 @@ import asyncio
 import faulthandler
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from ddiloco.commands.options import add_workload_options, config_from_args
+from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.server import serve
@@ -33,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--tokens", type=int, metavar="N", help="stop the run after N tokens over all learners")
     budget.add_argument("--time", type=float, metavar="SECONDS", help="stop the run after this many wall seconds")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="serve shard I of N: the fragments p with p mod N = I (run N of these; learners "
+                        "--connect to all of them)")
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                         help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks a free one)")
     parser.add_argument("--state-dir", metavar="DIR", help="write checkpoints here (atomically)")
@@ -60,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(args)
+    shard = 0
+    if args.shard is not None:
+        shard, shards = parse_shard(args.shard)
+        if config.protocol.shards not in (1, shards):
+            raise ConfigError(f"--shard {args.shard} conflicts with protocol.shards={config.protocol.shards}")
+        config = replace(config, protocol=replace(config.protocol, shards=shards)).validate()
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
     require_token_beyond_loopback(listen, token)
@@ -70,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         token=token,
         checkpoint_every_rounds=max(1, args.checkpoint_every_rounds),
         checkpoint_every_s=args.checkpoint_every,
+        shard=shard,
     )
     layout = None
     if args.init:
@@ -81,3 +93,15 @@ def run(args: argparse.Namespace) -> int:
                       port_file=Path(args.port_file) if args.port_file else None,
                       exit_when_finished=args.exit_when_finished))
     return 0
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``I/N`` into (I, N), with 0 <= I < N."""
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise ConfigError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ConfigError(f"--shard {text!r}: expected I/N with N >= 1 and 0 <= I < N")
+    return i, n

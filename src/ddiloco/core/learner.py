@@ -21,7 +21,6 @@ and keeps exchanging the fragments of the others.
 from __future__ import annotations
 
 import enum
-import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping

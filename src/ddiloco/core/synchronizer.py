@@ -77,6 +77,8 @@ class SyncStatus:
 
     incarnation: int
     phase: RunPhase
+    fragments: tuple[int, ...]
+    """The fragments this synchronizer (shard) owns; ``versions`` and ``round_phases`` follow them."""
     versions: tuple[int, ...]
     round_phases: tuple[RoundPhase, ...]
     learners: tuple[LearnerStatus, ...]
@@ -198,6 +200,7 @@ class Synchronizer:
         return SyncStatus(
             incarnation=self.incarnation,
             phase=run.phase,
+            fragments=self.owned,
             versions=self.versions(),
             round_phases=tuple(f.round.phase for f in self._fragments.values()),
             learners=tuple(

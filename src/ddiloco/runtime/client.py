@@ -127,7 +127,7 @@ class SyncClient:
             for reply in self.stub.Join(wire.join_to_pb(join, probe=probe), timeout=timeout_s, metadata=self.metadata):
                 if reply.HasField("header"):
                     header = reply.header
-                    assembler = wire.StateAssembler(len(header.fragments))
+                    assembler = wire.StateAssembler()
                 elif assembler is not None:
                     assembler.add(reply.chunk)
         except grpc.RpcError as err:

@@ -24,7 +24,8 @@ from ddiloco.config import Config
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize, write_config
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import Refused, Unreachable
+from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.workload import Workload, weights_sha256
 
@@ -84,7 +85,8 @@ def run_processes(
     """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1.
 
     Writes the children's logs to ``out/logs`` and the synchronizer's checkpoints to
-    ``out/sync-state``; returns (summary, metrics rows) like the virtual cluster.
+    ``out/sync-state`` (``sync-state-<i>`` per shard when ``protocol.shards`` > 1: one
+    synchronizer process per shard); returns (summary, metrics rows) like the virtual cluster.
     """
     if config.run.mode not in ("decoupled", "diloco"):
         raise DdilocoError(f"--runtime processes runs modes decoupled and diloco, not {config.run.mode!r} "
@@ -94,10 +96,13 @@ def run_processes(
     logs.mkdir(exist_ok=True)
     config_file = out / "runtime-config.toml"
     write_config(config_file, config)
-    port_file = out / "sync.port"
-    port_file.unlink(missing_ok=True)
-    state_dir = out / "sync-state"
-    (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
+    shards = config.protocol.shards
+    suffix = (lambda i: "") if shards == 1 else (lambda i: f"-{i}")
+    port_files = [out / f"sync{suffix(i)}.port" for i in range(shards)]
+    state_dirs = [out / f"sync-state{suffix(i)}" for i in range(shards)]
+    for port_file, state_dir in zip(port_files, state_dirs):
+        port_file.unlink(missing_ok=True)
+        (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
 
     workload = Workload.build(config)
     protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
@@ -108,15 +113,18 @@ def run_processes(
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     procs = _Processes(logs)
-    client: SyncClient | None = None
+    client: ShardedClient | None = None
+    syncs = [f"sync{suffix(i)}" for i in range(shards)]
     try:
-        procs.start("sync", ["sync", "--config", str(config_file), "--listen", "127.0.0.1:0",
-                             "--port-file", str(port_file), "--state-dir", str(state_dir)],
-                    env={"OMP_NUM_THREADS": "1"})
-        port = _wait_for_port(port_file, procs)
-        client = SyncClient(f"127.0.0.1:{port}")
+        for i, name in enumerate(syncs):
+            shard = [] if shards == 1 else ["--shard", f"{i}/{shards}"]
+            procs.start(name, ["sync", "--config", str(config_file), "--listen", "127.0.0.1:0", *shard,
+                               "--port-file", str(port_files[i]), "--state-dir", str(state_dirs[i])],
+                        env={"OMP_NUM_THREADS": "1"})
+        addresses = [f"127.0.0.1:{_wait_for_port(pf, procs, name)}" for pf, name in zip(port_files, syncs)]
+        client = ShardedClient(addresses)
         for i in range(m):
-            procs.start(f"learner-{i}", ["learner", "--connect", f"127.0.0.1:{port}", "--id", f"learner-{i}",
+            procs.start(f"learner-{i}", ["learner", "--connect", ",".join(addresses), "--id", f"learner-{i}",
                                          "--threads", str(threads)], env={"OMP_NUM_THREADS": str(threads)})
 
         def evaluate(status: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +155,10 @@ def run_processes(
         while True:
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {logs})")
-            if procs.children["sync"].poll() is not None:
-                raise DdilocoError(f"the synchronizer exited with code {procs.children['sync'].returncode}:\n"
-                                   + procs.tail("sync"))
+            dead = next((name for name in syncs if procs.children[name].poll() is not None), None)
+            if dead is not None:
+                raise DdilocoError(f"the synchronizer {dead} exited with code {procs.children[dead].returncode}:\n"
+                                   + procs.tail(dead))
             try:
                 status = client.status_dict()
             except (Unreachable, Refused):
@@ -157,9 +166,9 @@ def run_processes(
                 continue
             if status["finished"]:
                 break
-            learners = [p for name, p in procs.children.items() if name != "sync"]
+            learners = [p for name, p in procs.children.items() if name not in syncs]
             if all(p.poll() is not None for p in learners):
-                bad = next((n for n, p in procs.children.items() if n != "sync" and p.returncode), None)
+                bad = next((n for n, p in procs.children.items() if n not in syncs and p.returncode), None)
                 raise DdilocoError("every learner exited before the run finished"
                                    + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
             fraction = _fraction(config, status, time.monotonic() - started)
@@ -170,12 +179,13 @@ def run_processes(
         final = evaluate(status)
         wall = time.monotonic() - started
         for name in list(procs.children):
-            if name != "sync":
+            if name not in syncs:
                 try:
                     procs.children[name].wait(30)
                 except subprocess.TimeoutExpired:
                     procs.stop(name)
-        procs.stop("sync")
+        for name in syncs:
+            procs.stop(name)
     finally:
         if client is not None:
             client.close()
@@ -202,14 +212,14 @@ def _fraction(config: Config, status: dict[str, Any], elapsed_s: float) -> float
     return min(1.0, status["tokens"] / max(1, config.run.tokens))
 
 
-def _wait_for_port(port_file: Path, procs: _Processes) -> int:
+def _wait_for_port(port_file: Path, procs: _Processes, name: str) -> int:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists():
             text = port_file.read_text().strip()
             if text:
                 return int(text)
-        if procs.children["sync"].poll() is not None:
-            raise DdilocoError("the synchronizer failed to start:\n" + procs.tail("sync"))
+        if procs.children[name].poll() is not None:
+            raise DdilocoError(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
         time.sleep(0.05)
-    raise DdilocoError(f"the synchronizer did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail("sync"))
+    raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))

@@ -1,18 +1,22 @@
 """A learner's link to the synchronizer: the background threads that carry out its core's actions.
 
 The core (:class:`~ddiloco.core.learner.Learner`) decides; these threads only execute and
-report back, so compute never waits for the network:
+report back, so compute never waits for the network. For every synchronizer shard (one,
+unless the synchronizer is sharded by fragment) there are three:
 
 - *sender*: compresses and uploads contributions (``Send``), and tells the core how each
   call ended — accepted, refused with a reason, or undelivered;
-- *control*: carries out joins and heartbeats (``SendJoin``, ``SendHeartbeat``) and calls
-  the core's ``tick`` at its ``next_deadline()``;
-- *receiver*: holds the update stream of the current session, resubscribing (with the
-  versions held, so recent updates are replayed) whenever it breaks or the session changes.
+- *control*: carries out joins and heartbeats (``SendJoin``, ``SendHeartbeat``);
+- *receiver*: holds the update stream of the shard's current session, resubscribing (with
+  the versions held, so recent updates are replayed) whenever it breaks or the session
+  changes.
 
-Every call into the core is made under one lock. Whatever changes the model's parameters —
-adopting a joined state, applying an update — is queued for the training thread, which
-hands it to the core between two steps (``LearnerLink.inbox``).
+One more thread ticks the core at its ``next_deadline()`` (heartbeats, join retries, the end
+of a wait). A shard that is slow or unreachable holds up only its own threads: the learner
+keeps exchanging the fragments of the others. Every call into the core is made under one lock.
+Whatever changes the model's parameters — adopting a joined state, applying an update — is
+queued for the training thread, which hands it to the core between two steps
+(:attr:`LearnerLink.inbox`).
 """
 
 from __future__ import annotations
@@ -64,126 +68,180 @@ def next_delay(delay: float) -> float:
 
 
 class LearnerLink:
-    def __init__(self, core: Learner, client: SyncClient, lock: threading.RLock,
+    """Every shard's channel, one shared core, lock and inbox."""
+
+    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
-        self.client = client
         self.lock = lock
         self.clock = clock
         self.stats = LinkStats()
         self.inbox: queue.Queue[tuple[Inbox, Any]] = queue.Queue()
         self.fatal: BaseException | None = None
-        self._outbox: queue.Queue[Send | None] = queue.Queue()
-        self._control: queue.Queue[LearnerAction] = queue.Queue()
-        self._control_wake = threading.Event()
-        self._closing = threading.Event()
-        self._stream_session: Session | None = None
-        self._session_changed = threading.Event()
-        self._stream: Any = None
-        self._leave_after_flush: SendLeave | None = None
-        self._threads = [
-            threading.Thread(target=self._sender, name=f"ddiloco-send-{core.learner_id}", daemon=True),
-            threading.Thread(target=self._control_loop, name=f"ddiloco-ctl-{core.learner_id}", daemon=True),
-            threading.Thread(target=self._receiver, name=f"ddiloco-recv-{core.learner_id}", daemon=True),
-        ]
+        self.closing = threading.Event()
+        self.channels = [ShardChannel(self, shard, client) for shard, client in enumerate(clients)]
+        self._leaves: list[SendLeave] = []
+        self._tick_wake = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{core.learner_id}", daemon=True)
 
-    def start(self, session: Session) -> None:
-        self._stream_session = session
-        for t in self._threads:
-            t.start()
+    def start(self, sessions: list[Session | None]) -> None:
+        for channel, session in zip(self.channels, sessions):
+            channel.start(session)
+        self._ticker.start()
+
+    def _tick_loop(self) -> None:
+        while not self.closing.is_set():
+            with self.lock:
+                deadline = self.core.next_deadline()
+            wait = CONTROL_MAX_WAIT_S if deadline is None else min(CONTROL_MAX_WAIT_S, max(0.0, deadline - self.clock()))
+            if self._tick_wake.wait(wait):
+                self._tick_wake.clear()
+                continue
+            self.tell_core(lambda core: core.tick(self.clock()))
 
     @property
     def backlog(self) -> int:
-        return self._outbox.qsize()
-
-    # ---- dispatching the core's actions ---------------------------------------------------
+        return sum(c.outbox.qsize() for c in self.channels)
 
     def dispatch(self, actions: list[LearnerAction]) -> None:
         for action in actions:
             if isinstance(action, Send):
-                self._outbox.put(action)
+                self.channels[action.shard].outbox.put(action)
             elif isinstance(action, (SendJoin, SendHeartbeat)):
-                self._control.put(action)
-                self._control_wake.set()
+                self.channels[action.shard].control(action)
             elif isinstance(action, Fail):
-                self._fail(RuntimeError(action.detail))
+                self.fail(RuntimeError(action.detail))
             elif isinstance(action, SendLeave):
-                self._leave_after_flush = action  # once the sender has delivered what is queued
+                self._leaves.append(action)  # once the senders have delivered what is queued
 
-    def _core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
+    def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
         with self.lock:
             actions = fn(self.core)
         self.dispatch(actions)
+        self._tick_wake.set()  # its deadlines may have moved
+
+    def fail(self, err: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = err
+            log.error("%s", err)
+        self.closing.set()
+        self._tick_wake.set()
+        for channel in self.channels:
+            channel.wake()
+        self.inbox.put((Inbox.WAKE, None))
+
+    def close(self, timeout_s: float) -> None:
+        """Deliver what is queued, leave every shard if the core said so, then stop every thread."""
+        for channel in self.channels:
+            channel.outbox.put(None)
+        for channel in self.channels:
+            channel.join_sender(timeout_s)
+        if self.fatal is None:
+            for leave in self._leaves:
+                self.channels[leave.shard].leave(leave)
+        self.closing.set()
+        self._tick_wake.set()
+        for channel in self.channels:
+            channel.stop(timeout_s)
+        if self._ticker.is_alive():
+            self._ticker.join(timeout_s)
+
+
+class ShardChannel:
+    """The threads that talk to one synchronizer shard."""
+
+    def __init__(self, link: LearnerLink, shard: int, client: SyncClient) -> None:
+        self.link = link
+        self.shard = shard
+        self.client = client
+        self.outbox: queue.Queue[Send | None] = queue.Queue()
+        self._control: queue.Queue[LearnerAction] = queue.Queue()
+        self._control_wake = threading.Event()
+        self._session: Session | None = None
+        self._session_changed = threading.Event()
+        self._stream: Any = None
+        name = f"{link.core.learner_id}-{shard}"
+        self._threads = [
+            threading.Thread(target=self._sender, name=f"ddiloco-send-{name}", daemon=True),
+            threading.Thread(target=self._control_loop, name=f"ddiloco-ctl-{name}", daemon=True),
+            threading.Thread(target=self._receiver, name=f"ddiloco-recv-{name}", daemon=True),
+        ]
+
+    def start(self, session: Session | None) -> None:
+        self._session = session
+        for t in self._threads:
+            t.start()
+
+    def control(self, action: LearnerAction) -> None:
+        self._control.put(action)
+        self._control_wake.set()
+
+    def wake(self) -> None:
+        self._control_wake.set()
+        self._session_changed.set()
 
     def _outcome(self, request: Request, call: Callable[[], Any]) -> Any:
         """Make one call; report accepted / refused / undelivered to the core. Returns the reply or None."""
+        link, shard = self.link, self.shard
         try:
             reply = call()
         except Unreachable as err:
-            self.stats.unreachable += 1
-            log.info("%s undelivered: %s", type(request).__name__, err)
-            self._core(lambda core: core.on_undelivered(request, self.clock()))
+            link.stats.unreachable += 1
+            log.info("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
+            link.tell_core(lambda core: core.on_undelivered(request, link.clock(), shard=shard))
             return None
         except Refused as err:
-            self.stats.rejected[err.reason] += 1
-            log.info("%s refused: %s", type(request).__name__, err.detail)
+            link.stats.rejected[err.reason] += 1
+            log.info("%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
             try:
                 reason = RejectReason(err.reason)
             except ValueError:
                 reason = RejectReason.MALFORMED
-            self._core(lambda core: core.on_refused(request, reason, self.clock()))
+            link.tell_core(lambda core: core.on_refused(request, reason, link.clock(), shard=shard))
             return None
         except AuthenticationError as err:
-            self._fail(err)
+            link.fail(err)
             return None
         return reply
-
-    def _fail(self, err: BaseException) -> None:
-        if self.fatal is None:
-            self.fatal = err
-            log.error("%s", err)
-        self._closing.set()
-        self._control_wake.set()
-        self.inbox.put((Inbox.WAKE, None))
 
     # ---- sender ----------------------------------------------------------------------------
 
     def _sender(self) -> None:
+        link = self.link
         while True:
-            send = self._outbox.get()
+            send = self.outbox.get()
             if send is None:
                 return
-            if self.fatal is not None:
+            if link.fatal is not None:
                 continue
-            with self.lock:
-                current = self.core.is_current(send)
+            with link.lock:
+                current = link.core.is_current(send)
+                if not current:
+                    link.core.dropped += 1  # measured from a state the learner no longer holds
             if not current:
-                with self.lock:
-                    self.core.dropped += 1  # measured from a state the learner no longer holds
                 continue
             contribution = send.encode()
             reply = self._outcome(contribution, lambda: self.client.contribute(contribution))
             if reply is not None:
-                self.stats.contributions_sent += 1
-                self.stats.bytes_up += len(contribution.payload)
-                self._core(lambda core: core.on_accepted(contribution, self.clock(), stop=reply.stop))
+                link.stats.contributions_sent += 1
+                link.stats.bytes_up += len(contribution.payload)
+                link.tell_core(lambda core: core.on_accepted(contribution, link.clock(), stop=reply.stop,
+                                                             shard=self.shard))
+
+    def join_sender(self, timeout_s: float) -> None:
+        self._threads[0].join(timeout_s)
 
     # ---- control ---------------------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        while not self._closing.is_set():
+        link = self.link
+        while not link.closing.is_set():
             try:
                 action = self._control.get_nowait()
             except queue.Empty:
-                with self.lock:
-                    deadline = self.core.next_deadline()
-                wait = CONTROL_MAX_WAIT_S if deadline is None else min(CONTROL_MAX_WAIT_S,
-                                                                        max(0.0, deadline - self.clock()))
-                if self._control_wake.wait(wait):
-                    self._control_wake.clear()
-                    continue
-                self._core(lambda core: core.tick(self.clock()))
+                self._control_wake.wait(CONTROL_MAX_WAIT_S)
+                self._control_wake.clear()
                 continue
             if isinstance(action, SendJoin):
                 self._join(action)
@@ -191,49 +249,54 @@ class LearnerLink:
                 beat = action.message
                 reply = self._outcome(beat, lambda: self.client.heartbeat(beat))
                 if reply is not None:
-                    self._core(lambda core: core.on_accepted(beat, self.clock(), stop=reply.stop))
+                    link.tell_core(lambda core: core.on_accepted(beat, link.clock(), stop=reply.stop,
+                                                                 shard=self.shard))
 
     def _join(self, action: SendJoin) -> None:
         result: JoinResult | None = self._outcome(action.message, lambda: self.client.join(action.message))
         if result is None:
             return
-        self.stats.joins += 1
+        self.link.stats.joins += 1
         session = result.state.session
         assert session is not None
-        log.info("joined synchronizer instance %x (session %d) at versions %s", session.incarnation, session.number,
-                 list(result.state.versions()))
-        self.inbox.put((Inbox.ADMITTED, result))  # the training thread adopts it between two steps
-        self._stream_session = result.state.session
+        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s", session.incarnation,
+                 self.shard, session.number, list(result.state.versions()))
+        self.link.inbox.put((Inbox.ADMITTED, (self.shard, result)))  # adopted by the training thread
+        self._session = session
         self._session_changed.set()
         stream = self._stream
         if stream is not None:
             stream.cancel()  # subscribe again for the new session
 
-    def _leave(self, action: SendLeave) -> None:
+    def leave(self, action: SendLeave) -> None:
         try:
             self.client.leave(action.message)
         except (Unreachable, Refused, AuthenticationError) as err:
-            log.info("leave failed: %s", err)
+            log.info("leave of shard %d failed: %s", self.shard, err)
 
     # ---- receiver --------------------------------------------------------------------------
 
     def _receiver(self) -> None:
+        link = self.link
         delay = BACKOFF_START_S
-        while not self._closing.is_set():
-            session = self._stream_session
+        while not link.closing.is_set():
+            session = self._session
             self._session_changed.clear()
-            with self.lock:
-                held = list(self.core.versions) if self.core.session == session else [0] * len(self.core.versions)
+            if session is None:
+                self._session_changed.wait(BACKOFF_START_S)
+                continue
+            with link.lock:
+                held = [max(v, 0) for v in link.core.versions]
             try:
-                stream = self.client.updates(self.core.learner_id, [max(v, 0) for v in held], session)
+                stream = self.client.updates(link.core.learner_id, held, session)
                 self._stream = stream
                 for update in stream:
                     delay = BACKOFF_START_S
                     if update is None:
-                        self._core(lambda core: core.on_stop(self.clock()))
-                        self.inbox.put((Inbox.WAKE, None))
+                        link.tell_core(lambda core: core.on_stop(link.clock()))
+                        link.inbox.put((Inbox.WAKE, None))
                     else:
-                        self.inbox.put((Inbox.UPDATE, update))
+                        link.inbox.put((Inbox.UPDATE, update))
                 self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
             except (Unreachable, Refused):
                 # Not a decision: a broken stream is re-made; whether the session is still ours
@@ -243,22 +306,13 @@ class LearnerLink:
                 else:
                     delay = next_delay(delay)
             except AuthenticationError as err:
-                self._fail(err)
+                link.fail(err)
                 return
             finally:
                 self._stream = None
 
-    # ---- shutting down ---------------------------------------------------------------------
-
-    def close(self, timeout_s: float) -> None:
-        """Deliver what is queued, leave if the core said so, then stop every thread."""
-        self._outbox.put(None)
-        self._threads[0].join(timeout_s)
-        if self._leave_after_flush is not None and self.fatal is None:
-            self._leave(self._leave_after_flush)
-        self._closing.set()
-        self._control_wake.set()
-        self._session_changed.set()
+    def stop(self, timeout_s: float) -> None:
+        self.wake()
         stream = self._stream
         if stream is not None:
             stream.cancel()

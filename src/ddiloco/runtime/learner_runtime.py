@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,13 +104,48 @@ def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None
             delay = next_delay(delay)
 
 
+def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token: str | None = None,
+                tls_ca: str | None = None) -> list[SyncClient]:
+    """Clients for one address, ``"A,B,..."`` (a synchronizer sharded by fragment), or a list."""
+    items: Sequence[str | SyncClient]
+    if isinstance(connect, SyncClient):
+        items = [connect]
+    elif isinstance(connect, str):
+        items = [a.strip() for a in connect.split(",") if a.strip()]
+    else:
+        items = list(connect)
+    if not items:
+        raise ConfigError("no synchronizer address given")
+    return [c if isinstance(c, SyncClient) else SyncClient(c, token=token, tls_ca=tls_ca) for c in items]
+
+
+def one_run(clients: list[SyncClient], probes: list[JoinResult]) -> list[SyncClient]:
+    """The clients in shard order, after checking that their synchronizers form one run."""
+    shards = {probe.header.shards or 1 for probe in probes}
+    first = probes[0].header
+    for client, probe in zip(clients, probes):
+        if probe.header.run_sha256 != first.run_sha256:
+            raise ConfigError(f"the synchronizers at {clients[0].address} and {client.address} serve different runs "
+                              "(another model or configuration): they are not shards of one synchronizer")
+    if shards != {len(clients)}:
+        raise ConfigError(f"the synchronizer at {clients[0].address} is one of {first.shards or 1} shard(s), but "
+                          f"{len(clients)} address(es) were given: connect to every shard, each once")
+    by_shard: dict[int, SyncClient] = {}
+    for client, probe in zip(clients, probes):
+        other = by_shard.setdefault(probe.header.shard, client)
+        if other is not client:
+            raise ConfigError(f"the synchronizers at {other.address} and {client.address} both serve shard "
+                              f"{probe.header.shard}: they claim the same fragments")
+    return [by_shard[i] for i in range(len(clients))]
+
+
 class LearnerRuntime:
     """One learner of a Decoupled DiLoCo run, wrapped around a model you train yourself."""
 
     def __init__(
         self,
         model: nn.Module,
-        connect: str | SyncClient | None,
+        connect: str | SyncClient | Sequence[str | SyncClient] | None,
         learner_id: str,
         *,
         token: str | None = None,
@@ -137,7 +172,7 @@ class LearnerRuntime:
         if self.is_leader:
             if connect is None:
                 raise ConfigError("the leading rank needs a synchronizer address")
-            self.client = connect if isinstance(connect, SyncClient) else SyncClient(connect, token=token, tls_ca=tls_ca)
+            self.clients = connect_all(connect, token=token, tls_ca=tls_ca)
             self._setup(join_timeout_s)
         if self.world > 1:
             self._share_layout()
@@ -147,28 +182,35 @@ class LearnerRuntime:
     def _setup(self, join_timeout_s: float | None) -> None:
         # Check the model against the served layout before registering: a learner refused for
         # its model must not hold a lease (and count toward the quorum) until it expires.
-        probe = join_with_backoff(self.client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s, probe=True)
-        self.plan = plan_from_layout(probe.header, self._params)
-        if probe.header.finished:
+        probes = [join_with_backoff(c, Join(self.learner_id, self.boot), timeout_s=join_timeout_s, probe=True)
+                  for c in self.clients]
+        self.clients = one_run(self.clients, probes)
+        probes.sort(key=lambda probe: probe.header.shard)
+        self.plan = plan_from_layout(probes[0].header, self._params)
+        if any(probe.header.finished for probe in probes):
             self._finished_before_start = True
             return
-        try:
-            result = join_with_backoff(self.client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s)
-        except Refused as err:
-            if err.reason != RejectReason.FINISHED:
-                raise DdilocoError(f"the synchronizer at {self.client.address} refused to admit "
-                                   f"{self.learner_id!r}: {err.detail}") from None
-            self._finished_before_start = True
-            return
-        protocol = ProtocolConfig(**result.protocol)
+        results = []
+        for client in self.clients:
+            try:
+                results.append(join_with_backoff(client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s))
+            except Refused as err:
+                if err.reason != RejectReason.FINISHED:
+                    raise DdilocoError(f"the synchronizer at {client.address} refused to admit "
+                                       f"{self.learner_id!r}: {err.detail}") from None
+                self._finished_before_start = True
+                return
+        protocol = ProtocolConfig(**results[0].protocol)
         self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot)
         now = time.monotonic()
-        (first,) = core.start(now)
-        assert isinstance(first, SendJoin)  # carried out above: the join also told us the layout
-        actions = core.on_admitted(result.state, now, stop=result.header.stop)
-        self.link = LearnerLink(core, self.client, self._lock)
-        self.link.stats.joins += 1
-        self.link.start(result.state.session)
+        # The joins went out above (they also told us the layout): hand the core their answers.
+        assert all(isinstance(a, SendJoin) for a in core.start(now))
+        actions = []
+        for shard, result in enumerate(results):
+            actions += core.on_admitted(result.state, now, stop=result.header.stop, shard=shard)
+        self.link = LearnerLink(core, self.clients, self._lock)
+        self.link.stats.joins += len(results)
+        self.link.start([result.state.session for result in results])
         self.link.dispatch(actions)
 
     def _share_layout(self) -> None:
@@ -281,7 +323,8 @@ class LearnerRuntime:
                     actions = core.close(time.monotonic())
                 link.dispatch(actions)
             link.close(timeout_s)
-        self.client.close()
+        for client in self.clients:
+            client.close()
 
     def __enter__(self) -> "LearnerRuntime":
         return self
@@ -304,12 +347,12 @@ class LearnerRuntime:
             block = False
             now = time.monotonic()
             if kind is Inbox.ADMITTED:
-                result: JoinResult = item
+                shard, result = item
                 with self._lock:
-                    held = core.session
-                    actions = core.on_admitted(result.state, now, stop=result.header.stop)
-                    if core.session != held:
-                        changed |= set(range(len(result.state.fragments)))
+                    held = core.links[shard].session
+                    actions = core.on_admitted(result.state, now, stop=result.header.stop, shard=shard)
+                    if core.links[shard].session != held:
+                        changed |= {f.fragment for f in result.state.fragments}
                         log.info("adopted the global state at versions %s", list(core.versions))
                 link.dispatch(actions)
             elif kind is Inbox.UPDATE:

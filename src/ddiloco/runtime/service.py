@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import logging
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -69,6 +70,8 @@ class ServiceOptions:
     """After the budget is spent, how long to wait for learners to flush and leave (default 2 leases)."""
     clock: Callable[[], float] = time.monotonic
     """The core's clock (tests drive a service with a clock of their own)."""
+    shard: int = 0
+    """Which shard of a synchronizer sharded by fragment (``protocol.shards``) this process is."""
 
 
 class SyncService:
@@ -80,8 +83,15 @@ class SyncService:
         self.config = config
         self.options = options
         self.protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
+        if not 0 <= options.shard < self.protocol.shards:
+            raise ConfigError(f"--shard {options.shard}/{self.protocol.shards}: the shard index must be in "
+                              f"[0, {self.protocol.shards})")
+        self.shard = options.shard
         self.layout = layout or reference_layout(config, self.protocol)
         self.layout_sha256 = self.layout.sha256(self.protocol)
+        # Every shard of one run serves the same model and configuration; learners check this.
+        self.run_sha256 = hashlib.sha256((self.layout_sha256 + json.dumps(config.to_dict(), sort_keys=True))
+                                         .encode()).hexdigest()
         self.incarnation = secrets.randbits(48)
         checkpoints = options.state_dir is not None
         limits = RunLimits(
@@ -94,14 +104,15 @@ class SyncService:
         self.core = Synchronizer(
             self.protocol, self.layout.initial_values,
             embedding_fragments=[f.index for f in self.layout.plan.fragments if f.is_embedding],
-            limits=limits, incarnation=self.incarnation,
+            limits=limits, incarnation=self.incarnation, shard=self.shard,
         )
+        owned = [self.layout.plan.fragments[p] for p in self.core.owned]
+        self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
         total = sum(f.numel for f in self.layout.plan.fragments)
         self._share = [f.numel / total for f in self.layout.plan.fragments]
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
-        self.boundary = Boundary(options.token, max(4 * f.numel for f in self.layout.plan.fragments), self.metrics,
-                                 self.ledger)
+        self.boundary = Boundary(options.token, max(4 * f.numel for f in owned), self.metrics, self.ledger)
         self.goodput = GoodputMeter(learners=config.run.learners)
         self.learner_index: dict[str, int] = {}
         self.checkpoints = 0
@@ -226,6 +237,9 @@ class SyncService:
             finished=self.finished,
             layout_sha256=self.layout_sha256,
             run_json=json.dumps(self.config.to_dict()),
+            shard=self.shard,
+            shards=self.protocol.shards,
+            run_sha256=self.run_sha256,
             learner_index=self._assign_index(learner) if learner else 0,
         )
 

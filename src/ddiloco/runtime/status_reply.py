@@ -40,6 +40,8 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
         phase=str(core.phase),
         pending_tokens=core.pending_tokens,
         round_phases=[str(p) for p in core.round_phases],
+        shard=service.shard,
+        shards=service.protocol.shards,
     )
     first = service.first_join_s
     if first is not None:
@@ -62,9 +64,9 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
             step_time_s=rec.step_time_s or 0.0,
         ))
     up_by_frag, down_by_frag = service.ledger.by(1, "up"), service.ledger.by(1, "down")
-    for index, (version, f) in enumerate(zip(core.versions, service.layout.plan.fragments)):
+    for index, version in zip(core.fragments, core.versions):
         reply.fragments.append(pb.FragmentStatus(
-            id=index, version=version, numel=f.numel,
+            id=index, version=version, numel=service.layout.plan.fragments[index].numel,
             bytes_up=up_by_frag.get(index, 0), bytes_down=down_by_frag.get(index, 0),
         ))
     for key, count in sorted(core.rounds_closed.items()):

@@ -188,12 +188,14 @@ def state_chunks(state: GlobalState) -> Iterable[pb.StateChunk]:
 
 
 class StateAssembler:
-    """Rebuilds fp32 fragment values from StateChunks (each fragment's chunks in order)."""
+    """Rebuilds fp32 fragment values from StateChunks (each fragment's chunks in order).
 
-    def __init__(self, fragments: int | None = None) -> None:
+    A sharded synchronizer sends only the fragments it owns; which ones a learner must receive
+    is checked by its core when it adopts them."""
+
+    def __init__(self) -> None:
         self._parts: dict[int, list[bytes]] = {}
         self._meta: dict[int, tuple[int, int]] = {}
-        self._expected = fragments
 
     def add(self, chunk: pb.StateChunk) -> None:
         parts = self._parts.setdefault(chunk.fragment, [])
@@ -211,10 +213,6 @@ class StateAssembler:
                 raise WireError(f"state of fragment {p} incomplete ({len(data)} of {total} bytes)")
             tensor = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
             values.append(FragmentValue(p, version, tensor))
-        if self._expected is not None and len(values) != self._expected:
-            raise WireError(f"state has {len(values)} fragments, expected {self._expected}")
-        if [v.fragment for v in values] != list(range(len(values))):
-            raise WireError("state is missing fragments")
         return GlobalState(tuple(values), incarnation=incarnation, session=session)
 
 
@@ -226,6 +224,8 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
     return {
         "instance_id": f"{reply.incarnation:x}",
         "incarnation": reply.incarnation,
+        "shard": reply.shard,
+        "shards": reply.shards or 1,
         "protocol_version": reply.protocol_version,
         "mode": reply.mode,
         "phase": reply.phase,

@@ -9,7 +9,7 @@ and join again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from ddiloco.core.actions import (

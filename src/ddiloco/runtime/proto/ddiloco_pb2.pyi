@@ -57,7 +57,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop")
+    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
     PERIOD_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,9 @@ class JoinHeader(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_JSON_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_SHA256_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_json: str
     period: int
@@ -80,7 +83,10 @@ class JoinHeader(_message.Message):
     session: Session
     run_json: str
     stop: bool
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+    shard: int
+    shards: int
+    run_sha256: str
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., run_sha256: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("fragment", "version", "offset", "total_bytes", "data")
@@ -267,7 +273,7 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases")
+    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +300,8 @@ class StatusReply(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_version: int
     uptime_s: float
@@ -320,4 +328,6 @@ class StatusReply(_message.Message):
     phase: str
     pending_tokens: int
     round_phases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ...) -> None: ...
+    shard: int
+    shards: int
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
