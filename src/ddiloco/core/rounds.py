@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddiloco.core.codecs import Codec
-from ddiloco.core.merge import merge_mean, merge_rda, token_weights
+import numpy as np
+
+from ddiloco.core.accumulate import RoundAccumulator
+from ddiloco.core.codecs import AbsmaxCodec, Codec
+from ddiloco.core.kernels import outer_step_int4
 from ddiloco.core.messages import Contribution, FragmentUpdate, Session
 from ddiloco.core.outer import NesterovSGD
 
@@ -35,7 +38,6 @@ its new contribution must not supersede what its previous session sent to the sa
 @dataclass(slots=True)
 class Pending:
     contribution: Contribution
-    delta: torch.Tensor
     arrived_s: float
 
 
@@ -95,12 +97,19 @@ class Round:
         self.quorum_required = self.alive_at_quorum = 0
 
 
+def token_weight(c: Contribution) -> float:
+    """w = tokens · tokens/steps: quantity times efficiency (DESIGN.md section 2, step 3)."""
+    return c.tokens * (c.tokens / c.steps)
+
+
 @dataclass(slots=True)
 class GlobalFragment:
     """Θ_p with its version and outer-optimizer state, and the round that will move it."""
 
     value: torch.Tensor
     is_embedding: bool
+    accumulator: RoundAccumulator
+    """The pending round's merge, accumulated as contributions arrive."""
     version: int = 0
     momentum: torch.Tensor | None = None
     residual: torch.Tensor | None = None
@@ -108,20 +117,36 @@ class GlobalFragment:
     ready_at_s: float = 0.0
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
 
-    def merge(self, pending: list[Pending], rule: str) -> torch.Tensor:
-        """Token-weighted merge of the pending Δs: RDA, or the plain mean for embeddings."""
-        contribs = [p.contribution for p in pending]
-        weights = token_weights([c.tokens for c in contribs], [c.steps for c in contribs])
-        deltas = [p.delta for p in pending]
-        use_rda = rule == "rda" and not self.is_embedding
-        return merge_rda(deltas, weights) if use_rda else merge_mean(deltas, weights)
-
-    def step(self, merged: torch.Tensor, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
-        """Apply the outer step to Θ and return the compressed update (error feedback kept).
+    def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
+        """Merge the round, apply the outer step to Θ, return the compressed update.
 
         ``plain``: a step of −lr·Δ without momentum — the last merge of a run has no later
-        step for Nesterov's look-ahead to pay off in.
+        step for Nesterov's look-ahead to pay off in. With an int4 downlink this is one
+        compiled pass over the fragment (``kernels.outer_step_int4``); otherwise the merged Δ
+        goes through :meth:`step`.
         """
+        acc, factor = self.accumulator.accumulated()
+        self.accumulator.clear()
+        if not (isinstance(downlink, AbsmaxCodec) and downlink.bits == 4 and downlink.block_size % 2 == 0):
+            return self.step(torch.from_numpy(acc * np.float32(factor)), outer, downlink, plain=plain)
+        first = self.momentum is None
+        if first:
+            self.momentum = torch.zeros_like(self.value)
+        if self.residual is None:
+            self.residual = torch.zeros_like(self.value)
+        numel = self.value.numel()
+        blocks = -(-numel // downlink.block_size)
+        scales = np.empty(blocks, dtype=np.float32)
+        packed = np.zeros((numel + 1) // 2, dtype=np.uint8)
+        outer_step_int4(acc, factor, outer.lr, outer.momentum, first, plain, self.momentum.numpy(),
+                        self.residual.numpy(), self.value.numpy(), downlink.block_size, scales, packed)
+        if first and plain:
+            self.momentum = None
+        self.version += 1
+        return scales.astype("<f4", copy=False).tobytes() + packed.tobytes()
+
+    def step(self, merged: torch.Tensor, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
+        """The reference outer step: Θ ← Θ + decode(encode(update + residual)), error feedback kept."""
         if plain:
             update = merged * -outer.lr
         else:

@@ -55,7 +55,8 @@ from ddiloco.core.messages import (
 )
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Registry
-from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
+from ddiloco.core.accumulate import RoundAccumulator
+from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase, token_weight
 from ddiloco.core.run import RunLimits, RunPhase, RunState
 
 
@@ -124,7 +125,10 @@ class Synchronizer:
         embeds = set(embedding_fragments)
         # A shard holds only the fragments it owns (p mod shards = shard), by their global index.
         self._fragments = {
-            i: GlobalFragment(value=v.detach().to(torch.float32).flatten().clone(), is_embedding=i in embeds)
+            i: GlobalFragment(
+                value=v.detach().to(torch.float32).flatten().clone(), is_embedding=i in embeds,
+                accumulator=RoundAccumulator(v.numel(), self._uplink, rda=config.merge == "rda" and i not in embeds),
+            )
             for i, v in enumerate(initial_values) if config.shard_of(i) == shard
         }
         self._registry = Registry(incarnation, config.lease_s)
@@ -287,7 +291,7 @@ class Synchronizer:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session)
-        delta = self._validate(c, rec.last_seq)
+        norm = self._validate(c, rec.last_seq)
         rec.last_seq[c.fragment] = c.seq
         rec.accepted += 1
         rec.step_time_s = c.step_time_s
@@ -304,10 +308,12 @@ class Synchronizer:
                                steps=previous.contribution.steps + c.steps,
                                compute_s=previous.contribution.compute_s + c.compute_s,
                                first_step=previous.contribution.first_step)
-        frag.round.add(key, Pending(merged_c, delta, now))
+        frag.accumulator.add(key, c.payload, token_weight(merged_c), norm)
+        frag.round.add(key, Pending(merged_c, now))
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _validate(self, c: Contribution, last_seq: dict[int, int]) -> torch.Tensor:
+    def _validate(self, c: Contribution, last_seq: dict[int, int]) -> float:
+        """Every check a contribution must pass; returns ‖Δ‖ (measured from the payload as is)."""
         if c.fragment not in self._fragments:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
@@ -327,14 +333,8 @@ class Synchronizer:
                                                f"than {self.config.staleness_max}")
         if c.seq <= last_seq.get(c.fragment, -1):
             raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-        delta = self._uplink.decode(c.payload, numel)
-        if not bool(torch.isfinite(delta).all()):
-            raise Rejected(RejectReason.NON_FINITE, f"NaN or Inf in fragment {c.fragment}")
-        norm = float(delta.norm())
         bound = self.config.delta_norm_ratio_max * max(float(frag.value.norm()), 1.0)
-        if norm > bound:
-            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
-        return delta
+        return frag.accumulator.measure(c.payload, bound)
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 
@@ -408,8 +408,7 @@ class Synchronizer:
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         first_fresh = rnd.first_fresh_arrival_s(frag.version)
         round_age_s = 0.0 if first_fresh is None else now - first_fresh
-        merged = frag.merge(entries, self.config.merge)
-        payload = frag.step(merged, self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
+        payload = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
             fragment=index,
@@ -476,6 +475,7 @@ class Synchronizer:
             f.momentum = None if saved["momentum"] is None else saved["momentum"].clone()
             f.residual = None if saved["residual"] is None else saved["residual"].clone()
             f.round.clear()
+            f.accumulator.clear()
         self._registry.load_state_dict(state["learners"])
         self._rejections = Counter(state["rejections"])
         self._rounds_closed = Counter(state["rounds_closed"])

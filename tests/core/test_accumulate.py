@@ -1,0 +1,141 @@
+"""The synchronizer's fast merge path against the float64 references, over many shapes."""
+
+from __future__ import annotations
+
+import copy
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddiloco.core.accumulate import RoundAccumulator
+from ddiloco.core.codecs import CODEC_NAMES, get_codec
+from ddiloco.core.merge import merge_mean, merge_rda
+from ddiloco.core.messages import Rejected
+from ddiloco.core.outer import NesterovSGD
+from ddiloco.core.rounds import GlobalFragment
+
+FAST = get_codec("int4", block_size=128)
+
+
+def reference(deltas: list[torch.Tensor], weights: list[float], rda: bool) -> torch.Tensor:
+    w = torch.tensor(weights, dtype=torch.float64)
+    return (merge_rda if rda else merge_mean)(deltas, w / w.sum())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(1, 3000),
+    block=st.sampled_from([2, 8, 64, 128, 7, 33]),
+    codec=st.sampled_from(CODEC_NAMES),
+    rda=st.booleans(),
+    count=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_accumulated_merge_equals_the_reference(numel, block, codec, rda, count, seed):
+    c = get_codec(codec, block_size=block)
+    g = torch.Generator().manual_seed(seed)
+    acc = RoundAccumulator(numel, c, rda=rda)
+    deltas, weights = [], []
+    for m in range(count):
+        payload = c.encode(torch.randn(numel, generator=g) * float(torch.rand(1, generator=g)) * 0.1)
+        weight = float(torch.randint(1, 2000, (1,), generator=g))
+        acc.add(m, payload, weight, acc.measure(payload, math.inf))
+        deltas.append(c.decode(payload, numel))
+        weights.append(weight)
+    want = reference(deltas, weights, rda)
+    got = acc.merged()
+    scale = max(float(want.abs().max()), 1e-12)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale)  # float32 accumulation
+
+
+@settings(max_examples=30, deadline=None)
+@given(numel=st.integers(2, 2000), seed=st.integers(0, 2**16), ops=st.lists(st.integers(0, 3), min_size=1, max_size=12))
+def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
+    g = torch.Generator().manual_seed(seed)
+    acc = RoundAccumulator(numel, FAST, rda=True)
+    held: dict[int, tuple[bytes, float]] = {}
+    for key in ops:
+        if key in held and bool(torch.rand(1, generator=g) < 0.3):
+            acc.discard(key)
+            del held[key]
+            continue
+        payload = FAST.encode(torch.randn(numel, generator=g) * 0.01)
+        weight = float(torch.randint(1, 100, (1,), generator=g))
+        acc.add(key, payload, weight, acc.measure(payload, math.inf))  # replaces what the key held
+        held[key] = (payload, weight)
+    if not held:
+        assert len(acc) == 0
+        return
+    want = reference([FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()], True)
+    assert torch.allclose(acc.merged(), want, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "fp32"])
+def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(codec):
+    c = get_codec(codec)
+    numel = 300
+    acc = RoundAccumulator(numel, c, rda=True)
+    good = c.encode(torch.full((numel,), 0.01))
+    acc.add("a", good, 10.0, acc.measure(good, math.inf))
+    before = acc.merged().clone()
+    if codec == "fp32":
+        bad = struct.pack("<f", math.nan) + good[4:]
+    else:
+        bad = struct.pack("<f", math.inf) + good[4:]  # the first block's scale
+    with pytest.raises(Rejected, match="non_finite"):
+        acc.measure(bad, math.inf)
+    huge = c.encode(torch.full((numel,), 1e3))
+    with pytest.raises(Rejected, match="norm_bound"):
+        acc.measure(huge, 1.0)
+    assert torch.equal(acc.merged(), before) and len(acc) == 1
+
+
+def test_zero_deltas_count_in_the_magnitude_and_cancelling_directions_give_zero():
+    numel = 256
+    acc = RoundAccumulator(numel, FAST, rda=True)
+    zero = FAST.encode(torch.zeros(numel))
+    acc.add("z", zero, 1.0, acc.measure(zero, math.inf))
+    assert torch.equal(acc.merged(), torch.zeros(numel))
+    up = FAST.encode(torch.full((numel,), 0.5))
+    down = FAST.encode(torch.full((numel,), -0.5))
+    acc.add("u", up, 1.0, acc.measure(up, math.inf))
+    acc.add("d", down, 1.0, acc.measure(down, math.inf))
+    assert torch.equal(acc.merged(), torch.zeros(numel))
+
+
+@settings(max_examples=25, deadline=None)
+@given(numel=st.integers(1, 4000), rounds=st.integers(1, 4), plain_last=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_exactly(numel, rounds, plain_last,
+                                                                                       seed):
+    g = torch.Generator().manual_seed(seed)
+    value = torch.randn(numel, generator=g)
+    fast = GlobalFragment(value=value.clone(), is_embedding=False, accumulator=RoundAccumulator(numel, FAST, rda=True))
+    ref = copy.deepcopy(fast)
+    outer = NesterovSGD(lr=0.4, momentum=0.9)
+    for r in range(rounds):
+        plain = plain_last and r == rounds - 1
+        payloads = [FAST.encode(torch.randn(numel, generator=g) * 0.05) for _ in range(3)]
+        for m, p in enumerate(payloads):
+            for frag in (fast, ref):
+                frag.accumulator.add(m, p, 5.0 + m, frag.accumulator.measure(p, math.inf))
+        before = fast.value.clone()
+        merged = ref.accumulator.merged()
+        ref.accumulator.clear()
+        ref_payload = ref.step(merged, outer, FAST, plain=plain)
+        payload = fast.close(outer, FAST, plain=plain)
+        # The learner's reconstruction: previous value + decode(payload), bit for bit.
+        assert torch.equal(fast.value, before + FAST.decode(payload, numel))
+        # Same arithmetic as the reference up to float32 rounding: a value that lands on a
+        # rounding tie may take the neighbouring int4 code, and error feedback carries the
+        # difference (value + residual is what the update meant).
+        assert torch.allclose(fast.value + fast.residual, ref.value + ref.residual, rtol=1e-5, atol=1e-5)
+        codes_differ = np.count_nonzero(np.frombuffer(payload, np.uint8) != np.frombuffer(ref_payload, np.uint8))
+        assert codes_differ <= 2 + len(payload) // 100
+        assert fast.version == ref.version == r + 1
+        ref.value, ref.residual = fast.value.clone(), fast.residual.clone()  # go on from the same state
+        ref.momentum = None if fast.momentum is None else fast.momentum.clone()
