@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core import kernels
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import CODEC_NAMES, get_codec
 from ddiloco.core.merge import merge_mean, merge_rda
@@ -139,3 +142,49 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
         assert fast.version == ref.version == r + 1
         ref.value, ref.residual = fast.value.clone(), fast.residual.clone()  # go on from the same state
         ref.momentum = None if fast.momentum is None else fast.momentum.clone()
+
+
+CONCURRENT = """
+import math, threading, torch
+from ddiloco.core import kernels
+from ddiloco.core.accumulate import RoundAccumulator
+from ddiloco.core.codecs import get_codec
+codec = get_codec("int4", block_size=128)
+numel = 1 << 20
+payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 0.01)
+results = []
+def shard():
+    acc = RoundAccumulator(numel, codec, rda=True)
+    for m in range(30):
+        acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
+    results.append(acc.merged())
+threads = [threading.Thread(target=shard) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert len(results) == 3 and all(torch.equal(r, results[0]) for r in results)
+"""
+
+
+def test_kernels_launched_from_several_threads_at_once_neither_crash_nor_mix():
+    """Two shards hosted in one process call the kernels from their own core threads; numba's
+    workqueue pool aborts the process on concurrent launches unless they are serialized. Run
+    in a child so that an abort fails this test, not the whole suite."""
+    done = subprocess.run([sys.executable, "-c", CONCURRENT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_compiling_up_front_covers_the_types_a_round_uses():
+    """A synchronizer compiles before it serves; a type it missed (payload arrays are read-only)
+    would compile during the first contribution and stall the first rounds for seconds."""
+    kernels.compile_kernels()
+    launched = [kernels.int4_stats, kernels.int4_axpy, kernels.norm_squared, kernels.outer_step_int4]
+    before = [len(k.__wrapped__.signatures) for k in launched]
+    numel = 1000
+    fragment = GlobalFragment(value=torch.randn(numel), is_embedding=False,
+                              accumulator=RoundAccumulator(numel, FAST, rda=True))
+    payload = FAST.encode(torch.randn(numel) * 0.01)
+    fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload, math.inf))
+    fragment.close(NesterovSGD(lr=0.7, momentum=0.9), FAST, plain=False)
+    assert [len(k.__wrapped__.signatures) for k in launched] == before

@@ -28,7 +28,9 @@ def test_fragments_fall_due_at_their_offsets_with_counters_since_last_send():
     sent = []
     for s in range(1, 7):
         local_step(params, seed=s)
-        sent += [(s, c.fragment, c.steps, c.tokens, c.first_step) for c in step(core, 10, 0.5)]
+        for c in step(core, 10, 0.5, now=s):
+            sent.append((s, c.fragment, c.steps, c.tokens, c.first_step))
+            deliver(sync.handle(c, s), [core], now=s)  # each round closes at once: the next send is not held
     offsets = {f.index: f.offset for f in plan.fragments}
     assert [(s, p) for s, p, *_ in sent] == sorted(
         ((s, p) for s in range(1, 7) for p in range(3) if s % 3 == offsets[p]), key=lambda sp: sp[0]

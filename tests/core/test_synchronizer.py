@@ -30,15 +30,24 @@ BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=
 
 
 def contributions_for(cores, params, fragment, seed=0):
-    """Have every learner step until ``fragment`` falls due; return its contributions."""
+    """Have every learner step until ``fragment`` falls due; return its contributions.
+
+    The other fragments' contributions are never delivered (the learner is told so, and folds
+    them into its next ones)."""
     out = []
     for m, (core, p) in enumerate(zip(cores, params)):
-        while True:
+        for _ in range(100):
             local_step(p, seed=seed * 100 + m * 10 + core.step)
-            match = [c for c in step(core, tokens=100, duration_s=1.0) if c.fragment == fragment]
+            due = step(core, tokens=100, duration_s=1.0)
+            for c in due:
+                if c.fragment != fragment:
+                    core.on_undelivered(c, 0.0)
+            match = [c for c in due if c.fragment == fragment]
             if match:
                 out.append(match[0])
                 break
+        else:
+            raise AssertionError(f"fragment {fragment} never fell due for {core.learner_id}")
     return out
 
 

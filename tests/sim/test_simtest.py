@@ -77,7 +77,12 @@ def test_a_planted_bug_following_updates_of_another_incarnation_is_found(monkeyp
 
     monkeypatch.setattr(Learner, "_apply", any_incarnation)
     found = first_failure()
-    assert "never produced" in found.violation or "differs from the global value" in found.violation
+    # Caught as the invariant, or by the liveness phase: a learner that follows foreign updates
+    # ends on versions the global model never had and never catches up.
+    if found.violation is not None:
+        assert "never produced" in found.violation or "differs from the global value" in found.violation
+    else:
+        assert "behind" in found.liveness or "joining" in found.liveness
 
 
 def test_a_planted_bug_ignoring_gaps_is_found_by_the_liveness_phase(monkeypatch):

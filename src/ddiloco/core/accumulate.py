@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.codecs import AbsmaxCodec, Codec
-from ddiloco.core.kernels import int4_axpy, int4_stats
+from ddiloco.core.kernels import int4_axpy, int4_stats, norm_squared
 from ddiloco.core.messages import RejectReason, Rejected
 
 EPS = 1e-12
@@ -43,7 +43,10 @@ class RoundAccumulator:
         self.codec = codec
         self.rda = rda
         self._fast = isinstance(codec, AbsmaxCodec) and codec.bits == 4 and codec.block_size % 2 == 0
-        self._acc: np.ndarray | None = None
+        # Allocated once and zeroed in place between rounds: a fresh buffer per round would
+        # cost a page fault per 4 KiB, more than the merge itself on a large fragment.
+        self._acc = np.zeros(numel, dtype=np.float32)
+        self._touched = False
         self._entries: dict[Hashable, _Entry] = {}
         self._sum_w = 0.0
         self._sum_w_norm = 0.0
@@ -89,8 +92,7 @@ class RoundAccumulator:
         if self.rda and norm <= EPS:
             return  # no direction; it still counts in the magnitude
         alpha = weight / norm if self.rda else weight
-        if self._acc is None:
-            self._acc = np.zeros(self.numel, dtype=np.float32)
+        self._touched = True
         if self._fast:
             scales, packed = self._split(payload)
             int4_axpy(scales, packed, self.numel, self.codec.block_size, alpha, self._acc)  # type: ignore[attr-defined]
@@ -110,12 +112,12 @@ class RoundAccumulator:
         The factor is Σw‖Δ‖ / ‖acc‖ for RDA (magnitude over direction), 1 / Σw for the mean;
         0 when the directions cancel or nothing has weight.
         """
-        acc = self._acc if self._acc is not None else np.zeros(self.numel, dtype=np.float32)
+        acc = self._acc
         if not self._entries or self._sum_w <= 0:
             return acc, 0.0
         if not self.rda:
             return acc, 1.0 / self._sum_w
-        direction = float(np.linalg.norm(acc.astype(np.float64)))
+        direction = math.sqrt(norm_squared(acc, 4096))
         if direction / self._sum_w <= EPS:
             return acc, 0.0
         return acc, (self._sum_w_norm / self._sum_w) / direction
@@ -124,7 +126,10 @@ class RoundAccumulator:
         acc, factor = self.accumulated()
         return torch.from_numpy(acc * np.float32(factor))
 
-    def clear(self) -> None:
-        self._acc = None
+    def clear(self, *, zeroed: bool = False) -> None:
+        """Forget the round; ``zeroed``: the caller has already zeroed the accumulator (the fused close does)."""
+        if self._touched and not zeroed:
+            self._acc.fill(0.0)
+        self._touched = False
         self._entries.clear()
         self._sum_w = self._sum_w_norm = 0.0

@@ -87,7 +87,8 @@ class _Counters:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A fragment sent and not yet updated: what a waiting learner waits for."""
+    """A fragment sent and not yet updated: it is not sent again until then (see
+    ``Learner._held``), and a waiting learner waits for it."""
 
     sent_at_step: int
     wait_until_s: float | None = None
@@ -263,13 +264,22 @@ class Learner:
         # Nothing is sent to a shard being joined again: those steps start from anchors about to
         # be replaced.
         sends = [self._contribution(p) for p, due in enumerate(self._next_due)
-                 if due <= self.step and self._may_send(p)]
+                 if due <= self.step and self._may_send(p) and not self._held(p)]
         self._start_waits(now)
         return sends
 
     def _may_send(self, p: int) -> bool:
         link = self.links[self.config.shard_of(p)]
         return link.session is not None and not link.joining
+
+    def _held(self, p: int) -> bool:
+        """Fragment p's last contribution has had no update yet: a Δ sent now would be measured
+        from the same anchor and carry that contribution's progress a second time once it is
+        merged. The send waits for the update (training does not), at most one more period:
+        an update that late was lost (the send then brings the gap to light) or the
+        synchronizer is far behind."""
+        flight = self._in_flight.get(p)
+        return flight is not None and self.step - flight.sent_at_step < 2 * self.plan.period
 
     def _contribution(self, p: int) -> Send:
         shard = self.config.shard_of(p)
@@ -295,12 +305,13 @@ class Learner:
         self._seq[p] += 1
         self._counters[p] = _Counters(first_step=self.step + 1)
         self._next_due[p] = self.step + self.plan.period
-        if self.config.blocking or self.config.max_wait_s > 0:
-            self._in_flight[p] = _InFlight(sent_at_step=self.step)
+        self._in_flight[p] = _InFlight(sent_at_step=self.step)
         return Send(header, delta, self._uplink, shard)
 
     def _start_waits(self, now: float) -> None:
         """Fragments sent τ steps ago (0 when blocking) without an update: start waiting for them."""
+        if not (self.config.blocking or self.config.max_wait_s > 0):
+            return
         threshold = 0 if self.config.blocking else self.config.overlap
         limit = float("inf") if self.config.blocking else self.config.max_wait_s
         for flight in self._in_flight.values():

@@ -8,6 +8,7 @@ quantization residual, the version V_p, and the round that will produce V_p + 1.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +117,14 @@ class GlobalFragment:
     round: Round = field(default_factory=Round)
     ready_at_s: float = 0.0
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
+    _value_norm: float | None = None
+
+    @property
+    def value_norm(self) -> float:
+        """‖Θ_p‖ (the norm bound of contributions is relative to it); computed once per version."""
+        if self._value_norm is None:
+            self._value_norm = float(torch.linalg.vector_norm(self.value))
+        return self._value_norm
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
         """Merge the round, apply the outer step to Θ, return the compressed update.
@@ -126,9 +135,11 @@ class GlobalFragment:
         goes through :meth:`step`.
         """
         acc, factor = self.accumulator.accumulated()
-        self.accumulator.clear()
+        self._value_norm = None
         if not (isinstance(downlink, AbsmaxCodec) and downlink.bits == 4 and downlink.block_size % 2 == 0):
-            return self.step(torch.from_numpy(acc * np.float32(factor)), outer, downlink, plain=plain)
+            merged = torch.from_numpy(acc * np.float32(factor))
+            self.accumulator.clear()
+            return self.step(merged, outer, downlink, plain=plain)
         first = self.momentum is None
         if first:
             self.momentum = torch.zeros_like(self.value)
@@ -138,8 +149,10 @@ class GlobalFragment:
         blocks = -(-numel // downlink.block_size)
         scales = np.empty(blocks, dtype=np.float32)
         packed = np.zeros((numel + 1) // 2, dtype=np.uint8)
-        outer_step_int4(acc, factor, outer.lr, outer.momentum, first, plain, self.momentum.numpy(),
-                        self.residual.numpy(), self.value.numpy(), downlink.block_size, scales, packed)
+        value_squared = outer_step_int4(acc, factor, outer.lr, outer.momentum, first, plain, self.momentum.numpy(),
+                                        self.residual.numpy(), self.value.numpy(), downlink.block_size, scales, packed)
+        self.accumulator.clear(zeroed=True)  # the kernel zeroed it as it read it
+        self._value_norm = math.sqrt(value_squared)
         if first and plain:
             self.momentum = None
         self.version += 1
@@ -157,6 +170,7 @@ class GlobalFragment:
         sent = downlink.decode(payload, update.numel())
         self.residual = update - sent  # error feedback: what this update could not carry
         self.value += sent
+        self._value_norm = None
         self.version += 1
         return payload
 

@@ -333,7 +333,7 @@ class Synchronizer:
                                                f"than {self.config.staleness_max}")
         if c.seq <= last_seq.get(c.fragment, -1):
             raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-        bound = self.config.delta_norm_ratio_max * max(float(frag.value.norm()), 1.0)
+        bound = self.config.delta_norm_ratio_max * max(frag.value_norm, 1.0)
         return frag.accumulator.measure(c.payload, bound)
 
     # ---- time, rounds, the end of the run --------------------------------------------------
@@ -471,6 +471,7 @@ class Synchronizer:
             if saved["value"].numel() != f.value.numel():
                 raise ValueError("checkpoint fragment size mismatch")
             f.value = saved["value"].to(torch.float32).clone()
+            f._value_norm = None
             f.version = int(saved["version"])
             f.momentum = None if saved["momentum"] is None else saved["momentum"].clone()
             f.residual = None if saved["residual"] is None else saved["residual"].clone()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from ddiloco.core.kernels import compile_kernels
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.service import SyncService
@@ -45,6 +46,7 @@ class SyncServer:
             raise ConfigError(f"cannot listen on {target}: {err}") from None
         if port == 0:
             raise ConfigError(f"cannot listen on {target} (address in use?)")
+        compile_kernels()  # before the first contribution, not during it
         self.service.start_host()
         await server.start()
         self._server = server
