@@ -7,7 +7,7 @@ them, and keep their base versions current by polling its status. Measured side 
 one run and printed as ratios:
 
 - ``sustained_params_per_s``: outer-gradient parameters merged per second, 1 shard and 2
-  shards (each shard a process using one core for its kernels), and ``shard_speedup_2``;
+  shards (each shard a process; its kernels run on one core), and ``shard_speedup_2``;
 - ``merge_vs_memcpy``: a round of M contributions merged in process (check, accumulate, close:
   outer step, error feedback, int4 encode) against a copy of the same contributions' fp32
   bytes into a preallocated, already-touched buffer — best of several, same run;
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +67,7 @@ def sync_args(init: Path, port_file: Path, shard: str | None) -> list[str]:
 
 def start_shards(init: Path, shards: int, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
     procs, addresses = [], []
-    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i in range(shards):
         port_file = tmp / f"port-{shards}-{i}"
         port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
@@ -90,12 +91,13 @@ def rss_bytes(pid: int, field: str = "VmHWM") -> int:
 
 
 def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: float, seconds: float,
-          out: "multiprocessing.Queue") -> None:
+          joined: "multiprocessing.Barrier", out: "multiprocessing.Queue") -> None:
     """One load-generator process: learners as threads, each its own gRPC channel per shard.
 
     Uploads are pre-serialized (the header chunk is built per call, the payload chunks once)
     so that the generator spends as little CPU as it can: it shares the cores with the
-    synchronizers it measures.
+    synchronizers it measures. The window opens once every learner of every generator has
+    joined (a join sends the whole model) and a warm-up has passed.
     """
     import grpc
 
@@ -112,6 +114,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
     merged = [0]
     lock = threading.Lock()
     stop, counting = threading.Event(), threading.Event()
+    ready = threading.Barrier(len(learners) + 1)
 
     def poll_versions() -> None:
         clients = [SyncClient(a) for a in addresses]
@@ -129,6 +132,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
         upload = [ch.stream_unary("/ddiloco.v2.Synchronizer/Contribute", request_serializer=None,
                                   response_deserializer=None) for ch in channels]
         sessions = [SyncClient(a).join(Join(f"learner-{m}", f"bench-{m}")).state.session for a in addresses]
+        ready.wait()
         seq = [0] * P
         p = m % P
         while not stop.is_set():
@@ -152,33 +156,59 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
     threads += [threading.Thread(target=learner, args=(m,), daemon=True) for m in learners]
     for th in threads:
         th.start()
+    ready.wait()
+    joined.wait()
     time.sleep(warmup_s)
+    out.put(None)  # the window opens: the parent reads the synchronizers' CPU time
     counting.set()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     time.sleep(seconds)
     counting.clear()
-    out.put(merged[0] / (time.perf_counter() - started))
+    elapsed = time.perf_counter() - started
+    out.put((merged[0] / elapsed, (time.process_time() - cpu) / elapsed))
     stop.set()
 
 
-def sustained(init: Path, sizes: list[int], shards: int, seconds: float, tmp: Path) -> tuple[float, int]:
-    """(parameters merged per second, the synchronizers' resident memory summed) with ``shards`` shards."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Load:
+    params_per_s: float
+    rss: int
+    sync_cores: float
+    """CPU cores the synchronizer processes used during the window (summed)."""
+    generator_cores: float
+    """CPU cores the load generators used."""
+
+
+def sustained(init: Path, sizes: list[int], shards: int, seconds: float, tmp: Path) -> Load:
+    """What ``shards`` shards sustain, with their resident memory and the CPU the run used."""
     import multiprocessing
 
     procs, addresses = start_shards(init, shards, tmp)
     try:
-        ctx = multiprocessing.get_context("fork")
-        out = ctx.Queue()
-        loaders = [ctx.Process(target=_load, args=(addresses, sizes, range(i, M, 2), max(3.0, seconds / 4), seconds,
-                                                   out)) for i in range(2)]
+        # Spawned, not forked: a child forked after torch's and numba's thread pools started
+        # (the in-process merge measurement) hangs in its first torch call.
+        ctx = multiprocessing.get_context("spawn")
+        out, joined = ctx.Queue(), ctx.Barrier(2)
+        loaders = [ctx.Process(target=_load, args=(addresses, sizes, range(i, M, 2), max(2.0, seconds / 5), seconds,
+                                                   joined, out)) for i in range(2)]
         for loader in loaders:
             loader.start()
-        rates = [out.get(timeout=600) for _ in loaders]
+        for _ in loaders:
+            out.get(timeout=600)
+        sync_cpu, opened = sum(cpu_seconds(proc.pid) for proc in procs), time.perf_counter()
+        results = [out.get(timeout=600) for _ in loaders]
+        sync_cores = (sum(cpu_seconds(proc.pid) for proc in procs) - sync_cpu) / (time.perf_counter() - opened)
         rss = sum(rss_bytes(proc.pid, "VmRSS") for proc in procs)  # steady state, after the joins
         for loader in loaders:
             loader.kill()
             loader.join()
-        return sum(rates), rss
+        return Load(sum(r for r, _ in results), rss, sync_cores, sum(c for _, c in results))
     finally:
         for proc in procs:
             proc.kill()
@@ -262,15 +292,24 @@ def main() -> None:
         write_init(small, P * 1000, P)
         ratio, merge_s, copy_s = merge_vs_memcpy(sizes[0], repeats=5)
         baseline = idle_rss(small, tmp)
-        one, rss_one = sustained(init, sizes, 1, seconds, tmp)
-        two, _ = sustained(init, sizes, 2, seconds, tmp)
+        single = sustained(init, sizes, 1, seconds, tmp)
+        double = sustained(init, sizes, 2, seconds, tmp)
+    one, two = single.params_per_s, double.params_per_s
     downlink = downlink_vs_model(args.quick)
-    rss_per_param = (rss_one - baseline) / params
+    rss_per_param = (single.rss - baseline) / params
+    # The generators share the machine's cores: at the CPU cost per parameter measured with one
+    # shard (synchronizer + generators), this is about what the machine's cores allow.
+    cores = os.cpu_count() or 1
+    ceiling = cores * one / (single.sync_cores + single.generator_cores)
     result = {
         "params": params, "learners": M, "fragments": P,
         "merge_vs_memcpy": round(ratio, 3), "merge_round_s": round(merge_s, 4), "memcpy_s": round(copy_s, 4),
         "sustained_params_per_s": {"1": round(one), "2": round(two)},
         "shard_speedup_2": round(two / one, 3),
+        "shard_speedup_ceiling": round(ceiling / one, 3),
+        "sync_params_per_core_s": {"1": round(one / single.sync_cores), "2": round(two / double.sync_cores)},
+        "cores_used": {str(n): {"sync": round(r.sync_cores, 2), "generators": round(r.generator_cores, 2)}
+                       for n, r in ((1, single), (2, double))},
         "sync_rss_bytes_per_param": round(rss_per_param, 2),
         "downlink_vs_model": round(downlink, 3),
         "load": os.getloadavg(),
@@ -280,6 +319,11 @@ def main() -> None:
     print(f"merge vs memcpy: a round of {M} x {sizes[0] / 1e6:.1f}M int4 contributions {merge_s * 1e3:.0f} ms, copying "
           f"their fp32 bytes {copy_s * 1e3:.0f} ms -> {ratio:.3f}")
     print(f"sustained: 1 shard {one / 1e6:.1f}M params/s, 2 shards {two / 1e6:.1f}M params/s -> speedup {two / one:.2f}")
+    for n, r in ((1, single), (2, double)):
+        print(f"  {n} shard(s): synchronizers used {r.sync_cores:.2f} cores ({r.params_per_s / r.sync_cores / 1e6:.0f}M "
+              f"params per core-second), the load generators {r.generator_cores:.2f}")
+    print(f"  at one shard's CPU cost per parameter, {cores} cores shared with the generators allow a speedup of "
+          f"about {ceiling / one:.2f}")
     print(f"synchronizer memory: {rss_per_param:.1f} bytes per parameter above an idle one")
     print(f"downlink bytes vs the bandwidth model (one update per fragment per period): {downlink:.3f}")
     print(f"one shard keeps up with a model of {keeps_up / 1e9:.2f}B parameters at M=8, H=P=24, 1 step/s; "

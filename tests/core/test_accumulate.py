@@ -179,12 +179,12 @@ def test_compiling_up_front_covers_the_types_a_round_uses():
     """A synchronizer compiles before it serves; a type it missed (payload arrays are read-only)
     would compile during the first contribution and stall the first rounds for seconds."""
     kernels.compile_kernels()
-    launched = [kernels.int4_stats, kernels.int4_axpy, kernels.norm_squared, kernels.outer_step_int4]
-    before = [len(k.__wrapped__.signatures) for k in launched]
+    compiled = [kernels._stats_block, kernels._axpy_block, kernels.norm_squared, kernels._outer_step_block]
+    before = [len(k.signatures) for k in compiled]
     numel = 1000
     fragment = GlobalFragment(value=torch.randn(numel), is_embedding=False,
                               accumulator=RoundAccumulator(numel, FAST, rda=True))
     payload = FAST.encode(torch.randn(numel) * 0.01)
     fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload, math.inf))
     fragment.close(NesterovSGD(lr=0.7, momentum=0.9), FAST, plain=False)
-    assert [len(k.__wrapped__.signatures) for k in launched] == before
+    assert [len(k.signatures) for k in compiled] == before

@@ -117,7 +117,7 @@ class RoundAccumulator:
             return acc, 0.0
         if not self.rda:
             return acc, 1.0 / self._sum_w
-        direction = math.sqrt(norm_squared(acc, 4096))
+        direction = math.sqrt(norm_squared(acc))
         if direction / self._sum_w <= EPS:
             return acc, 0.0
         return acc, (self._sum_w_norm / self._sum_w) / direction

@@ -221,7 +221,10 @@ def _unpack(packed: Tensor, bits: int, numel: int) -> Tensor:
     return lanes.reshape(-1)[:numel]
 
 
-def get_codec(name: str, *, block_size: int = 128) -> Codec:
+DEFAULT_BLOCK_SIZE = 128
+
+
+def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
     """The codec called ``name`` (one of CODEC_NAMES); ``block_size`` is for the int codecs."""
     if name == "fp32":
         return Fp32Codec()

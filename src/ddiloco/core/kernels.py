@@ -1,4 +1,4 @@
-"""Compiled loops for the synchronizer's hot path on int4 payloads (numba, parallel over blocks).
+"""Compiled loops for the synchronizer's hot path on int4 payloads (numba).
 
 The int4 wire layout (``core/codecs.py``): one float32 scale per block, then 4-bit codes
 packed two per byte, low nibble first; a value is ``(code - 7) * scale``. Working on that
@@ -8,101 +8,161 @@ to add α·Δ into the round's float32 accumulator (``int4_axpy``) — no decode
 close of a round is one pass too (``outer_step_int4``): merged Δ, Nesterov momentum, error
 feedback, int4 encoding of the update, and Θ += decoded update, block by block.
 
-Why numba: measured in ``benchmarks/bench_merge.py`` against vectorized torch on the same
-machine, the fused loops touch each byte once where torch's unpack/scale/norm/add chain
-touches it five or six times; numba installs from PyPI as a wheel, compiles these loops on
-first use (cached on disk afterwards) and runs them on every core.
+Why numba: the fused loops touch each byte once where torch's unpack/scale/norm/add chain
+touches it five or six times (``benchmarks/bench_runtime.py --only merge``); numba installs
+from PyPI as a wheel and compiles these loops on first use, cached on disk afterwards.
+
+Why serial: measured on fragments of 0.8M parameters, a ``prange`` launch on numba's
+thread pool costs more than the whole vectorized loop (0.5 ms against 0.08 ms for
+``int4_stats``), and the pool cannot be entered by two threads at once (two shards hosted
+in one process). A synchronizer uses more cores by running more shards.
+
+Why specialized: every loop runs block by block, and a block's inner loop vectorizes only
+when its trip count is a compile-time constant. Each kernel is written once as an inlined
+body taking the block size; the entry points call it with the codec's default block size
+as a constant (``BLOCK``) or, for any other even size, with the size as an argument.
+
+Sums of squares keep a fixed order (four interleaved partial sums, then the blocks in
+order): the same payloads give the same bits on every run.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable
-from typing import TypeVar
-
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-# numba's OpenMP threading layer, when it starts, resets the process's OpenMP thread count:
-# torch's own intra-op threads change under it (torch.set_num_threads(1) became 2, and a
-# run's weights moved in the last bits). Its own simple thread pool leaves torch alone.
-numba.config.THREADING_LAYER = "workqueue"
+from ddiloco.core.codecs import DEFAULT_BLOCK_SIZE
 
-_LAUNCH = threading.Lock()
-"""The workqueue pool runs one parallel kernel at a time and aborts the whole process when two
-threads launch at once (two shards hosted in one process do). Every kernel launches under
-this lock; a kernel already uses every core, so serializing them costs no throughput."""
+BLOCK = DEFAULT_BLOCK_SIZE
+"""The block size the kernels are specialized for (the int4 codec's default)."""
+_HALF = BLOCK // 2  # bytes per block
 
-K = TypeVar("K", bound=Callable)
+_Q = np.int32(7)  # qmax: a code c stands for c − 7
+_LOW_MASK = np.int32(15)
+_SHIFT = np.int32(4)
 
 
-def _serialized(kernel: K) -> K:
-    @functools.wraps(kernel)
-    def launch(*args):  # type: ignore[no-untyped-def]
-        with _LAUNCH:
-            return kernel(*args)
+# ---- checking and measuring a contribution -----------------------------------------------
 
-    return launch  # type: ignore[return-value]
+@njit(cache=True, inline="always")
+def _squares(packed: np.ndarray, start: int, count: int) -> np.int32:
+    """Σ (code − 7)² over ``count`` bytes (two codes each), in int32: a block of ≤ 2¹⁶ codes cannot overflow."""
+    total = np.int32(0)
+    for k in range(count):
+        byte = np.int32(packed[start + k])
+        low = (byte & _LOW_MASK) - _Q
+        high = (byte >> _SHIFT) - _Q
+        total += low * low + high * high
+    return total
 
-QMAX = 7
-# Per packed byte (two codes): each level as float32.
-_BYTES = np.arange(256)
-LOW = ((_BYTES & 15) - QMAX).astype(np.float32)
-HIGH = ((_BYTES >> 4) - QMAX).astype(np.float32)
 
-
-@_serialized
-@njit(parallel=True, cache=True)
-def int4_stats(scales: np.ndarray, packed: np.ndarray, numel: int, block_size: int) -> tuple[float, int]:
-    """(‖Δ‖² in float64, number of non-finite scales) of an int4 payload (``block_size`` even).
-
-    Each block's share is computed in parallel into its own slot and the slots are summed in
-    order afterwards: a parallel reduction would add in an order that depends on the threads,
-    and the same run must give the same weights bit for bit.
-    """
-    blocks = scales.shape[0]
-    half = block_size // 2
+@njit(cache=True, inline="always")
+def _stats(scales: np.ndarray, packed: np.ndarray, numel: int, half: int) -> tuple[float, int]:
     whole = numel // 2  # bytes holding two codes; an odd numel leaves one code in a last byte
-    shares = np.zeros(blocks, dtype=np.float64)
-    bad = np.zeros(blocks, dtype=np.int64)
-    for b in prange(blocks):
+    total = 0.0
+    bad = 0
+    for b in range(scales.shape[0]):
         s = np.float64(scales[b])
         if not np.isfinite(s):
-            bad[b] = 1
+            bad += 1
             continue
-        squares = np.int32(0)
-        for j in range(b * half, min((b + 1) * half, whole)):
-            byte = np.int32(packed[j])
-            low, high = (byte & 15) - QMAX, (byte >> 4) - QMAX
-            squares += low * low + high * high
-        if numel & 1 and b == blocks - 1:
-            d = (np.int32(packed[whole]) & 15) - QMAX
-            squares += d * d
-        shares[b] = s * s * squares
-    total = 0.0
-    for b in range(blocks):
-        total += shares[b]
-    return total, int(bad.sum())
+        start = b * half
+        if start + half <= whole:
+            squares = _squares(packed, start, half)
+        else:  # the last block, partial
+            squares = _squares(packed, start, whole - start)
+            if numel & 1:
+                d = (np.int32(packed[whole]) & _LOW_MASK) - _Q
+                squares += d * d
+        total += s * s * squares
+    return total, bad
 
 
-@_serialized
-@njit(parallel=True, cache=True)
+@njit(cache=True)
+def _stats_block(scales: np.ndarray, packed: np.ndarray, numel: int) -> tuple[float, int]:
+    return _stats(scales, packed, numel, _HALF)
+
+
+@njit(cache=True)
+def _stats_any(scales: np.ndarray, packed: np.ndarray, numel: int, half: int) -> tuple[float, int]:
+    return _stats(scales, packed, numel, half)
+
+
+def int4_stats(scales: np.ndarray, packed: np.ndarray, numel: int, block_size: int) -> tuple[float, int]:
+    """(‖Δ‖² in float64, number of non-finite scales) of an int4 payload (``block_size`` even)."""
+    if block_size == BLOCK:
+        return _stats_block(scales, packed, numel)
+    return _stats_any(scales, packed, numel, block_size // 2)
+
+
+# ---- adding a contribution to the round ----------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _axpy_run(packed: np.ndarray, start: int, count: int, s: np.float32, acc: np.ndarray) -> None:
+    for k in range(count):
+        j = start + k
+        byte = np.int32(packed[j])
+        acc[2 * j] += np.float32((byte & _LOW_MASK) - _Q) * s
+        acc[2 * j + 1] += np.float32((byte >> _SHIFT) - _Q) * s
+
+
+@njit(cache=True, inline="always")
+def _axpy(scales: np.ndarray, packed: np.ndarray, numel: int, half: int, alpha: float, acc: np.ndarray) -> None:
+    whole = numel // 2
+    for b in range(scales.shape[0]):
+        s = np.float32(alpha * np.float64(scales[b]))
+        start = b * half
+        if start + half <= whole:
+            _axpy_run(packed, start, half, s, acc)
+        else:
+            _axpy_run(packed, start, whole - start, s, acc)
+            if numel & 1:
+                acc[numel - 1] += np.float32((np.int32(packed[whole]) & _LOW_MASK) - _Q) * s
+
+
+@njit(cache=True)
+def _axpy_block(scales: np.ndarray, packed: np.ndarray, numel: int, alpha: float, acc: np.ndarray) -> None:
+    _axpy(scales, packed, numel, _HALF, alpha, acc)
+
+
+@njit(cache=True)
+def _axpy_any(scales: np.ndarray, packed: np.ndarray, numel: int, half: int, alpha: float, acc: np.ndarray) -> None:
+    _axpy(scales, packed, numel, half, alpha, acc)
+
+
 def int4_axpy(scales: np.ndarray, packed: np.ndarray, numel: int, block_size: int, alpha: float,
               acc: np.ndarray) -> None:
     """acc += alpha · decode(payload), in float32 (``block_size`` even)."""
-    blocks = scales.shape[0]
-    half = block_size // 2
-    whole = numel // 2
-    for b in prange(blocks):
-        s = np.float32(alpha * np.float64(scales[b]))
-        for j in range(b * half, min((b + 1) * half, whole)):
-            byte = packed[j]
-            acc[2 * j] += LOW[byte] * s
-            acc[2 * j + 1] += HIGH[byte] * s
-        if numel & 1 and b == blocks - 1:
-            acc[numel - 1] += LOW[packed[whole]] * s
+    if block_size == BLOCK:
+        _axpy_block(scales, packed, numel, alpha, acc)
+    else:
+        _axpy_any(scales, packed, numel, block_size // 2, alpha, acc)
+
+
+# ---- the merged direction's norm -------------------------------------------------------------
+
+@njit(cache=True)
+def norm_squared(x: np.ndarray) -> float:
+    """Σ x² in float64 over four interleaved partial sums (vectorizable, same order every time)."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = 0.0
+    for i in range(0, n - n % 4, 4):
+        a, b, c, d = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
+        s0 += a * a
+        s1 += b * b
+        s2 += c * c
+        s3 += d * d
+    for i in range(n - n % 4, n):
+        s0 += np.float64(x[i]) * np.float64(x[i])
+    return (s0 + s1) + (s2 + s3)
+
+
+# ---- closing a round -------------------------------------------------------------------------
+
+ROUNDING = np.float32(1.5 * 2**23)
+"""Adding and subtracting 1.5·2²³ rounds a float32 of magnitude below 2²² to the nearest integer,
+ties to even — what ``torch.round`` does — in two additions the compiler can vectorize,
+where a call to ``rint`` per element cannot be."""
 
 
 @njit(cache=True, inline="always")
@@ -119,41 +179,82 @@ def _update(acc: np.ndarray, i: int, f_scale: np.float32, f_lr: np.float32, f_mu
     return update + residual[i]
 
 
-@_serialized
-@njit(parallel=True, cache=True)
-def norm_squared(x: np.ndarray, block_size: int) -> float:
-    """Σ x² in float64, block by block in parallel, the blocks summed in order (deterministic)."""
-    blocks = -(-x.shape[0] // block_size)
-    shares = np.zeros(blocks, dtype=np.float64)
-    for b in prange(blocks):
-        total = 0.0
-        for i in range(b * block_size, min((b + 1) * block_size, x.shape[0])):
-            total += np.float64(x[i]) * np.float64(x[i])
-        shares[b] = total
-    total = 0.0
-    for b in range(blocks):
-        total += shares[b]
-    return total
-
-
-ROUNDING = np.float32(1.5 * 2**23)
-"""Adding and subtracting 1.5·2²³ rounds a float32 of magnitude below 2²² to the nearest integer,
-ties to even — what ``torch.round`` does — in two additions the compiler can vectorize,
-where a call to ``rint`` per element cannot be."""
+@njit(cache=True, inline="always")
+def _encode(update: np.float32, divisor: np.float32, block_scale: np.float32, i: int, residual: np.ndarray,
+            value: np.ndarray) -> np.int32:
+    q = min(max((update / divisor + ROUNDING) - ROUNDING, np.float32(-7.0)), np.float32(7.0))
+    sent = np.float32(q) * block_scale
+    residual[i] = update - sent
+    value[i] += sent
+    return np.int32(q) + _Q
 
 
 @njit(cache=True, inline="always")
-def _encode(update: np.float32, divisor: np.float32, block_scale: np.float32, i: int, residual: np.ndarray,
-            value: np.ndarray) -> int:
-    q = min(max((update / divisor + ROUNDING) - ROUNDING, np.float32(-QMAX)), np.float32(QMAX))
-    sent = np.float32(np.float32(q) * block_scale)
-    residual[i] = update - sent
-    value[i] += sent
-    return int(q) + QMAX
+def _close_block(start: int, count: int, acc: np.ndarray, f_scale: np.float32, f_lr: np.float32, f_mu: np.float32,
+                 first: bool, plain: bool, momentum: np.ndarray, residual: np.ndarray, value: np.ndarray,
+                 scales_out: np.ndarray, b: int, packed_out: np.ndarray) -> float:
+    """One block: update, absmax, encode, value += decoded. Returns the block's Σ value²."""
+    absmax = np.float32(0.0)
+    for k in range(count):
+        update = _update(acc, start + k, f_scale, f_lr, f_mu, first, plain, momentum, residual)
+        residual[start + k] = update  # the update for now; the residual once the block is encoded
+        absmax = max(absmax, abs(update))
+    block_scale = absmax / np.float32(7.0)
+    scales_out[b] = block_scale
+    divisor = block_scale if block_scale > 0 else np.float32(1.0)
+    pairs = count // 2
+    for k in range(pairs):
+        i = start + 2 * k
+        low = _encode(residual[i], divisor, block_scale, i, residual, value)
+        high = _encode(residual[i + 1], divisor, block_scale, i + 1, residual, value)
+        packed_out[i >> 1] = np.uint8(low | (high << _SHIFT))
+    if count & 1:  # an odd numel: the last byte holds one code
+        i = start + count - 1
+        packed_out[i >> 1] = np.uint8(_encode(residual[i], divisor, block_scale, i, residual, value))
+    s0 = s1 = 0.0
+    for k in range(pairs):
+        i = start + 2 * k
+        s0 += np.float64(value[i]) * np.float64(value[i])
+        s1 += np.float64(value[i + 1]) * np.float64(value[i + 1])
+    if count & 1:
+        i = start + count - 1
+        s0 += np.float64(value[i]) * np.float64(value[i])
+    return s0 + s1
 
 
-@_serialized
-@njit(parallel=True, cache=True)
+@njit(cache=True, inline="always")
+def _outer_step(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool, momentum: np.ndarray,
+                residual: np.ndarray, value: np.ndarray, block_size: int, scales_out: np.ndarray,
+                packed_out: np.ndarray) -> float:
+    numel = acc.shape[0]
+    f_scale, f_lr, f_mu = np.float32(scale), np.float32(lr), np.float32(mu)
+    total = 0.0
+    for b in range(scales_out.shape[0]):
+        start = b * block_size
+        if start + block_size <= numel:
+            total += _close_block(start, block_size, acc, f_scale, f_lr, f_mu, first, plain, momentum, residual,
+                                  value, scales_out, b, packed_out)
+        else:
+            total += _close_block(start, numel - start, acc, f_scale, f_lr, f_mu, first, plain, momentum, residual,
+                                  value, scales_out, b, packed_out)
+    return total
+
+
+@njit(cache=True)
+def _outer_step_block(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
+                      momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, scales_out: np.ndarray,
+                      packed_out: np.ndarray) -> float:
+    return _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, value, BLOCK, scales_out, packed_out)
+
+
+@njit(cache=True)
+def _outer_step_any(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
+                    momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, block_size: int,
+                    scales_out: np.ndarray, packed_out: np.ndarray) -> float:
+    return _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, value, block_size, scales_out,
+                       packed_out)
+
+
 def outer_step_int4(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
                     momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, block_size: int,
                     scales_out: np.ndarray, packed_out: np.ndarray) -> float:
@@ -162,54 +263,28 @@ def outer_step_int4(acc: np.ndarray, scale: float, lr: float, mu: float, first: 
     next round's norm bound is relative to it). Same float32 operations, in the same
     order, as ``NesterovSGD.update`` followed by the int4 codec and ``GlobalFragment.step``
     (``block_size`` even: a packed byte never straddles two blocks)."""
-    numel = acc.shape[0]
-    f_scale, f_lr, f_mu = np.float32(scale), np.float32(lr), np.float32(mu)
-    blocks = scales_out.shape[0]
-    value_squares = np.zeros(blocks, dtype=np.float64)
-    for b in prange(blocks):
-        start, end = b * block_size, min((b + 1) * block_size, numel)
-        absmax = np.float32(0.0)
-        for i in range(start, end):
-            update = _update(acc, i, f_scale, f_lr, f_mu, first, plain, momentum, residual)
-            residual[i] = update  # the update for now; the residual once the block is encoded
-            absmax = max(absmax, abs(update))
-        block_scale = absmax / np.float32(QMAX)
-        scales_out[b] = block_scale
-        divisor = block_scale if block_scale > 0 else np.float32(1.0)
-        pairs_end = start + (end - start) // 2 * 2
-        for i in range(start, pairs_end, 2):
-            low = _encode(residual[i], divisor, block_scale, i, residual, value)
-            high = _encode(residual[i + 1], divisor, block_scale, i + 1, residual, value)
-            packed_out[i >> 1] = np.uint8(low | (high << 4))
-        if pairs_end < end:  # an odd numel: the last byte holds one code
-            packed_out[pairs_end >> 1] = np.uint8(_encode(residual[pairs_end], divisor, block_scale, pairs_end,
-                                                          residual, value))
-        squares = 0.0
-        for i in range(start, end):
-            squares += np.float64(value[i]) * np.float64(value[i])
-        value_squares[b] = squares
-    total = 0.0
-    for b in range(blocks):
-        total += value_squares[b]
-    return total
+    if block_size == BLOCK:
+        return _outer_step_block(acc, scale, lr, mu, first, plain, momentum, residual, value, scales_out, packed_out)
+    return _outer_step_any(acc, scale, lr, mu, first, plain, momentum, residual, value, block_size, scales_out,
+                           packed_out)
 
 
 def compile_kernels() -> None:
-    """Compile every kernel now (or load it from numba's on-disk cache, and start its threads).
+    """Compile every kernel now (or load it from numba's on-disk cache).
 
     A synchronizer calls this before it serves: compiling on the first contribution instead
     stalls the first rounds for seconds, during which learners that never wait train ahead
     on anchors the synchronizer will call stale. The argument types are the fast path's own:
     payloads arrive as bytes, so their arrays are read-only, and numba compiles a read-only
-    array type separately.
+    array type separately. Both the specialized and the general entry points are compiled.
     """
-    block = 4
-    acc = np.zeros(2 * block, dtype=np.float32)
-    scales = np.frombuffer(np.ones(2, dtype=np.float32).tobytes(), dtype="<f4")
-    packed = np.frombuffer(bytes(block), dtype=np.uint8)
-    int4_stats(scales, packed, acc.shape[0], block)
-    int4_axpy(scales, packed, acc.shape[0], block, 1.0, acc)
-    norm_squared(acc, block)
-    state = [np.zeros_like(acc) for _ in range(3)]
-    outer_step_int4(acc, 1.0, 1.0, 0.9, True, False, *state, block, np.empty(2, dtype=np.float32),
-                    np.zeros(block, dtype=np.uint8))
+    for block in (BLOCK, 4):
+        acc = np.zeros(2 * block, dtype=np.float32)
+        scales = np.frombuffer(np.ones(2, dtype=np.float32).tobytes(), dtype="<f4")
+        packed = np.frombuffer(bytes(block), dtype=np.uint8)
+        int4_stats(scales, packed, acc.shape[0], block)
+        int4_axpy(scales, packed, acc.shape[0], block, 1.0, acc)
+        state = [np.zeros_like(acc) for _ in range(3)]
+        outer_step_int4(acc, 1.0, 1.0, 0.9, True, False, *state, block, np.empty(2, dtype=np.float32),
+                        np.zeros(block, dtype=np.uint8))
+    norm_squared(np.zeros(4, dtype=np.float32))

@@ -11,9 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 import numpy as np
+import torch
 
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import AbsmaxCodec, Codec
