@@ -19,12 +19,14 @@ def run_virtual(
     config: Config,
     *,
     workload: Workload | None = None,
+    device: torch.device | None = None,
     progress: ProgressFn | None = None,
     check_invariants: bool = True,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run ``config`` on the virtual cluster; return (summary, metrics rows)."""
+    """Run ``config`` on the virtual cluster (learners' models on ``device``, the workload's by
+    default); return (summary, metrics rows)."""
     if workload is None or workload.config.run.learners != config.run.learners:
-        workload = Workload.build(config)
+        workload = Workload.build(config, device or (workload.device if workload else None))
     else:
         workload = replace(workload, config=config)
     if config.train.threads:

@@ -11,6 +11,7 @@ from ddiloco.commands.options import add_cluster_options, config_from_args
 from ddiloco.config import MODES
 from ddiloco.experiment import run_virtual
 from ddiloco.reporting import plot_runs, prepare_out, write_run
+from ddiloco.workload.device import resolve_device
 from ddiloco.workload.workload import Workload
 
 
@@ -27,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     base = config_from_args(args)
+    device = resolve_device(args.device)
     out = prepare_out(args.out or "runs/compare")
-    workload = Workload.build(base)
+    workload = Workload.build(base, device)
     summaries, curves = [], {}
     for mode in MODES:
         config = replace(base, run=replace(base.run, mode=mode)).validate()

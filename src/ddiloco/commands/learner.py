@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ddiloco.commands.options import add_workload_options, config_from_args
+from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
 from ddiloco.config import Config, apply_section
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_token, parse_address
@@ -27,6 +27,7 @@ from ddiloco.core.messages import Join
 from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
 from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.workload.corpus import BatchSampler
+from ddiloco.workload.device import process_group_backend, resolve_device
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--index", type=int, metavar="N",
                         help="data shard (default: the id's trailing number, else assigned by the synchronizer)")
     add_workload_options(parser)
+    add_device_option(parser)
     parser.set_defaults(preset=None)
     for action in parser._actions:  # noqa: SLF001 - the shared option's help names another default
         if action.dest == "preset":
@@ -89,8 +91,13 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(args.device)
+    if device.type == "cuda" and device.index is None and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(process_group_backend(device))
     addresses = [parse_address(a.strip(), option="--connect") for a in args.connect.split(",") if a.strip()]
     if not addresses:
         raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT[,HOST:PORT...]")
@@ -114,11 +121,11 @@ def run(args: argparse.Namespace) -> int:
     index = int(box[1])
     if not 0 <= index < config.run.learners:
         raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
-    workload = Workload.build(config)
+    workload = Workload.build(config, device)
     model = workload.new_model()
     trained = model
     if world > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model)
+        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
     if rank == 0:
         sampler = workload.sampler(index)
@@ -130,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("the run is already finished")
         runtime.close(flush=False)
         return 0
-    log.info("training as learner %s (data shard %d of %d, %d parameters)", args.id, index, config.run.learners,
-             sum(p.numel() for p in model.parameters()))
+    log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
+             config.run.learners, sum(p.numel() for p in model.parameters()), device)
     steps, started = 0, time.perf_counter()
     try:
         while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddiloco.config import MODES, PRESETS, Config, build_config
+from ddiloco.workload.device import DEVICE_CHOICES
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +16,12 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
                         help="override one config value (repeatable), e.g. --set protocol.quorum=2")
     parser.add_argument("--seed", type=int, help="seed for weights, data order, jitter and failures")
     parser.add_argument("--corpus", metavar="DIR", help="train on this directory of text files")
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """Where learners train; not part of the run's configuration (mixed hardware joins one run)."""
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help=f"where learners train: {DEVICE_CHOICES} (default: auto, the first of cuda, mps, cpu)")
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True) -> None:
@@ -30,6 +37,7 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = Tr
     budget.add_argument("--tokens", type=int, metavar="N", help="budget: tokens over all learners (preset's by default)")
     budget.add_argument("--time", type=float, metavar="SECONDS", help="budget: virtual seconds instead of tokens")
     parser.add_argument("--out", metavar="DIR", help="output directory")
+    add_device_option(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

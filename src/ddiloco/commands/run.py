@@ -14,6 +14,7 @@ from ddiloco.commands.display import console, print_table, progress_bar, summary
 from ddiloco.commands.options import add_cluster_options, config_from_args
 from ddiloco.experiment import run_virtual
 from ddiloco.reporting import prepare_out, write_run
+from ddiloco.workload.device import resolve_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,14 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     with progress_bar(f"{config.run.mode} M={config.run.learners}") as progress:
         if args.runtime == "processes":
             from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
 
-            summary, rows = run_processes(config, out, progress)
+            summary, rows = run_processes(config, out, progress, device=str(device))
         else:
-            summary, rows = run_virtual(config, progress=progress)
+            summary, rows = run_virtual(config, device=device, progress=progress)
     write_run(out, config, summary, rows)
     print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")

@@ -188,7 +188,9 @@ class Send:
         return self.header.fragment
 
     def encode(self) -> Contribution:
-        return dataclasses.replace(self.header, payload=self.codec.encode(self.delta))
+        """Compress Δ on the host: a Δ taken on an accelerator is copied here, by the thread
+        that encodes (a real learner's sender thread, never its training loop)."""
+        return dataclasses.replace(self.header, payload=self.codec.encode(self.delta.cpu()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -242,7 +242,7 @@ class Learner:
             if values.numel() != self.plan.fragments[p].numel:
                 raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
             unflatten_into(values, self._tensors[p])
-            self._anchors[p] = values.clone()
+            self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
             self.versions[p] = frag.version
             self._counters[p] = _Counters(first_step=self.step + 1)
             self._seq[p] = 0
@@ -364,7 +364,7 @@ class Learner:
         if update.version != self.versions[p] + 1:
             return UpdateResult.GAP
         anchor = self._anchors[p]
-        anchor += self._downlink.decode(update.payload, anchor.numel())
+        anchor += self._downlink.decode(update.payload, anchor.numel()).to(anchor.device)
         self.versions[p] = update.version
         alpha = self.config.alpha
         local = flatten(self._tensors[p])

@@ -81,8 +81,9 @@ def run_processes(
     progress: ProgressFn | None = None,
     *,
     timeout_s: float | None = None,
+    device: str = "cpu",
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1.
+    """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1 (learners train on ``device``).
 
     Writes the children's logs to ``out/logs`` and the synchronizer's checkpoints to
     ``out/sync-state`` (``sync-state-<i>`` per shard when ``protocol.shards`` > 1: one
@@ -125,7 +126,8 @@ def run_processes(
         client = ShardedClient(addresses)
         for i in range(m):
             procs.start(f"learner-{i}", ["learner", "--connect", ",".join(addresses), "--id", f"learner-{i}",
-                                         "--threads", str(threads)], env={"OMP_NUM_THREADS": str(threads)})
+                                         "--threads", str(threads), "--device", device],
+                        env={"OMP_NUM_THREADS": str(threads)})
 
         def evaluate(status: dict[str, Any]) -> dict[str, Any]:
             state = client.fetch_state()

@@ -318,7 +318,11 @@ class LearnerRuntime:
         core, link = self.core, self.link
         if core is not None and link is not None:
             if flush and link.fatal is None:
-                self._drain_inbox(block=False)
+                # Updates that arrived after the last step are applied only without other ranks:
+                # they could not follow (the ranks' last exchange was that step), and all ranks
+                # must end with the same weights. The flush is measured from the anchors held.
+                if self.world == 1:
+                    self._drain_inbox(block=False)
                 with self._lock:
                     actions = core.close(time.monotonic())
                 link.dispatch(actions)
@@ -366,13 +370,16 @@ class LearnerRuntime:
     def _sync_ranks(self, changed: set[int]) -> set[int]:
         """Every rank takes rank 0's merged fragments (and stop / error flags)."""
         names = self._fragment_names
-        flags = torch.zeros(len(names) + 2, dtype=torch.int64)
+        # On the parameters' device: NCCL moves only tensors that live on a GPU.
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        flags = torch.zeros(len(names) + 2, dtype=torch.int64, device=device)
         if self.is_leader:
             flags[0] = int(self._leader_should_stop())
             flags[1] = int(self.link is not None and self.link.fatal is not None)
             for p in changed:
                 flags[2 + p] = 1
         dist.broadcast(flags, src=0)
+        flags = flags.cpu()
         self._stop_agreed = bool(flags[0])
         if flags[1] and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")

@@ -57,7 +57,7 @@ class VirtualCluster:
             embedding_names=reference.embedding_param_names(),
         )
         params = dict(reference.named_parameters())
-        initial = [flatten([params[n] for n in f.param_names]) for f in self.plan.fragments]
+        initial = [flatten([params[n] for n in f.param_names]).cpu() for f in self.plan.fragments]  # the synchronizer's
         embeds = [f.index for f in self.plan.fragments if f.is_embedding]
         run, cluster = config.run, config.cluster
         limits = RunLimits(

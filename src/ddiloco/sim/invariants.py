@@ -36,7 +36,7 @@ class InvariantViolation(AssertionError):
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha1(tensor.detach().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha1(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 class InvariantChecker:

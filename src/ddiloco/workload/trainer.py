@@ -55,7 +55,8 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.settings.lr * scale
         self.model.train()
-        loss = self.model(x, y)
+        device = next(self.model.parameters()).device
+        loss = self.model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

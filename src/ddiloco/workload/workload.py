@@ -27,9 +27,11 @@ class Workload:
     corpus: Corpus
     eval_set: list[tuple[torch.Tensor, torch.Tensor]]
     initial_state: dict[str, torch.Tensor]
+    device: torch.device = torch.device("cpu")
+    """Where models are trained and evaluated (``workload/device.py``); data is drawn on the CPU."""
 
     @classmethod
-    def build(cls, config: Config) -> "Workload":
+    def build(cls, config: Config, device: torch.device | None = None) -> "Workload":
         data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
         corpus = split_corpus(data, num_shards=config.run.learners, seq_len=config.model.seq_len)
         batches = eval_batches(
@@ -39,12 +41,14 @@ class Workload:
             max_batches=config.train.eval_batches,
         )
         model = build_model(config.model, config.run.seed)
-        return cls(config, corpus, batches, {k: v.clone() for k, v in model.state_dict().items()})
+        device = device or torch.device("cpu")
+        batches = [(x.to(device), y.to(device)) for x, y in batches]
+        return cls(config, corpus, batches, {k: v.clone() for k, v in model.state_dict().items()}, device)
 
     def new_model(self) -> ByteTransformer:
         model = ByteTransformer(self.config.model)
         model.load_state_dict(self.initial_state)
-        return model
+        return model.to(self.device)
 
     def new_trainer(self, model: torch.nn.Module) -> InnerTrainer:
         t = self.config.train
@@ -71,5 +75,5 @@ def weights_sha256(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
