@@ -2,7 +2,8 @@
 
 The virtual cluster (:mod:`ddiloco.experiment`) and the process launcher
 (:mod:`ddiloco.runtime.launcher`) both end in :func:`summarize` and :func:`write_run`, so
-a simulated run and a real one produce the same files with the same keys.
+a simulated run and a real one produce the same files with the same keys (and the same
+TensorBoard event file, :mod:`ddiloco.tb_log`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
+from ddiloco.tb_log import write_run_events
 
 ProgressFn = Callable[[float, dict[str, Any]], None]
 """Called with the run's progress in [0, 1] and the latest metrics row."""
@@ -43,6 +45,7 @@ def write_run(out: Path, config: Config, summary: dict[str, Any], rows: Sequence
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_run_events(out, rows)
     plot_runs(out / "plot.png", {summary["mode"]: rows}, title=f"{summary['mode']}, M={summary['learners']}")
 
 

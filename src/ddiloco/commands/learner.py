@@ -60,6 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--join-timeout", type=float, metavar="SECONDS",
                         help="give up if the synchronizer stays unreachable this long at start (default: never)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--tensorboard-dir", metavar="DIR",
+                        help="also write the progress lines as TensorBoard scalars into DIR (rank 0)")
     parser.set_defaults(func=run)
 
 
@@ -140,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
              config.run.learners, sum(p.numel() for p in model.parameters()), device)
     steps, started = 0, time.perf_counter()
+    events = None
+    if rank == 0 and args.tensorboard_dir:
+        from ddiloco.tb_log import EventLog
+
+        events = EventLog(args.tensorboard_dir)
     try:
         while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
             step_started = time.perf_counter()
@@ -154,8 +161,16 @@ def run(args: argparse.Namespace) -> int:
                 log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
                          "unreachable %d", steps, loss, runtime.versions, st.contributions_sent, st.updates_applied,
                          runtime.backlog, st.contributions_dropped, st.unreachable)
+                if events is not None:
+                    events.add(steps, {"train_loss": loss, "fragment_versions": runtime.versions,
+                                       "contributions_sent": st.contributions_sent,
+                                       "updates_applied": st.updates_applied, "backlog": runtime.backlog,
+                                       "contributions_dropped": st.contributions_dropped,
+                                       "unreachable": st.unreachable})
     finally:
         runtime.close()
+        if events is not None:
+            events.close()
     elapsed = time.perf_counter() - started
     if rank == 0:
         s = runtime.stats
