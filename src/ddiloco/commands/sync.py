@@ -13,10 +13,11 @@ from pathlib import Path
 
 from ddiloco.commands.options import add_workload_options, config_from_args
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import load_token, parse_address, require_token_beyond_loopback, server_credentials
+from ddiloco.runtime.auth import Address, load_token, parse_address, require_token_beyond_loopback, server_credentials
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.server import serve
 from ddiloco.runtime.service import ServiceOptions, SyncService
+from ddiloco.runtime.status_page import StatusPage
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 
@@ -54,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="serve your own model: initial weights from runtime.save_initial_state()")
     parser.add_argument("--port-file", metavar="FILE", help="write the port actually bound to FILE")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="expose Prometheus metrics on this port")
+    parser.add_argument("--http-port", type=int, metavar="PORT",
+                        help="serve a live status page on http://HOST:PORT/ (JSON at /api/status; 0 picks a free "
+                        "port); beyond loopback it needs the token")
     parser.add_argument("--exit-when-finished", action="store_true",
                         help="exit once the budget is spent and the last contributions are merged")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -89,9 +93,23 @@ def run(args: argparse.Namespace) -> int:
     service = SyncService(config, options, layout=layout)
     if args.metrics_port is not None:
         service.metrics.serve(args.metrics_port, host=listen.host if listen.is_loopback else "0.0.0.0")
-    asyncio.run(serve(service, listen, credentials=credentials,
-                      port_file=Path(args.port_file) if args.port_file else None,
-                      exit_when_finished=args.exit_when_finished))
+    page = None
+    if args.http_port is not None:  # bound now: a port in use fails before anything else runs
+        page = StatusPage(Address(listen.host if listen.is_loopback else "0.0.0.0", args.http_port), token)
+
+    async def main() -> None:
+        if page is not None:
+            page.attach_service(service, asyncio.get_running_loop())
+            page.start()
+        await serve(service, listen, credentials=credentials,
+                    port_file=Path(args.port_file) if args.port_file else None,
+                    exit_when_finished=args.exit_when_finished)
+
+    try:
+        asyncio.run(main())
+    finally:
+        if page is not None:
+            page.close()
     return 0
 
 

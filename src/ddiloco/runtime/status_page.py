@@ -1,0 +1,169 @@
+"""``ddiloco sync --http-port PORT``: a live status page (``/``) and its JSON (``/api/status``).
+
+The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.wire.status_to_dict`),
+plus a short in-memory history of fragment versions so the page can chart progress. It is
+served by the standard library's threaded HTTP server in a daemon thread, off the
+synchronizer's event loop: a slow browser can never stall a merge. Reading the status hops
+onto the event loop only for the same query the gRPC Status call makes. No protocol logic
+lives here.
+
+Token rule (same as the gRPC service): on a loopback bind nobody needs a token; beyond
+loopback every request must carry the run's token, as ``Authorization: Bearer TOKEN`` or
+``?token=TOKEN`` (the page passes its own ``?token=`` on to ``/api/status``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlsplit
+
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.auth import Address
+from ddiloco.runtime.wire import status_to_dict
+
+log = logging.getLogger("ddiloco.sync")
+
+HISTORY_LEN = 1800
+"""Samples kept for the chart (30 min at one a second): bounded memory for runs of any length."""
+SAMPLE_EVERY_S = 1.0
+FETCH_TIMEOUT_S = 5.0
+
+StatusFn = Callable[[], dict[str, Any]]
+
+
+def page_html() -> bytes:
+    """The single self-contained page (inline CSS and JS, nothing from the internet)."""
+    return resources.files("ddiloco.runtime").joinpath("static/status.html").read_bytes()
+
+
+class StatusPage:
+    """Bound at construction (so a port in use fails before the synchronizer starts), served by ``start``."""
+
+    def __init__(self, bind: Address, token: str | None) -> None:
+        if not 0 <= bind.port <= 65535:
+            raise ConfigError(f"--http-port {bind.port}: must be in 0..65535")
+        self.token = token if not bind.is_loopback else None
+        if not bind.is_loopback and token is None:
+            raise ConfigError(f"--http-port on {bind.host} is reachable beyond this machine: give a shared token "
+                              "with --token-file FILE (or $DDILOCO_TOKEN), or listen on 127.0.0.1")
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LEN)
+        self._lock = threading.Lock()
+        self._fetch: StatusFn | None = None
+        self._stop = threading.Event()
+        try:
+            self.httpd = ThreadingHTTPServer((bind.host, bind.port), _handler_for(self))
+        except OSError as err:
+            raise ConfigError(f"--http-port {bind.port}: cannot listen on {bind} ({err.strerror or err})") from None
+        self.httpd.daemon_threads = True
+        self.host = bind.host
+        self.port: int = self.httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/"
+
+    def attach(self, fetch: StatusFn) -> None:
+        """Give the page its source of status (until then it answers 503 "starting")."""
+        self._fetch = fetch
+
+    def attach_service(self, service: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Read ``service``'s status on its event ``loop`` — the same query the gRPC Status call makes."""
+        def fetch() -> dict[str, Any]:
+            future = asyncio.run_coroutine_threadsafe(service.status_reply(), loop)
+            return status_to_dict(future.result(FETCH_TIMEOUT_S))
+        self.attach(fetch)
+
+    def start(self) -> None:
+        threading.Thread(target=self.httpd.serve_forever, name="status-page", daemon=True).start()
+        threading.Thread(target=self._sample, name="status-history", daemon=True).start()
+        log.info("status page at %s", self.url)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def status(self) -> dict[str, Any] | None:
+        """The status dict plus ``history``; None while the synchronizer is not answering yet."""
+        fetch = self._fetch
+        if fetch is None:
+            return None
+        try:
+            status = fetch()
+        except Exception as err:  # starting, stopping, or a busy loop: the page just retries
+            log.debug("status page: no status (%s)", err)
+            return None
+        self._record(status)
+        with self._lock:
+            status["history"] = list(self.history)
+        return status
+
+    def _record(self, status: dict[str, Any]) -> None:
+        """Keep at most one sample per ``SAMPLE_EVERY_S``, however often browsers ask."""
+        sample = {"t": status["uptime"], "tokens": status["tokens"],
+                  "versions": {str(f["id"]): f["version"] for f in status["fragments"]}}
+        with self._lock:
+            if not self.history or sample["t"] - self.history[-1]["t"] >= SAMPLE_EVERY_S * 0.9:
+                self.history.append(sample)
+
+    def _sample(self) -> None:
+        """Sample even when nobody is watching, so an opened page shows the run so far."""
+        while not self._stop.wait(SAMPLE_EVERY_S):
+            self.status()
+
+    def authorized(self, headers: Any, query: str) -> bool:
+        if self.token is None:
+            return True
+        expected = self.token.encode()
+        header = headers.get("Authorization", "")
+        if header.startswith("Bearer ") and hmac.compare_digest(header[len("Bearer "):].encode(), expected):
+            return True
+        given = parse_qs(query).get("token", [""])[0]
+        return hmac.compare_digest(given.encode(), expected)
+
+
+def _handler_for(page: StatusPage) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "ddiloco-status"
+
+        def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+            parts = urlsplit(self.path)
+            if not page.authorized(self.headers, parts.query):
+                self._send(401, "text/plain; charset=utf-8",
+                           b"a token is required: Authorization: Bearer TOKEN or ?token=TOKEN\n",
+                           {"WWW-Authenticate": "Bearer"})
+            elif parts.path in ("/", "/index.html"):
+                self._send(200, "text/html; charset=utf-8", page_html())
+            elif parts.path == "/api/status":
+                status = page.status()
+                if status is None:
+                    self._send(503, "application/json", b'{"error": "synchronizer starting"}\n')
+                else:
+                    self._send(200, "application/json", json.dumps(status).encode())
+            else:
+                self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _send(self, code: int, ctype: str, body: bytes, extra: dict[str, str] | None = None) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            for key, value in (extra or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the http.server API)
+            log.debug("status page: " + format, *args)
+
+    return Handler
+
