@@ -34,7 +34,7 @@ class Mode(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProtocolConfig:
-    """Decoupled DiLoCo knobs (DESIGN.md section 2); names follow the paper's symbols."""
+    """Decoupled DiLoCo knobs (docs/concepts.md); names follow the paper's symbols."""
 
     fragments: int = 4
     """P: number of parameter fragments; the token embedding gets one of its own."""

@@ -33,16 +33,27 @@ INIT_STD = 0.02
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Sizes of a :class:`ByteTransformer`. Call :meth:`validate` (the model does)."""
+    """Sizes of the reference model, a byte-level :class:`ByteTransformer` (dense or mixture of experts).
 
-    seq_len: int = 128  # context length in bytes (size of the positional embedding)
-    d_model: int = 128  # width of the residual stream
-    n_layers: int = 4  # number of transformer blocks
-    n_heads: int = 4  # attention heads per block; must divide d_model
-    mlp_ratio: int = 4  # hidden width of each MLP (or expert) = mlp_ratio * d_model
-    n_experts: int = 0  # 0 = dense MLP; >= 2 = mixture of experts in every block
-    top_k: int = 2  # experts per token when n_experts >= 2 (ignored when dense)
-    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+    Call :meth:`validate` (the model does).
+    """
+
+    seq_len: int = 128
+    """Context length in bytes (size of the positional embedding)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide d_model."""
+    mlp_ratio: int = 4
+    """Hidden width of each MLP (or expert) = mlp_ratio · d_model."""
+    n_experts: int = 0
+    """0 = dense MLP; >= 2 = mixture of experts in every block."""
+    top_k: int = 2
+    """Experts per token when n_experts >= 2 (ignored when dense)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss in the training loss."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
