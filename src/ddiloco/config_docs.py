@@ -19,6 +19,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
+from ddiloco import config as config_module
 from ddiloco.config import PRESETS, Config
 from ddiloco.core.codecs import CODEC_NAMES
 from ddiloco.core.fragments import STRATEGIES
@@ -43,6 +44,9 @@ FLAGS: dict[str, str] = {
     "train.corpus": "--corpus",
 }
 """Keys that ``ddiloco run`` and ``compare`` also take as a flag (``commands/options.py``)."""
+
+MAIN_JOB: dict[str, dict[str, dict[str, Any]]] = getattr(config_module, "MAIN_JOB", {})
+"""What ``ddiloco run`` on the virtual cluster adds to each preset (failures, a slow learner), if anything."""
 
 VIRTUAL_ONLY = ("cluster", "faults")
 """Sections only the virtual cluster reads; real processes have real hardware and real failures."""
@@ -92,6 +96,14 @@ those, `run.time_s` is wall seconds.
 """
 
 
+_LAYER_3 = "3. a TOML file"
+_MAIN_JOB_LAYER = """\
+   `ddiloco run` on the virtual cluster adds failures and a slower learner to the preset
+   (*presets* column, "`ddiloco run` adds"); `ddiloco compare`, `--runtime processes` and
+   `ddiloco sync` do not. `--mtbf 0` and `--set cluster.slow_fraction=0` turn them off;
+"""
+
+
 def attribute_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal that follows its annotated assignment in ``cls``'s source."""
     module = inspect.getmodule(cls)
@@ -128,7 +140,7 @@ def render() -> str:
     missing = missing_descriptions()
     if missing:
         raise ValueError(f"config fields without a description: {', '.join(missing)}")
-    parts = [HEADER]
+    parts = [HEADER if not MAIN_JOB else HEADER.replace(_LAYER_3, _MAIN_JOB_LAYER + _LAYER_3)]
     for name, cls in sections():
         parts.append(_section(name, cls))
     return "\n".join(parts)
@@ -147,6 +159,10 @@ def _section(name: str, cls: type) -> str:
             meaning += f" One of: {', '.join(CHOICES[key])}."
         preset_values = ", ".join(f"{p}: {_value(v[name][f.name])}" for p, v in PRESETS.items()
                                   if f.name in v.get(name, {}))
+        main_job = ", ".join(f"{p}: {_value(v[name][f.name])}" for p, v in MAIN_JOB.items()
+                             if f.name in v.get(name, {}))
+        if main_job:
+            preset_values = "; ".join(filter(None, (preset_values, f"`ddiloco run` adds {main_job}")))
         cells = [f"`{f.name}`", _type_name(f.type), _value(_default(f)), preset_values, FLAGS.get(key, ""), meaning]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
