@@ -283,7 +283,7 @@ def main() -> None:
     params = int(args.params or (20e6 if args.quick else 100e6))
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     if params < P or seconds <= 0:
-        parser.error("--params must be at least 24 and --seconds positive")
+        raise SystemExit("bench_sync_scale: error: --params must be at least 24 and --seconds positive")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -130,7 +130,8 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
         merged = ref.accumulator.merged()
         ref.accumulator.clear()
         ref_payload = ref.step(merged, outer, FAST, plain=plain)
-        payload = fast.close(outer, FAST, plain=plain)
+        payload, coherence = fast.close(outer, FAST, plain=plain)
+        assert 0.0 < coherence <= 1.0 + 1e-6
         # The learner's reconstruction: previous value + decode(payload), bit for bit.
         assert torch.equal(fast.value, before + FAST.decode(payload, numel))
         # Same arithmetic as the reference up to float32 rounding: a value that lands on a
@@ -188,3 +189,37 @@ def test_compiling_up_front_covers_the_types_a_round_uses():
     fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload, math.inf))
     fragment.close(NesterovSGD(lr=0.7, momentum=0.9), FAST, plain=False)
     assert [len(k.signatures) for k in compiled] == before
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_coherence_is_one_for_aligned_and_one_over_root_m_for_orthogonal_gradients(rda: bool) -> None:
+    """The round's coherence measures how much a plain average would shrink the step."""
+    numel, m = 4096, 4
+    aligned = RoundAccumulator(numel, FAST, rda=rda)
+    orthogonal = RoundAccumulator(numel, FAST, rda=rda)
+    direction = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    for k in range(m):
+        same = FAST.encode(direction * (0.01 * (k + 1)))
+        aligned.add(k, same, 1.0, aligned.measure(same, math.inf))
+        disjoint = torch.zeros(numel)  # disjoint supports: exactly orthogonal, equal norms
+        disjoint[k * numel // m:(k + 1) * numel // m] = direction[:numel // m]
+        payload = FAST.encode(disjoint * 0.01)
+        orthogonal.add(k, payload, 1.0, orthogonal.measure(payload, math.inf))
+    assert aligned.accumulated().coherence == pytest.approx(1.0, abs=1e-4)
+    assert orthogonal.accumulated().coherence == pytest.approx(1 / math.sqrt(m), rel=1e-3)
+
+
+def test_mean_coherence_is_the_merged_norm_over_the_mean_norm() -> None:
+    numel = 2048
+    g = torch.Generator().manual_seed(5)
+    acc = RoundAccumulator(numel, FAST, rda=False)
+    deltas, weights = [], [3.0, 1.0, 2.0]
+    for k, w in enumerate(weights):
+        payload = FAST.encode(torch.randn(numel, generator=g) * 0.02 + 0.01)
+        deltas.append(FAST.decode(payload, numel))
+        acc.add(k, payload, w, acc.measure(payload, math.inf))
+    w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    merged = merge_mean(deltas, w)
+    mean_norm = sum(wi * float(torch.linalg.vector_norm(d.double())) for wi, d in zip(w.tolist(), deltas))
+    assert acc.accumulated().coherence == pytest.approx(float(torch.linalg.vector_norm(merged.double())) / mean_norm,
+                                                         rel=1e-4)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +33,20 @@ class _Entry:
     payload: bytes
     weight: float
     norm: float
+
+
+class Accumulated(NamedTuple):
+    """A round's sum, ready for the outer step."""
+
+    acc: np.ndarray
+    """The float32 accumulator (Σ w_m·Δ_m/‖Δ_m‖ for RDA, Σ w_m·Δ_m for the mean)."""
+    factor: float
+    """What turns ``acc`` into the merged Δ."""
+    coherence: float
+    """‖Σ w_m·x_m‖ / Σ w_m·‖x_m‖ over the summed vectors x_m (unit directions for RDA, the Δ_m
+    for the mean): 1 when the learners' outer gradients point the same way, about 1/√M when
+    they are orthogonal. For the mean rule it is also the merged Δ's norm over the learners'
+    weighted mean norm, the shrinkage RDA exists to undo (RDA's ratio is 1 by construction)."""
 
 
 class RoundAccumulator:
@@ -106,24 +120,25 @@ class RoundAccumulator:
 
     # ---- the round's close -----------------------------------------------------------------
 
-    def accumulated(self) -> tuple[np.ndarray, float]:
-        """(the float32 accumulator, the factor that turns it into the merged Δ).
+    def accumulated(self) -> Accumulated:
+        """The sum, its factor (Σw‖Δ‖ / ‖acc‖ for RDA, 1 / Σw for the mean) and its coherence.
 
-        The factor is Σw‖Δ‖ / ‖acc‖ for RDA (magnitude over direction), 1 / Σw for the mean;
-        0 when the directions cancel or nothing has weight.
+        The factor is 0 when the directions cancel or nothing has weight.
         """
         acc = self._acc
         if not self._entries or self._sum_w <= 0:
-            return acc, 0.0
+            return Accumulated(acc, 0.0, 0.0)
+        summed_norms = self._sum_w if self.rda else self._sum_w_norm  # Σ w_m‖x_m‖
+        length = math.sqrt(norm_squared(acc))
+        coherence = length / summed_norms if summed_norms > EPS else 0.0
         if not self.rda:
-            return acc, 1.0 / self._sum_w
-        direction = math.sqrt(norm_squared(acc))
-        if direction / self._sum_w <= EPS:
-            return acc, 0.0
-        return acc, (self._sum_w_norm / self._sum_w) / direction
+            return Accumulated(acc, 1.0 / self._sum_w, coherence)
+        if length / self._sum_w <= EPS:
+            return Accumulated(acc, 0.0, coherence)
+        return Accumulated(acc, (self._sum_w_norm / self._sum_w) / length, coherence)
 
     def merged(self) -> torch.Tensor:
-        acc, factor = self.accumulated()
+        acc, factor, _ = self.accumulated()
         return torch.from_numpy(acc * np.float32(factor))
 
     def clear(self, *, zeroed: bool = False) -> None:

@@ -129,6 +129,8 @@ class RoundClosed:
     incarnation: int = 0
     alive: int = 0
     """Live learners when the round's quorum was decided (at close for all-live and strict rounds)."""
+    coherence: float = 1.0
+    """How aligned the merged outer gradients were (``accumulate.Accumulated.coherence``)."""
 
     @property
     def tokens(self) -> int:

@@ -125,20 +125,21 @@ class GlobalFragment:
             self._value_norm = float(torch.linalg.vector_norm(self.value))
         return self._value_norm
 
-    def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
-        """Merge the round, apply the outer step to Θ, return the compressed update.
+    def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
+        """Merge the round, apply the outer step to Θ, return the compressed update and the
+        round's coherence (:class:`~ddiloco.core.accumulate.Accumulated`).
 
         ``plain``: a step of −lr·Δ without momentum — the last merge of a run has no later
         step for Nesterov's look-ahead to pay off in. With an int4 downlink this is one
         compiled pass over the fragment (``kernels.outer_step_int4``); otherwise the merged Δ
         goes through :meth:`step`.
         """
-        acc, factor = self.accumulator.accumulated()
+        acc, factor, coherence = self.accumulator.accumulated()
         self._value_norm = None
         if not (isinstance(downlink, AbsmaxCodec) and downlink.bits == 4 and downlink.block_size % 2 == 0):
             merged = torch.from_numpy(acc * np.float32(factor))
             self.accumulator.clear()
-            return self.step(merged, outer, downlink, plain=plain)
+            return self.step(merged, outer, downlink, plain=plain), coherence
         first = self.momentum is None
         if first:
             self.momentum = torch.zeros_like(self.value)
@@ -155,7 +156,7 @@ class GlobalFragment:
         if first and plain:
             self.momentum = None
         self.version += 1
-        return scales.astype("<f4", copy=False).tobytes() + packed.tobytes()
+        return scales.astype("<f4", copy=False).tobytes() + packed.tobytes(), coherence
 
     def step(self, merged: torch.Tensor, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> bytes:
         """The reference outer step: Θ ← Θ + decode(encode(update + residual)), error feedback kept."""

@@ -408,7 +408,7 @@ class Synchronizer:
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         first_fresh = rnd.first_fresh_arrival_s(frag.version)
         round_age_s = 0.0 if first_fresh is None else now - first_fresh
-        payload = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
+        payload, coherence = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
             fragment=index,
@@ -426,6 +426,7 @@ class Synchronizer:
             closed_at_s=now,
             incarnation=self.incarnation,
             alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.alive()),
+            coherence=coherence,
         )
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:

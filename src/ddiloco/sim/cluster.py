@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -93,6 +94,8 @@ class VirtualCluster:
         self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed,
                                     shards=protocol.shards)
         self.injected: Counter[str] = Counter()
+        self.coherence: list[tuple[int, float]] = []
+        """(contributions, coherence) of every round that merged two or more (``RoundClosed.coherence``)."""
         self.limit_s = 2 * recorder.horizon_s() + 100.0
         """Virtual time after which a run that has not finished is given up (a liveness failure)."""
         self.tokens = 0
@@ -240,6 +243,8 @@ class VirtualCluster:
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         if self.checker:
             self.checker.on_round(record, value)
+        if len(record.merged) >= 2:
+            self.coherence.append((len(record.merged), record.coherence))
         share = self._share[record.fragment]
         for mc in record.merged:
             node = self._by_name[mc.learner_id]
@@ -285,4 +290,12 @@ class VirtualCluster:
             "steps_per_learner": [self.recorder.accounting.steps(m) for m in range(len(self.learners))],
             "finished": self.finished,
             "faults": {**{str(k): v for k, v in self.network.injected.items()}, **self.injected},
+            "merge_coherence": _mean(c for _, c in self.coherence),
+            "merge_width": _mean(n for n, _ in self.coherence),
         }
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    """Mean rounded for a summary; None for nothing (no round merged two contributions)."""
+    values = list(values)
+    return round(sum(values) / len(values), 4) if values else None
