@@ -14,7 +14,7 @@ from typing import NoReturn, Sequence
 
 from ddiloco.errors import DdilocoError
 
-COMMAND_MODULES = ("run", "compare", "simtest", "goodput", "bandwidth", "sync", "learner", "status")
+COMMAND_MODULES = ("run", "compare", "simtest", "goodput", "bandwidth", "sync", "learner", "status", "chaos")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -5,16 +5,22 @@ M ``ddiloco learner`` processes with the run's configuration, watches the synchr
 status, evaluates the global model at the same points of the token budget as the virtual
 cluster does, and returns the same summary and metrics rows. The learners take the
 synchronizer's configuration, so the model, initial weights, data shards and data order
-are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seconds).
+are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seconds). Each
+synchronizer serves its status page (``--http-port``) and the launcher prints its address.
+
+The pieces (the process table, the command lines, the evaluator of the global model) are
+public: ``ddiloco chaos`` (:mod:`ddiloco.chaos.runner`) runs the same processes and breaks them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +39,13 @@ POLL_S = 0.25
 START_TIMEOUT_S = 120.0
 
 
-class _Processes:
-    """The children of one run; every one of them is terminated on exit, whatever happens."""
+class Processes:
+    """The children of one run; every one of them is killed on close, whatever happens.
+
+    A name may be started again once its process has exited (a restart after a crash):
+    its log file is appended to, so one file tells a learner's or synchronizer's whole story.
+    ``ddiloco chaos`` kills, stops and restarts children through this table.
+    """
 
     def __init__(self, logs: Path) -> None:
         self.logs = logs
@@ -42,12 +53,29 @@ class _Processes:
         self._files: list[Any] = []
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        previous = self.children.get(name)
+        if previous is not None and previous.poll() is None:
+            raise DdilocoError(f"{name} is still running (pid {previous.pid}): cannot start it again")
         log = open(self.logs / f"{name}.log", "ab")
         self._files.append(log)
         proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})})
         self.children[name] = proc
         return proc
+
+    def running(self, name: str) -> bool:
+        proc = self.children.get(name)
+        return proc is not None and proc.poll() is None
+
+    def signal(self, name: str, sig: signal.Signals) -> bool:
+        """Send ``sig`` to ``name`` if it is running; SIGKILL also reaps it. Returns whether it was sent."""
+        proc = self.children.get(name)
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(sig)
+        if sig is signal.SIGKILL:
+            proc.wait()
+        return True
 
     def tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -69,10 +97,100 @@ class _Processes:
     def close(self) -> None:
         for proc in self.children.values():
             if proc.poll() is None:
-                proc.kill()
+                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
                 proc.wait()
         for f in self._files:
             f.close()
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where one local run keeps its configuration, logs, port files and checkpoints."""
+
+    out: Path
+    logs: Path
+    config_file: Path
+    port_files: list[Path]
+    state_dirs: list[Path]
+
+    @property
+    def sync_names(self) -> list[str]:
+        """``sync``, or ``sync-<i>`` per shard: the children's and the logs' names."""
+        return [f"sync{_shard_suffix(i, len(self.port_files))}" for i in range(len(self.port_files))]
+
+
+def _shard_suffix(i: int, shards: int) -> str:
+    return "" if shards == 1 else f"-{i}"
+
+
+def prepare_files(config: Config, out: Path) -> RunFiles:
+    """Create ``out`` and ``out/logs``, write the configuration; forget the ports and checkpoints of a previous run."""
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    config_file = out / "runtime-config.toml"
+    write_config(config_file, config)
+    shards = config.protocol.shards
+    files = RunFiles(out, logs, config_file,
+                     [out / f"sync{_shard_suffix(i, shards)}.port" for i in range(shards)],
+                     [out / f"sync-state{_shard_suffix(i, shards)}" for i in range(shards)])
+    for port_file, state_dir in zip(files.port_files, files.state_dirs):
+        port_file.unlink(missing_ok=True)
+        (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
+    return files
+
+
+def sync_command(files: RunFiles, shard: int, *, port: int = 0, http_port: int | None = None,
+                 resume: bool = False) -> list[str]:
+    """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
+    shards = len(files.port_files)
+    return ["sync", "--config", str(files.config_file), "--listen", f"127.0.0.1:{port}",
+            *([] if shards == 1 else ["--shard", f"{shard}/{shards}"]),
+            "--port-file", str(files.port_files[shard]), "--state-dir", str(files.state_dirs[shard]),
+            *([] if http_port is None else ["--http-port", str(http_port)]),
+            *(["--resume"] if resume else [])]
+
+
+def learner_command(addresses: list[str], learner_id: str, threads: int, device: str) -> list[str]:
+    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order)."""
+    return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
+            "--device", device]
+
+
+def learner_threads(learners: int) -> int:
+    """Torch threads per learner: the cores shared by the learners and the synchronizer."""
+    return max(1, (os.cpu_count() or 1) // (learners + 1))
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (for the status page, whose port must survive restarts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def announce(text: str) -> None:
+    """One line for the user on stderr (above a progress bar, which redirects it)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class GlobalEvaluator:
+    """Evaluates the synchronizer's current global model on the workload's held-out data."""
+
+    def __init__(self, config: Config, client: ShardedClient) -> None:
+        self.workload = Workload.build(config)
+        self.model = self.workload.new_model()
+        self.plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
+        self.client = client
+
+    def evaluate(self) -> tuple[float, list[int]]:
+        """(eval loss, fragment versions) of the global model as the synchronizer holds it now."""
+        state = self.client.fetch_state()
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f in self.plan.fragments:
+                unflatten_into(state.fragments[f.index].values, [params[n] for n in f.param_names])
+        return self.workload.evaluate(self.model), [f.version for f in state.fragments]
 
 
 def run_processes(
@@ -92,58 +210,37 @@ def run_processes(
     if config.run.mode not in ("decoupled", "diloco"):
         raise DdilocoError(f"--runtime processes runs modes decoupled and diloco, not {config.run.mode!r} "
                            "(data-parallel baselines run on the virtual cluster)")
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    config_file = out / "runtime-config.toml"
-    write_config(config_file, config)
-    shards = config.protocol.shards
-    suffix = (lambda i: "") if shards == 1 else (lambda i: f"-{i}")
-    port_files = [out / f"sync{suffix(i)}.port" for i in range(shards)]
-    state_dirs = [out / f"sync-state{suffix(i)}" for i in range(shards)]
-    for port_file, state_dir in zip(port_files, state_dirs):
-        port_file.unlink(missing_ok=True)
-        (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
-
-    workload = Workload.build(config)
-    protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
-    plan = reference_layout(config, protocol).plan
-    eval_model = workload.new_model()
+    files = prepare_files(config, out)
     m = config.run.learners
-    threads = max(1, (os.cpu_count() or 1) // (m + 1))
+    threads = learner_threads(m)
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    procs = _Processes(logs)
+    procs = Processes(files.logs)
     client: ShardedClient | None = None
-    syncs = [f"sync{suffix(i)}" for i in range(shards)]
+    syncs = files.sync_names
     try:
         for i, name in enumerate(syncs):
-            shard = [] if shards == 1 else ["--shard", f"{i}/{shards}"]
-            procs.start(name, ["sync", "--config", str(config_file), "--listen", "127.0.0.1:0", *shard,
-                               "--port-file", str(port_files[i]), "--state-dir", str(state_dirs[i])],
-                        env={"OMP_NUM_THREADS": "1"})
-        addresses = [f"127.0.0.1:{_wait_for_port(pf, procs, name)}" for pf, name in zip(port_files, syncs)]
+            http_port = free_port()
+            procs.start(name, sync_command(files, i, http_port=http_port), env={"OMP_NUM_THREADS": "1"})
+            announce(f"{name}: status page at http://127.0.0.1:{http_port}/")
+        addresses = [f"127.0.0.1:{wait_for_port(pf, procs, name)}" for pf, name in zip(files.port_files, syncs)]
         client = ShardedClient(addresses)
+        evaluator = GlobalEvaluator(config, client)
         for i in range(m):
-            procs.start(f"learner-{i}", ["learner", "--connect", ",".join(addresses), "--id", f"learner-{i}",
-                                         "--threads", str(threads), "--device", device],
+            procs.start(f"learner-{i}", learner_command(addresses, f"learner-{i}", threads, device),
                         env={"OMP_NUM_THREADS": str(threads)})
 
         def evaluate(status: dict[str, Any]) -> dict[str, Any]:
-            state = client.fetch_state()
-            params = dict(eval_model.named_parameters())
-            with torch.no_grad():
-                for f in plan.fragments:
-                    unflatten_into(state.fragments[f.index].values, [params[n] for n in f.param_names])
+            eval_loss, versions = evaluator.evaluate()
             row = {
                 "virtual_time_s": round(time.monotonic() - started, 3),
                 "tokens": status["tokens"],
-                "eval_loss": workload.evaluate(eval_model),
+                "eval_loss": eval_loss,
                 "goodput": status["goodput"],
                 "uptime": status["model_uptime"],
                 "bytes_up": status["bytes_up"],
                 "bytes_down": status["bytes_down"],
-                "fragment_versions": [f.version for f in state.fragments],
+                "fragment_versions": versions,
                 "alive": sum(1 for lr in status["learners"] if lr["alive"]),
             }
             rows.append(row)
@@ -156,8 +253,8 @@ def run_processes(
         evals_done = 1
         while True:
             if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {logs})")
-            dead = next((name for name in syncs if procs.children[name].poll() is not None), None)
+                raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {files.logs})")
+            dead = next((name for name in syncs if not procs.running(name)), None)
             if dead is not None:
                 raise DdilocoError(f"the synchronizer {dead} exited with code {procs.children[dead].returncode}:\n"
                                    + procs.tail(dead))
@@ -199,7 +296,7 @@ def run_processes(
         final,
         wall_s=wall,
         runtime="processes",
-        weights_sha256=weights_sha256(eval_model),
+        weights_sha256=weights_sha256(evaluator.model),
         fragment_versions=final["fragment_versions"],
         rounds_closed=status["quorum"]["rounds_closed"],
         rejections=status["rejections"],
@@ -214,7 +311,8 @@ def _fraction(config: Config, status: dict[str, Any], elapsed_s: float) -> float
     return min(1.0, status["tokens"] / max(1, config.run.tokens))
 
 
-def _wait_for_port(port_file: Path, procs: _Processes, name: str) -> int:
+def wait_for_port(port_file: Path, procs: Processes, name: str) -> int:
+    """The port the synchronizer ``name`` bound, once it has written ``port_file``; fails if it exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists():

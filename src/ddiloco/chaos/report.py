@@ -1,0 +1,246 @@
+"""What a chaos run showed: chaos.json, the properties it must hold, a table and a timeline plot."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ddiloco.chaos.runner import ChaosOutcome, Sample
+from ddiloco.chaos.schedule import SYNC_TARGET, FaultKind, learner_name
+from ddiloco.config import Config
+
+JOINED = re.compile(r"learner (\S+) joined \(")
+"""The synchronizer's log line for every registration (first joins and rejoins, every incarnation)."""
+
+KIND_COLORS = {
+    FaultKind.KILL: "#d62728", FaultKind.FREEZE: "#1f77b4", FaultKind.SYNC_KILL: "#000000",
+    FaultKind.LATENCY: "#ff7f0e", FaultKind.BANDWIDTH: "#9467bd", FaultKind.RESET: "#8c564b",
+    FaultKind.PARTITION: "#e377c2",
+}
+
+
+def by_incarnation(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive samples of one synchronizer process each."""
+    groups: list[list[Sample]] = []
+    for s in samples:
+        if not groups or groups[-1][-1].instance_id != s.instance_id:
+            groups.append([])
+        groups[-1].append(s)
+    return groups
+
+
+def rejections(samples: list[Sample]) -> dict[str, int]:
+    """Rejections per reason over the run.
+
+    The last incarnation's counters include what its checkpoint restored; what an earlier
+    incarnation counted after its last checkpoint is what its last sample shows above the
+    next incarnation's first (rejections between the last poll and a kill are missed).
+    """
+    groups = by_incarnation(samples)
+    total: collections.Counter = collections.Counter(groups[-1][-1].rejections if groups else {})
+    for killed, resumed in zip(groups, groups[1:]):
+        for reason, count in killed[-1].rejections.items():
+            total[reason] += max(0, count - resumed[0].rejections.get(reason, 0))
+    return {reason: n for reason, n in sorted(total.items()) if n}
+
+
+def rejoins(sync_log: Path) -> int:
+    """Registrations beyond each learner's first: after a kill, a freeze, a partition or a new incarnation."""
+    try:
+        joined = JOINED.findall(sync_log.read_text(errors="replace"))
+    except OSError:
+        return 0
+    return len(joined) - len(set(joined))
+
+
+def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed: int,
+                 baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """chaos.json: the counts, the pause against its bound, the model against the undisturbed run."""
+    injected = collections.Counter(str(r.fault.kind) for r in outcome.records
+                                   if r.started_s is not None and not r.skipped)
+    running = [s for s in outcome.samples if s.phase == "running"]
+    left_down = {r.fault.target for r in outcome.records
+                 if r.fault.kind is FaultKind.KILL and not r.fault.restart and r.started_s is not None}
+    alive_at_end = sum(1 for i in range(config.run.learners)
+                       if running and running[-1].alive.get(learner_name(i), False))
+    longest = max([max(s.longest_pause_s for s in g) for g in by_incarnation(outcome.samples)]
+                  + outcome.restart_pauses_s, default=0.0)
+    grace_s = max((s.grace_window_s for s in running), default=0.0)
+    status = outcome.final_status
+    report: dict[str, Any] = {
+        "faults": {str(k): injected.get(str(k), 0) for k in FaultKind},
+        "longest_pause_s": round(longest, 3),
+        "pause_bound_s": round(grace_s + config.protocol.lease_s, 3),
+        "grace_window_s": round(grace_s, 3),
+        "lease_s": config.protocol.lease_s,
+        "sync_downtime_s": round(sum(up - down for down, up in outcome.sync_down), 3),
+        "sync_restarts": [{"killed_at_s": round(down, 2), "answering_at_s": round(up, 2),
+                           "first_merge_after_s": round(outcome.restart_pauses_s[i], 2)
+                           if i < len(outcome.restart_pauses_s) else None}
+                          for i, (down, up) in enumerate(outcome.sync_down)],
+        "rejoins": rejoins(outcome.sync_log),
+        "learners_alive_at_end": alive_at_end,
+        "learners_expected_at_end": config.run.learners - len(left_down),
+        "learners": config.run.learners,
+        "rejected": rejections(outcome.samples),
+        "goodput": status.get("goodput"),
+        "uptime": status.get("model_uptime"),
+        "eval_loss": outcome.eval_loss,
+        "baseline_eval_loss": baseline["eval_loss"] if baseline else None,
+        "tokens": status.get("tokens"),
+        "baseline_tokens": baseline["tokens"] if baseline else None,
+        "fragment_versions": [f["version"] for f in status.get("fragments", [])],
+        "completed": outcome.completed,
+        "seed": seed,
+        "fault_window_s": window_s,
+        "run_budget_s": config.run.time_s,
+        "wall_s": round(outcome.wall_s, 1),
+        "connections_reset": outcome.connections_reset,
+        "proxy_bytes": outcome.proxy_bytes,
+        "schedule": [{**r.fault.to_dict(),
+                      "started_s": None if r.started_s is None else round(r.started_s, 2),
+                      "ended_s": None if r.ended_s is None else round(r.ended_s, 2),
+                      **({"skipped": r.skipped} if r.skipped else {})} for r in outcome.records],
+    }
+    report["violations"] = violations(report, outcome.failure)
+    return report
+
+
+def violations(report: dict[str, Any], failure: str) -> list[str]:
+    """The properties a chaos run must hold, each broken one named in one line."""
+    found = []
+    if not report["completed"]:
+        found.append(f"the run did not complete: {failure.splitlines()[0] if failure else 'not finished'}")
+    if report["learners_alive_at_end"] < report["learners_expected_at_end"]:
+        found.append(f"learners alive at the end: {report['learners_alive_at_end']} of "
+                     f"{report['learners_expected_at_end']} expected")
+    if report["longest_pause_s"] > report["pause_bound_s"]:
+        found.append(f"longest pause without a merge {report['longest_pause_s']:.2f}s exceeds the bound "
+                     f"{report['pause_bound_s']:.2f}s (grace window + lease)")
+    return found
+
+
+def write_report(out: Path, report: dict[str, Any]) -> Path:
+    path = out / "chaos.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def report_table(report: dict[str, Any], title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    faults = ", ".join(f"{k} {v}" for k, v in report["faults"].items())
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = [
+        ("faults injected", faults),
+        ("longest pause without a merge", f"{report['longest_pause_s']:.2f} s"),
+        ("pause bound (grace window + lease)", f"{report['pause_bound_s']:.2f} s"),
+        ("synchronizer downtime", f"{report['sync_downtime_s']:.1f} s"),
+        ("rejoins", str(report["rejoins"])),
+        ("learners alive at the end", f"{report['learners_alive_at_end']} of {report['learners']}"),
+        ("rejected", ", ".join(f"{k} {v}" for k, v in report["rejected"].items()) or "none"),
+        ("goodput / model uptime", f"{num(report['goodput'], '.1%')} / {num(report['uptime'], '.1%')}"),
+        ("tokens (baseline)", f"{num(report['tokens'], ',')} ({num(report['baseline_tokens'], ',')})"),
+        ("eval loss (baseline)", f"{num(report['eval_loss'], '.4f')} ({num(report['baseline_eval_loss'], '.4f')})"),
+        ("verdict", "ok" if not report["violations"] else "; ".join(report["violations"])),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: str) -> None:
+    """Fragment versions over time with every fault marked; below, each learner's state and the synchronizer's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    samples = [s for s in outcome.samples if s.t_s >= 0]
+    end_s = max([s.t_s for s in samples] + [0.0])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [2.2, 1.0 + 0.25 * learners]})
+    fragments = len(samples[0].versions) if samples else 0
+    for p in range(fragments):
+        top.plot([s.t_s for s in samples], [s.versions[p] for s in samples], lw=1.2, label=f"fragment {p}")
+    for down, up in outcome.sync_down:
+        top.axvspan(down, up, color="0.85", zorder=0)
+    used = set()
+    last_label_s, lift = -1e9, 0
+    for r in outcome.records:
+        if r.started_s is None or r.skipped:
+            continue
+        color = KIND_COLORS[r.fault.kind]
+        stop = r.ended_s if r.ended_s is not None else end_s
+        top.axvline(r.started_s, color=color, lw=1.0, ls="--")
+        top.axvspan(r.started_s, max(stop, r.started_s + 0.2), color=color, alpha=0.08, lw=0)
+        lift = lift + 1 if r.started_s - last_label_s < 0.03 * max(end_s, 1.0) else 0  # stack labels that collide
+        last_label_s = r.started_s
+        top.text(r.started_s, 1.01 + 0.07 * (lift % 3), f"{r.fault.kind} {r.fault.target}",
+                 transform=top.get_xaxis_transform(), fontsize=7, color=color, ha="left", va="bottom")
+        used.add(r.fault.kind)
+    top.set_ylabel("fragment version")
+    handles, _ = top.get_legend_handles_labels()
+    handles += [Patch(color=KIND_COLORS[k], label=str(k)) for k in FaultKind if k in used]
+    handles.append(Patch(color="0.85", label="synchronizer down"))
+    top.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    top.set_title(title, pad=30, fontsize=10)
+
+    rows = [learner_name(i) for i in range(learners)] + [SYNC_TARGET]
+    for y, name in enumerate(rows):
+        if name == SYNC_TARGET:
+            spans = [(down, up - down) for down, up in outcome.sync_down]
+            bottom.broken_barh([(0, end_s)], (y - 0.3, 0.6), color="#2ca02c", alpha=0.6)
+            bottom.broken_barh(spans, (y - 0.3, 0.6), color="0.3")
+            continue
+        alive_spans = _spans([(s.t_s, s.alive.get(name, False)) for s in samples])
+        bottom.broken_barh(alive_spans, (y - 0.3, 0.6), color="#2ca02c", alpha=0.6)
+        for r in outcome.records:
+            if r.fault.target == name and r.started_s is not None and not r.skipped:
+                stop = r.ended_s if r.ended_s is not None else end_s
+                bottom.broken_barh([(r.started_s, max(0.3, stop - r.started_s))], (y - 0.14, 0.28),
+                                   color=KIND_COLORS[r.fault.kind])
+    for down, up in outcome.sync_down:  # nobody can say who is alive while the synchronizer is down
+        bottom.axvspan(down, up, color="0.9", zorder=0)
+    bottom.set_yticks(range(len(rows)), rows, fontsize=8)
+    bottom.set_ylim(-0.6, len(rows) - 0.4)
+    bottom.invert_yaxis()
+    bottom.set_xlabel("seconds after the first join")
+    bottom.legend(handles=[Patch(color="#2ca02c", alpha=0.6, label="alive (status)"),
+                           Patch(color="0.3", label="synchronizer down"),
+                           Patch(color="0.9", label="not observed")], fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _spans(points: list[tuple[float, bool]], gap_s: float = 1.0) -> list[tuple[float, float]]:
+    """(start, width) of the stretches where the flag held, from samples in time order.
+
+    A stretch ends at its last sample when the next one is more than ``gap_s`` later (the
+    synchronizer was down: nothing was observed in between).
+    """
+    spans: list[tuple[float, float]] = []
+    since: float | None = None
+    previous = None
+    for t, flag in points:
+        if since is not None and (not flag or t - previous > gap_s):
+            spans.append((since, previous - since))
+            since = None
+        if flag and since is None:
+            since = t
+        previous = t
+    if since is not None and previous is not None:
+        spans.append((since, previous - since))
+    return spans

@@ -1,0 +1,242 @@
+"""What to break, when and for how long: fault kinds, a validated schedule, its TOML file, seeded schedules.
+
+A schedule is data, checked once when it is built: every entry names a kind the tool can
+inject, a target that exists in this run, non-negative times and positive rates. Times are
+seconds after the run's first join (when the synchronizer's clock of a time budget starts),
+so one schedule means the same thing however long the processes took to start.
+
+A schedule file is TOML, one ``[[fault]]`` table per entry::
+
+    [[fault]]
+    time = 20.0           # seconds after the first join
+    fault = "kill"        # kill, freeze, sync_kill, latency, bandwidth, reset, partition
+    target = "learner-1"  # "sync" for sync_kill (the default there)
+    duration = 4.0        # seconds down, frozen, or with the link degraded
+    # delay_s = 0.2             latency: added one-way delay per direction
+    # rate_bytes_per_s = 20000  bandwidth: the cap, per direction
+    # restart = false           kill: leave the learner down for the rest of the run
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddiloco.errors import ConfigError
+
+SYNC_TARGET = "sync"
+
+
+class FaultKind(enum.StrEnum):
+    """Every fault ``ddiloco chaos`` can inject (the keys of ``faults`` in chaos.json)."""
+
+    KILL = "kill"
+    """kill -9 of a learner, restarted with the same --id after ``duration`` (it rejoins by itself)."""
+    FREEZE = "freeze"
+    """SIGSTOP of a learner for ``duration``, then SIGCONT (longer than the lease: it must rejoin)."""
+    SYNC_KILL = "sync_kill"
+    """kill -9 of the synchronizer, restarted with --resume on the same state directory and port."""
+    LATENCY = "latency"
+    """``delay_s`` added to every byte of the learner's link, both ways."""
+    BANDWIDTH = "bandwidth"
+    """The learner's link capped at ``rate_bytes_per_s`` each way (token bucket)."""
+    RESET = "reset"
+    """The learner's connections reset (RST); new ones too, for ``duration``."""
+    PARTITION = "partition"
+    """Blackhole: nothing passes either way on the learner's link for ``duration``."""
+
+    @property
+    def on_link(self) -> bool:
+        """Injected by the learner's proxy rather than by a signal."""
+        return self in NETWORK_KINDS
+
+
+NETWORK_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.PARTITION})
+ENTRY_KEYS = ("time", "fault", "target", "duration", "delay_s", "rate_bytes_per_s", "restart")
+
+
+def learner_name(index: int) -> str:
+    """The launcher's learner ids; a schedule targets learners by them."""
+    return f"learner-{index}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault:
+    """One scheduled fault; invalid values are refused when it is built."""
+
+    at_s: float
+    """When to inject it: seconds after the run's first join."""
+    kind: FaultKind
+    target: str
+    """``learner-N``, or ``sync`` for ``sync_kill``."""
+    duration_s: float
+    """Seconds down (kill, sync_kill), frozen (freeze), or with the link degraded (network kinds)."""
+    delay_s: float = 0.0
+    """latency: one-way delay added per direction."""
+    rate_bytes_per_s: float = 0.0
+    """bandwidth: the cap per direction."""
+    restart: bool = True
+    """kill: False leaves the learner down for the rest of the run (deliberately)."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("time", self.at_s), ("duration", self.duration_s), ("delay_s", self.delay_s),
+                            ("rate_bytes_per_s", self.rate_bytes_per_s)):
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{self.kind} fault: {name} must be a finite number >= 0, got {value}")
+        if self.kind is FaultKind.SYNC_KILL and self.target != SYNC_TARGET:
+            raise ConfigError(f"sync_kill fault: target must be {SYNC_TARGET!r}, got {self.target!r}")
+        if self.kind is not FaultKind.SYNC_KILL and self.target == SYNC_TARGET:
+            raise ConfigError(f"{self.kind} fault: target must be a learner, got {SYNC_TARGET!r} "
+                              "(only sync_kill targets the synchronizer)")
+        if self.kind is FaultKind.LATENCY and self.delay_s <= 0:
+            raise ConfigError(f"latency fault at {self.at_s:g}s: delay_s must be > 0")
+        if self.kind is FaultKind.BANDWIDTH and self.rate_bytes_per_s <= 0:
+            raise ConfigError(f"bandwidth fault at {self.at_s:g}s: rate_bytes_per_s must be > 0")
+        if self.kind in (FaultKind.FREEZE, FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.PARTITION) \
+                and self.duration_s <= 0:
+            raise ConfigError(f"{self.kind} fault at {self.at_s:g}s: duration must be > 0")
+        if not self.restart and self.kind is not FaultKind.KILL:
+            raise ConfigError(f"{self.kind} fault at {self.at_s:g}s: restart = false applies to kill only")
+
+    @property
+    def end_s(self) -> float:
+        """When the fault is over (the learner or synchronizer restarted, the link healed)."""
+        return self.at_s + self.duration_s
+
+    def describe(self) -> str:
+        """One line for the live view and the timeline."""
+        extra = {FaultKind.LATENCY: f" +{self.delay_s * 1000:.0f} ms",
+                 FaultKind.BANDWIDTH: f" {self.rate_bytes_per_s / 1000:.1f} kB/s"}.get(self.kind, "")
+        left = "" if self.restart else " (left down)"
+        return f"{self.kind} {self.target}{extra} for {self.duration_s:.1f}s{left}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The entry as a schedule file would hold it (chaos.json keeps the schedule that ran)."""
+        entry: dict[str, Any] = {"time": round(self.at_s, 3), "fault": str(self.kind), "target": self.target,
+                                 "duration": round(self.duration_s, 3)}
+        if self.kind is FaultKind.LATENCY:
+            entry["delay_s"] = round(self.delay_s, 4)
+        if self.kind is FaultKind.BANDWIDTH:
+            entry["rate_bytes_per_s"] = round(self.rate_bytes_per_s)
+        if not self.restart:
+            entry["restart"] = False
+        return entry
+
+
+def check_targets(faults: list[Fault], learners: int, window_s: float) -> None:
+    """Every target exists in a run of ``learners`` learners and every fault is over within ``window_s``."""
+    names = {learner_name(i) for i in range(learners)}
+    for f in faults:
+        if f.target != SYNC_TARGET and f.target not in names:
+            raise ConfigError(f"{f.kind} fault at {f.at_s:g}s targets {f.target!r}, which does not exist "
+                              f"(this run has learner-0 .. learner-{learners - 1})")
+        if f.end_s > window_s:
+            raise ConfigError(f"{f.kind} fault at {f.at_s:g}s ends at {f.end_s:g}s, after --time {window_s:g}")
+
+
+def load_schedule(path: str | Path) -> list[Fault]:
+    """Read a schedule file; any mistake is one ConfigError naming the file and the entry."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"schedule file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read schedule file {path}: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"schedule file {path} is not valid TOML: {err}") from None
+    extra = sorted(set(data) - {"fault"})
+    if extra:
+        raise ConfigError(f"schedule file {path}: unknown top-level key {extra[0]!r} (expected [[fault]] tables)")
+    entries = data.get("fault", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"schedule file {path}: 'fault' must be an array of tables ([[fault]])")
+    faults = []
+    for number, entry in enumerate(entries, 1):
+        try:
+            faults.append(_entry(entry))
+        except ConfigError as err:
+            raise ConfigError(f"schedule file {path}, fault {number}: {err}") from None
+    return sorted(faults, key=lambda f: f.at_s)
+
+
+def _entry(entry: dict[str, Any]) -> Fault:
+    unknown = sorted(set(entry) - set(ENTRY_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} (keys: {', '.join(ENTRY_KEYS)})")
+    for key in ("time", "fault"):
+        if key not in entry:
+            raise ConfigError(f"missing key {key!r}")
+    try:
+        kind = FaultKind(entry["fault"])
+    except ValueError:
+        raise ConfigError(f"unknown fault kind {entry['fault']!r} (kinds: {', '.join(FaultKind)})") from None
+    target = entry.get("target", SYNC_TARGET if kind is FaultKind.SYNC_KILL else None)
+    if not isinstance(target, str):
+        raise ConfigError(f"{kind} fault: target must be a learner id such as \"learner-0\", got {target!r}")
+    numbers = {}
+    for key in ("time", "duration", "delay_s", "rate_bytes_per_s"):
+        value = entry.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{kind} fault: {key} must be a number, got {value!r}")
+        numbers[key] = float(value)
+    restart = entry.get("restart", True)
+    if not isinstance(restart, bool):
+        raise ConfigError(f"{kind} fault: restart must be true or false, got {restart!r}")
+    return Fault(at_s=numbers["time"], kind=kind, target=target, duration_s=numbers["duration"],
+                 delay_s=numbers["delay_s"], rate_bytes_per_s=numbers["rate_bytes_per_s"], restart=restart)
+
+
+FIRST_FAULT_S = 5.0
+"""The seeded schedule lets every learner join and contribute before the first fault."""
+RECOVER_S = 8.0
+"""Quiet seconds after a fault before the next one: the learner restarts and rejoins."""
+SYNC_RECOVER_S = 12.0
+"""After a synchronizer kill: it reloads its checkpoint and every learner joins again."""
+
+
+def seeded_schedule(*, window_s: float, learners: int, lease_s: float, fragment_bytes: int,
+                    seed: int) -> list[Fault]:
+    """Faults one after another in [FIRST_FAULT_S, window_s]: every kind once (in a seeded order), then more.
+
+    One fault at a time, each followed by a quiet spell, so at least one learner is always
+    healthy and the pause bound (one grace window plus one lease) is the property under test,
+    not an outage the schedule made unavoidable. Freezes outlast the lease (the learner must
+    rejoin); partitions fall on both sides of it; bandwidth caps let a fragment's contribution
+    (``fragment_bytes``) through in 0.5-2 s.
+    """
+    rng = random.Random(f"chaos-schedule-{seed}")
+    kinds = list(FaultKind)
+    rng.shuffle(kinds)
+    faults: list[Fault] = []
+    t = FIRST_FAULT_S
+    while True:
+        kind = kinds.pop(0) if kinds else rng.choice(list(FaultKind))
+        fault = _draw(rng, kind, t, learners, lease_s, fragment_bytes)
+        if fault.end_s > window_s:
+            return faults
+        faults.append(fault)
+        t = fault.end_s + (SYNC_RECOVER_S if kind is FaultKind.SYNC_KILL else RECOVER_S) + rng.uniform(0, 2)
+
+
+def _draw(rng: random.Random, kind: FaultKind, at_s: float, learners: int, lease_s: float,
+          fragment_bytes: int) -> Fault:
+    target = SYNC_TARGET if kind is FaultKind.SYNC_KILL else learner_name(rng.randrange(learners))
+    duration = {
+        FaultKind.KILL: rng.uniform(2.0, 6.0),
+        FaultKind.FREEZE: rng.uniform(1.3, 1.8) * lease_s,
+        FaultKind.SYNC_KILL: rng.uniform(1.0, 3.0),
+        FaultKind.LATENCY: rng.uniform(8.0, 15.0),
+        FaultKind.BANDWIDTH: rng.uniform(8.0, 15.0),
+        FaultKind.RESET: rng.uniform(0.0, 3.0),
+        FaultKind.PARTITION: rng.uniform(0.5, 1.5) * lease_s,
+    }[kind]
+    return Fault(at_s=round(at_s, 2), kind=kind, target=target, duration_s=round(duration, 2),
+                 delay_s=round(rng.uniform(0.05, 0.3), 3) if kind is FaultKind.LATENCY else 0.0,
+                 rate_bytes_per_s=round(fragment_bytes / rng.uniform(0.5, 2.0))
+                 if kind is FaultKind.BANDWIDTH else 0.0)

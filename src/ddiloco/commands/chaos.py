@@ -1,0 +1,152 @@
+"""``ddiloco chaos``: a real run on this host with faults injected on a schedule, and what it survived.
+
+It runs what ``ddiloco run --runtime processes`` runs (a synchronizer and M learner
+processes, each learner behind a fault-injecting proxy), kills, freezes and cuts them on a
+seeded schedule or a schedule file, watches the synchronizer, then runs the same
+configuration without faults as the baseline. Exit code 0 when the run completed, every
+learner not deliberately left down was alive at the end, and the global model never stood
+still longer than one grace window plus one lease; 1 otherwise, naming the property.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+from rich.live import Live
+from rich.table import Table
+
+from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_report
+from ddiloco.chaos.runner import ChaosRun, LiveState
+from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
+from ddiloco.commands.display import console, print_table, progress_bar
+from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
+from ddiloco.config import Config
+from ddiloco.errors import ConfigError
+from ddiloco.reporting import prepare_out
+from ddiloco.workload.device import resolve_device
+
+DEFAULT_WINDOW_S = 180.0
+SETTLE_S = 30.0
+"""By default the run goes on this long plus one lease after the fault window: every learner must be back."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "chaos",
+        help="inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)",
+        description="Run a synchronizer and M learner processes on 127.0.0.1, as `ddiloco run --runtime "
+        "processes` does, and inject faults on a seeded schedule (every kind within --time 180) or from "
+        "--schedule FILE: kill -9 and restart of learners, SIGSTOP longer than the lease, kill -9 of the "
+        "synchronizer and restart with --resume, and latency, bandwidth caps, resets and partitions on a "
+        "learner's link. Writes OUT/chaos.json and OUT/chaos.png; exit 0 when the run kept its promises.",
+    )
+    add_workload_options(parser)
+    parser.add_argument("--mode", choices=("decoupled", "diloco"), help="decoupled (default) or diloco")
+    parser.add_argument("--learners", type=int, metavar="M", help="number of learners (at least 2; default 4)")
+    parser.add_argument("--time", type=float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
+                        help=f"wall seconds of faults after the first join (default {DEFAULT_WINDOW_S:.0f}); the "
+                        "run then goes on for --settle seconds without faults")
+    parser.add_argument("--settle", type=float, metavar="SECONDS",
+                        help=f"seconds without faults after --time before the run ends, for the last restart and "
+                        f"rejoin (default {SETTLE_S:.0f} plus one lease)")
+    parser.add_argument("--schedule", metavar="FILE.toml",
+                        help="faults from this file ([[fault]] tables: time, fault, target, duration) instead of "
+                        "the seeded schedule")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the same run without faults (its eval loss is the comparison)")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default runs/chaos)")
+    add_device_option(parser)
+    parser.set_defaults(func=run)
+
+
+def chaos_config(args: argparse.Namespace) -> Config:
+    """The run's configuration: the workload options and a time budget of --time plus --settle seconds."""
+    if not math.isfinite(args.time) or args.time <= 0:
+        raise ConfigError(f"--time must be a positive number of seconds, got {args.time}")
+    config = config_from_args(args)
+    if config.run.learners < 2:
+        raise ConfigError(f"ddiloco chaos needs at least 2 learners, got {config.run.learners} "
+                          "(a fault on the only learner stops training by design)")
+    if config.protocol.shards != 1:
+        raise ConfigError(f"ddiloco chaos runs one synchronizer; protocol.shards={config.protocol.shards} "
+                          "is not supported yet")
+    settle_s = SETTLE_S + config.protocol.lease_s if args.settle is None else args.settle
+    if not math.isfinite(settle_s) or settle_s < 0:
+        raise ConfigError(f"--settle must be a number of seconds >= 0, got {settle_s}")
+    run_s = args.time + settle_s
+    return replace(config, run=replace(config.run, time_s=run_s, tokens=0)).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = chaos_config(args)
+    window_s = args.time
+    if args.schedule:
+        faults = load_schedule(args.schedule)
+        check_targets(faults, config.run.learners, window_s)
+    else:
+        from ddiloco.runtime.layout import reference_layout  # builds the model: only when a schedule is drawn
+
+        plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
+        faults = seeded_schedule(window_s=window_s, learners=config.run.learners, lease_s=config.protocol.lease_s,
+                                 fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed)
+    device = str(resolve_device(args.device))
+    out = prepare_out(args.out or "runs/chaos")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: children are killed
+    try:
+        return _run(config, out, faults, window_s, device, args.no_baseline)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, no_baseline: bool) -> int:
+    console.print(f"ddiloco chaos: {len(faults)} faults in {window_s:.0f}s, run budget {config.run.time_s:.0f}s "
+                  f"after the first join, M={config.run.learners}, seed {config.run.seed}; logs in {out}/logs")
+    with Live(_live_view(None), console=console, refresh_per_second=4, transient=False) as live:
+        chaos = ChaosRun(config, out, faults, window_s=window_s, device=device,
+                         on_sample=lambda state: live.update(_live_view(state)),
+                         on_event=lambda text: live.console.print(text))
+        outcome = chaos.run()
+    baseline = None
+    if not no_baseline and outcome.completed:
+        from ddiloco.runtime.launcher import run_processes
+
+        with progress_bar(f"baseline (no faults) M={config.run.learners}") as progress:
+            summary, _ = run_processes(config, out / "baseline", progress, device=device)
+        baseline = {"eval_loss": summary["eval_loss"], "tokens": summary["tokens"]}
+    report = build_report(outcome, config, window_s=window_s, seed=config.run.seed, baseline=baseline)
+    path = write_report(out, report)
+    plot_timeline(out / "chaos.png", outcome, config.run.learners,
+                  title=f"ddiloco chaos: M={config.run.learners}, seed {config.run.seed}, "
+                  f"{sum(report['faults'].values())} faults, longest pause {report['longest_pause_s']:.2f}s "
+                  f"(bound {report['pause_bound_s']:.2f}s)")
+    print_table(report_table(report, title=f"ddiloco chaos (seed {config.run.seed})"))
+    console.print(f"wrote {path}, {out / 'chaos.png'}")
+    for violation in report["violations"]:
+        console.print(f"ddiloco: chaos: {violation}", markup=False, highlight=False)
+    return 1 if report["violations"] else 0
+
+
+def _live_view(state: LiveState | None) -> Table:
+    """A few short lines: they must read the same in a narrow terminal and in a log."""
+    grid = Table.grid()
+    if state is None:
+        grid.add_row("starting the synchronizer and the learners ...")
+        return grid
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(state.faults_so_far.items())) or "none yet"
+    grid.add_row(f"[bold]run clock {state.clock_s:.0f}s[/] of {state.run_s:.0f}s (faults until {state.window_s:.0f}s), "
+                 f"{state.phase}")
+    grid.add_row(f"learners alive {state.alive}/{state.learners}, max version {state.max_version}, "
+                 f"longest pause {state.longest_pause_s:.2f}s")
+    grid.add_row(f"faults so far: {faults}")
+    grid.add_row("active: " + ("; ".join(state.active) or "none"))
+    grid.add_row(f"status page {state.status_url}")
+    return grid

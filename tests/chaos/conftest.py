@@ -1,0 +1,7 @@
+"""Chaos tests import their helpers by name, as the runtime tests do."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "runtime"))
