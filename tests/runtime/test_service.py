@@ -146,6 +146,35 @@ def test_learner_runtime_in_a_user_loop_advances_the_global_model(inproc_sync):
     assert status["tokens"] == 3 * config.protocol.period * workload.tokens_per_step
 
 
+def test_prometheus_gauges_follow_the_run(inproc_sync):
+    from runtime_helpers import wait_for
+
+    """Learners alive, fragment versions and merge coherence as a scrape would read them."""
+    config = tiny(**{"protocol.quorum": 2})  # every round merges both learners: its coherence is measured
+    s = inproc_sync(config)
+    workload = Workload.build(config)
+    models = [workload.new_model() for _ in range(2)]
+    runtimes = [LearnerRuntime(model, f"127.0.0.1:{s.port}", f"learner-{i}") for i, model in enumerate(models)]
+    registry = s.service.metrics.registry
+    trainers = [workload.new_trainer(model) for model in models]
+    samplers = [workload.sampler(index) for index in range(2)]
+    for _ in range(3 * config.protocol.period):  # the two learners step in turn
+        for runtime, trainer, sampler in zip(runtimes, trainers, samplers):
+            x, y = sampler.next_batch()
+            trainer.step(x, y)
+            runtime.step(tokens=x.numel())
+    assert registry.get_sample_value("ddiloco_learners_alive") == 2
+    fragments = range(len(s.service.core.versions()))
+    assert all((registry.get_sample_value("ddiloco_fragment_version", {"fragment": str(p)}) or 0) >= 1
+               for p in fragments)
+    coherence = [registry.get_sample_value("ddiloco_merge_coherence", {"fragment": str(p)}) for p in fragments]
+    assert any(c is not None for c in coherence) and all(0 < c <= 1.0001 for c in coherence if c is not None)
+    for runtime in runtimes:
+        runtime.close()
+    # A leave is acknowledged before the service's observer has seen it: wait for the gauge.
+    wait_for(lambda: registry.get_sample_value("ddiloco_learners_alive") == 0, "the gauge to count no learner")
+
+
 def test_a_model_that_does_not_match_the_served_layout_is_refused(inproc_sync):
     s = inproc_sync(tiny())
     other = ByteTransformer(replace(tiny().model, d_model=64))

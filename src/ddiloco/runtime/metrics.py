@@ -124,6 +124,9 @@ class ServiceMetrics:
         self.versions = Gauge(
             "ddiloco_fragment_version", "Current version of each fragment", ["fragment"], registry=self.registry)
         self.alive = Gauge("ddiloco_learners_alive", "Learners holding a lease", registry=self.registry)
+        self.coherence = Gauge(
+            "ddiloco_merge_coherence", "Coherence of each fragment's last merged round: 1 when the learners' outer "
+            "gradients agree, about 1/sqrt(M) when they are orthogonal", ["fragment"], registry=self.registry)
         self.merge_seconds = Histogram(
             "ddiloco_merge_seconds", "Time to merge a round and hand its update to the streams",
             registry=self.registry)

@@ -210,6 +210,8 @@ class SyncService:
     def on_round(self, record: RoundClosed, elapsed_s: float) -> None:
         self.metrics.rounds.labels(str(record.reason)).inc()
         self.metrics.versions.labels(str(record.fragment)).set(record.version)
+        if len(record.merged) >= 2:
+            self.metrics.coherence.labels(str(record.fragment)).set(record.coherence)
         self.metrics.merge_seconds.observe(elapsed_s)
         for mc in record.merged:
             self.goodput.credit(mc.compute_s, self._share[record.fragment], mc.arrived_s)
@@ -217,6 +219,7 @@ class SyncService:
                   len(record.merged))
 
     def on_event(self, actions: list[SyncAction]) -> None:
+        self.metrics.alive.set(len(self.core.alive()))
         for action in actions:
             if isinstance(action, Admitted) and self.first_join_s is None:
                 self.first_join_s = time.monotonic()
