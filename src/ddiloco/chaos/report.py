@@ -79,10 +79,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "grace_window_s": round(grace_s, 3),
         "lease_s": config.protocol.lease_s,
         "sync_downtime_s": round(sum(up - down for down, up in outcome.sync_down), 3),
-        "sync_restarts": [{"killed_at_s": round(down, 2), "answering_at_s": round(up, 2),
-                           "first_merge_after_s": round(outcome.restart_pauses_s[i], 2)
-                           if i < len(outcome.restart_pauses_s) else None}
-                          for i, (down, up) in enumerate(outcome.sync_down)],
+        "sync_restarts": [r.to_dict() for r in outcome.sync_restarts],
         "rejoins": rejoins(outcome.sync_log),
         "learners_alive_at_end": alive_at_end,
         "learners_expected_at_end": config.run.learners - len(left_down),
@@ -184,9 +181,9 @@ def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: st
         stop = r.ended_s if r.ended_s is not None else end_s
         top.axvline(r.started_s, color=color, lw=1.0, ls="--")
         top.axvspan(r.started_s, max(stop, r.started_s + 0.2), color=color, alpha=0.08, lw=0)
-        lift = lift + 1 if r.started_s - last_label_s < 0.03 * max(end_s, 1.0) else 0  # stack labels that collide
+        lift = lift + 1 if r.started_s - last_label_s < 0.11 * max(end_s, 1.0) else 0  # stack labels that collide
         last_label_s = r.started_s
-        top.text(r.started_s, 1.01 + 0.07 * (lift % 3), f"{r.fault.kind} {r.fault.target}",
+        top.text(r.started_s, 1.01 + 0.065 * (lift % 3), f"{r.fault.kind} {r.fault.target}",
                  transform=top.get_xaxis_transform(), fontsize=7, color=color, ha="left", va="bottom")
         used.add(r.fault.kind)
     top.set_ylabel("fragment version")
@@ -194,7 +191,7 @@ def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: st
     handles += [Patch(color=KIND_COLORS[k], label=str(k)) for k in FaultKind if k in used]
     handles.append(Patch(color="0.85", label="synchronizer down"))
     top.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    top.set_title(title, pad=30, fontsize=10)
+    top.set_title(title, pad=40, fontsize=10)
 
     rows = [learner_name(i) for i in range(learners)] + [SYNC_TARGET]
     for y, name in enumerate(rows):

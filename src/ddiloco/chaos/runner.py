@@ -80,6 +80,35 @@ class LiveState:
 
 
 @dataclass
+class SyncRestart:
+    """One kill -9 of the synchronizer, and what the restarted one resumed from (times after the first join)."""
+
+    killed_at_s: float
+    versions_at_kill: tuple[int, ...]
+    """Fragment versions at the last poll before the kill."""
+    tokens_at_kill: int
+    answering_at_s: float | None = None
+    versions_resumed: tuple[int, ...] = ()
+    """The checkpoint's versions, as the restarted synchronizer first reported them."""
+    tokens_resumed: int = 0
+    first_merge_after_s: float | None = None
+    """From answering again to its first merge: the restart's own pause."""
+
+    @property
+    def rounds_lost(self) -> int:
+        """Rounds merged after the last checkpoint: what docs/runtime.md says a crash loses."""
+        return sum(max(0, a - b) for a, b in zip(self.versions_at_kill, self.versions_resumed))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"killed_at_s": round(self.killed_at_s, 2),
+                "answering_at_s": None if self.answering_at_s is None else round(self.answering_at_s, 2),
+                "first_merge_after_s": None if self.first_merge_after_s is None else round(self.first_merge_after_s, 2),
+                "versions_at_kill": list(self.versions_at_kill), "versions_resumed": list(self.versions_resumed),
+                "rounds_lost": self.rounds_lost, "tokens_at_kill": self.tokens_at_kill,
+                "tokens_resumed": self.tokens_resumed}
+
+
+@dataclass
 class ChaosOutcome:
     """Everything a report needs; times in seconds after the first join."""
 
@@ -87,10 +116,7 @@ class ChaosOutcome:
     failure: str
     records: list[FaultRecord]
     samples: list[Sample]
-    sync_down: list[tuple[float, float]]
-    """(killed, answering again) of every synchronizer kill."""
-    restart_pauses_s: list[float]
-    """After each synchronizer restart: from answering again to its first merge."""
+    sync_restarts: list[SyncRestart]
     final_status: dict[str, Any]
     eval_loss: float | None
     wall_s: float
@@ -98,6 +124,17 @@ class ChaosOutcome:
     status_url: str
     proxy_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     connections_reset: int = 0
+
+    @property
+    def sync_down(self) -> list[tuple[float, float]]:
+        """(killed, answering again) of every synchronizer kill; one still down at the end lasts to the end."""
+        end_s = max([s.t_s for s in self.samples] + [0.0])
+        return [(r.killed_at_s, r.answering_at_s if r.answering_at_s is not None else end_s)
+                for r in self.sync_restarts]
+
+    @property
+    def restart_pauses_s(self) -> list[float]:
+        return [r.first_merge_after_s for r in self.sync_restarts if r.first_merge_after_s is not None]
 
 
 @dataclass
@@ -143,13 +180,11 @@ class ChaosRun:
         self.records = [FaultRecord(f) for f in faults]
         self.m = config.run.learners
         self.samples: list[Sample] = []
-        self.sync_down: list[tuple[float, float]] = []
-        self.restart_pauses_s: list[float] = []
+        self.sync_restarts: list[SyncRestart] = []
         self._t0: float | None = None
         self._address = ""
         self._killed_instance: str | None = None  # set while the synchronizer is down or restarting
-        self._down_since = 0.0
-        self._awaiting_merge: tuple[float, tuple[int, ...]] | None = None  # restarted: (answered at, versions)
+        self._awaiting_merge: SyncRestart | None = None  # restarted, no merge seen yet
         self._sync_restart: tuple[float, FaultRecord] | None = None  # killed: (restart at, its fault)
 
     def now_s(self) -> float:
@@ -163,9 +198,8 @@ class ChaosRun:
         keeps its place in the run however long a restart takes on a loaded machine, and no
         fault is spent on a cluster that is already down.
         """
-        down = sum(up - since for since, up in self.sync_down)
-        if self._killed_instance is not None:
-            down += self.now_s() - self._down_since
+        down = sum((r.answering_at_s if r.answering_at_s is not None else self.now_s()) - r.killed_at_s
+                   for r in self.sync_restarts)
         return self.now_s() - down
 
     def run(self) -> ChaosOutcome:
@@ -207,8 +241,7 @@ class ChaosRun:
                 failure = self._check_processes(procs, sync)
                 if failure:
                     break
-                downtime = sum(up - down for down, up in self.sync_down)
-                if self._t0 is not None and self.now_s() > self.config.run.time_s + downtime + FINISH_SLACK_S:
+                if self._t0 is not None and self.clock_s() > self.config.run.time_s + FINISH_SLACK_S:
                     failure = f"the run did not finish within {FINISH_SLACK_S:.0f}s of its budget"
                     break
                 if self.on_sample is not None:
@@ -230,8 +263,7 @@ class ChaosRun:
                 failure=failure,
                 records=self.records,
                 samples=self.samples,
-                sync_down=self.sync_down,
-                restart_pauses_s=self.restart_pauses_s,
+                sync_restarts=self.sync_restarts,
                 final_status=status,
                 eval_loss=eval_loss,
                 wall_s=time.monotonic() - launched,
@@ -260,19 +292,23 @@ class ChaosRun:
         if self._killed_instance is not None:
             if status["instance_id"] == self._killed_instance:
                 return None  # the old incarnation's last answer, racing its kill
-            up = self.now_s()
-            self.sync_down.append((self._down_since, up))
+            restart = self.sync_restarts[-1]
+            restart.answering_at_s = self.now_s()
+            restart.versions_resumed = tuple(f["version"] for f in status["fragments"])
+            restart.tokens_resumed = status["tokens"]
             self._killed_instance = None
-            self._awaiting_merge = (up, tuple(f["version"] for f in status["fragments"]))
-            self.on_event(f"t={up:6.1f}s  synchronizer {status['instance_id']} answering (resumed at versions "
-                          f"{list(self._awaiting_merge[1])}, down {up - self._down_since:.1f}s)")
+            self._awaiting_merge = restart
+            self.on_event(f"t={restart.answering_at_s:6.1f}s  synchronizer {status['instance_id']} answering "
+                          f"(resumed at versions {list(restart.versions_resumed)}, "
+                          f"down {restart.answering_at_s - restart.killed_at_s:.1f}s)")
         if self._t0 is None and status["phase"] != "waiting":
             self._t0 = time.monotonic()
         versions = tuple(f["version"] for f in status["fragments"])
-        if self._awaiting_merge is not None and sum(versions) > sum(self._awaiting_merge[1]):
-            self.restart_pauses_s.append(self.now_s() - self._awaiting_merge[0])
+        awaiting = self._awaiting_merge
+        if awaiting is not None and sum(versions) > sum(awaiting.versions_resumed):
+            awaiting.first_merge_after_s = self.now_s() - (awaiting.answering_at_s or 0.0)
             self.on_event(f"t={self.now_s():6.1f}s  first merge after the restart, "
-                          f"{self.restart_pauses_s[-1]:.1f}s after it answered")
+                          f"{awaiting.first_merge_after_s:.1f}s after it answered")
             self._awaiting_merge = None
         self.samples.append(Sample(
             t_s=self.now_s() if self._t0 is not None else -1.0,
@@ -289,8 +325,10 @@ class ChaosRun:
 
     def _check_processes(self, procs: Processes, sync: str) -> str:
         """A failure that no fault explains: the synchronizer gone by itself, or every learner gone."""
-        if self._killed_instance is None and not procs.running(sync):
-            return f"the synchronizer exited by itself with code {procs.children[sync].returncode}:\n" + procs.tail(sync)
+        restarted = self._killed_instance is not None and self._sync_restart is None
+        if (self._killed_instance is None or restarted) and not procs.running(sync):
+            return (f"the synchronizer exited by itself with code {procs.children[sync].returncode}"
+                    + (" after its restart" if restarted else "") + ":\n" + procs.tail(sync))
         learners = [learner_name(i) for i in range(self.m)]
         left_down = {r.fault.target for r in self.records if not r.fault.restart and r.started_s is not None}
         restarting = any(r.fault.kind is FaultKind.KILL and r.fault.restart and r.started_s is not None
@@ -316,7 +354,8 @@ class ChaosRun:
             alive=sum(1 for lr in status.get("learners", []) if lr["alive"]),
             learners=self.m,
             sync_up=self._killed_instance is None,
-            longest_pause_s=max([s.longest_pause_s for s in self.samples] + self.restart_pauses_s, default=0.0),
+            longest_pause_s=max([s.longest_pause_s for s in self.samples]
+                                + [r.first_merge_after_s or 0.0 for r in self.sync_restarts], default=0.0),
             status_url=status_url,
         )
 
@@ -340,8 +379,9 @@ class ChaosRun:
             if self._killed_instance is not None or not procs.running(f.target):
                 record.skipped = "the synchronizer was already down"
                 return
-            self._killed_instance = self.samples[-1].instance_id if self.samples else "?"
-            self._down_since = self.now_s()
+            last = self.samples[-1]
+            self._killed_instance = last.instance_id
+            self.sync_restarts.append(SyncRestart(self.now_s(), last.versions, last.tokens))
             self._awaiting_merge = None
             self._sync_restart = (self.now_s() + f.duration_s, record)
             procs.signal(f.target, signal.SIGKILL)
