@@ -1,9 +1,11 @@
 """A run's configuration, composed from one dataclass per component.
 
-Layers, later ones winning: built-in defaults, the preset (``tiny`` or ``default``), a TOML
-file, ``--set section.key=value`` overrides, then the explicit CLI flags. The TOML file is a
-thin loader onto the dataclasses: sections and keys are the field names, unknown ones are
-errors, and every mistake is one line naming the key and the value.
+Layers, later ones winning: built-in defaults, the preset (``tiny``, ``small`` or
+``default``), the main job's failures and slow learner (``ddiloco run`` on the virtual
+cluster only, :data:`MAIN_JOB`), a TOML file, ``--set section.key=value`` overrides, then
+the explicit CLI flags. The TOML file is a thin loader onto the dataclasses: sections and
+keys are the field names, unknown ones are errors, and every mistake is one line naming
+the key and the value.
 """
 
 from __future__ import annotations
@@ -226,6 +228,19 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+MAIN_JOB: dict[str, dict[str, dict[str, Any]]] = {
+    # What ``ddiloco run`` adds to each preset so that its first run shows what Decoupled
+    # DiLoCo is for: a seeded failure trace (seed 0: each learner fails once or twice in the
+    # run's virtual time; 3 times on average over seeds) and one learner in four on the
+    # ~18% slower hardware generation. Not part of the presets: ``compare``, the benchmarks
+    # and the tests keep the failure-free, uniform cluster unless they ask for failures.
+    # ``--mtbf 0`` and ``--set cluster.slow_fraction=0`` turn them off.
+    "tiny": {"faults": {"mtbf_s": 15.0, "downtime_s": 4.0}, "cluster": {"slow_fraction": 0.25}},
+    "small": {"faults": {"mtbf_s": 120.0, "downtime_s": 20.0}, "cluster": {"slow_fraction": 0.25}},
+    "default": {"faults": {"mtbf_s": 90.0, "downtime_s": 15.0}, "cluster": {"slow_fraction": 0.25}},
+}
+
+
 def apply_section(config: Config, section: str, values: Mapping[str, Any], *, origin: str) -> Config:
     """Return ``config`` with ``values`` set in ``section``, type-checked against the fields."""
     if section not in {f.name for f in fields(Config)}:
@@ -286,16 +301,20 @@ def apply_override(config: Config, assignment: str) -> Config:
 def build_config(
     *,
     preset: str = "default",
+    main_job: bool = False,
     config_file: str | None = None,
     overrides: tuple[str, ...] = (),
     **flags: Any,
 ) -> Config:
-    """Compose a validated Config. ``flags`` are ``section__key=value`` from explicit CLI options."""
+    """Compose a validated Config. ``flags`` are ``section__key=value`` from explicit CLI options;
+    ``main_job`` adds :data:`MAIN_JOB`'s failures and slow learner on top of the preset."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     config = Config()
     for section, values in PRESETS[preset].items():
         config = apply_section(config, section, values, origin=f"preset {preset}")
+    for section, values in (MAIN_JOB[preset] if main_job else {}).items():
+        config = apply_section(config, section, values, origin=f"ddiloco run's {preset} preset")
     if config_file:
         config = load_toml(config, config_file)
     for assignment in overrides:

@@ -6,7 +6,9 @@ import contextlib
 import sys
 from typing import Any, Iterator, Sequence
 
-from rich.console import Console
+from rich.columns import Columns
+from rich.console import Console, RenderableType
+from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -55,8 +57,30 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str) -> Table:
     return table
 
 
-def print_table(table: Table) -> None:
+def what_happened(summary: dict[str, Any], *, slow_factor: float) -> Panel | None:
+    """The run's story in plain words, from its ``events`` (None for a run that has none:
+    the data-parallel baselines, real processes)."""
+    events = summary.get("events")
+    if events is None:
+        return None
+    failures, rejoins = events["failures"], events["rejoins"]
+    lines = [
+        f"{failures} learner failure{'s' * (failures != 1)} and {rejoins} rejoin{'s' * (rejoins != 1)}: "
+        + ("a restarted learner fetches the global state and trains on." if failures else "no failures in this run."),
+    ]
+    if events["slow_learners"]:
+        names = ", ".join(f"learner-{m}" for m in events["slow_learners"])
+        lines.append(f"{names} on {slow_factor - 1:.0%} slower hardware.")
+    pause, start = events["longest_pause_s"], events["longest_pause_from_s"]
+    lines.append(f"{events['merges']} merges; the global model's longest pause without one was {pause:.1f} "
+                 f"virtual s (from t={start:.0f} s) of {summary['virtual_time_s']:.0f} s.")
+    lines.append(f"Goodput {summary['goodput']:.0%} (chip-time whose work reached the global model), "
+                 f"uptime {summary['uptime']:.0%}, eval loss {summary['eval_loss']:.4f} nats/byte.")
+    return Panel("\n".join(lines), title="what happened", expand=False, width=52)
+
+
+def print_table(table: Table, beside: RenderableType | None = None) -> None:
     out = Console()
     if not out.is_terminal:
-        out = Console(width=160)  # piped or logged: don't squeeze the columns to 80
-    out.print(table)
+        out = Console(width=180)  # piped or logged: don't squeeze the columns to 80
+    out.print(table if beside is None else Columns([table, beside]))

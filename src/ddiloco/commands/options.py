@@ -40,9 +40,13 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = Tr
     add_device_option(parser)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Config:
+    """The run's configuration; ``main_job`` (``ddiloco run`` on the virtual cluster) adds the
+    preset's failures and slow learner (:data:`ddiloco.config.MAIN_JOB`) beneath the file,
+    the overrides and the flags."""
     return build_config(
         preset=args.preset,
+        main_job=main_job,
         config_file=args.config,
         overrides=tuple(args.overrides),
         run__mode=getattr(args, "mode", None),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from ddiloco.commands.display import console, print_table, progress_bar, summary_table
+from ddiloco.commands.display import console, print_table, progress_bar, summary_table, what_happened
+from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import add_cluster_options, config_from_args
 from ddiloco.experiment import run_virtual
 from ddiloco.reporting import prepare_out, write_run
@@ -31,17 +32,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    virtual = args.runtime == "virtual"
+    config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
     device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
-    with progress_bar(f"{config.run.mode} M={config.run.learners}") as progress:
-        if args.runtime == "processes":
-            from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
+    label = f"{config.run.mode} M={config.run.learners}"
+    if virtual:
+        with live_view(label, console) as (progress, observer):
+            summary, rows = run_virtual(config, device=device, progress=progress, observer=observer)
+    else:
+        from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
 
+        with progress_bar(label) as progress:
             summary, rows = run_processes(config, out, progress, device=str(device))
-        else:
-            summary, rows = run_virtual(config, device=device, progress=progress)
     write_run(out, config, summary, rows)
-    print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"))
+    print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"),
+                beside=what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
     return 0

@@ -11,7 +11,9 @@ the same run bit for bit.
 The driver only moves messages between the learners' and the synchronizer's state
 machines and carries out their actions (:mod:`ddiloco.sim.learner_node`,
 :mod:`ddiloco.sim.sync_node`); every protocol decision is theirs. Invariants are checked
-all along (:mod:`ddiloco.sim.invariants`).
+all along (:mod:`ddiloco.sim.invariants`). What happened is kept in a timeline
+(:mod:`ddiloco.sim.timeline`), and an observer may look at the run through read-only
+snapshots (:mod:`ddiloco.sim.snapshot`).
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.learner_node import LearnerNode
 from ddiloco.sim.network import Direction, NetFaults, Network
+from ddiloco.sim.snapshot import SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
+from ddiloco.sim.timeline import Happening, Timeline
 from ddiloco.workload.workload import Workload, weights_sha256
 
 _AT_LEARNER = {Ev.STEP_END, Ev.REPLY, Ev.PUSH, Ev.CALL_TIMEOUT, Ev.LEARNER_TICK}
+SNAPSHOT_EVERY_S = 1.0
+"""Virtual seconds between two snapshots for the observer (a terminal redraws a few times a second)."""
 
 
 class VirtualCluster:
     """Runs Decoupled DiLoCo (or synchronous DiLoCo) on M virtual learners."""
 
     def __init__(self, workload: Workload, recorder: Recorder, *, check_invariants: bool = True,
-                 attack_until_s: float | None = None) -> None:
+                 attack_until_s: float | None = None, observer: SnapshotFn | None = None) -> None:
         self.config = config = workload.config
         self.workload = workload
         self.recorder = recorder
@@ -96,6 +102,9 @@ class VirtualCluster:
         self.injected: Counter[str] = Counter()
         self.coherence: list[tuple[int, float]] = []
         """(contributions, coherence) of every round that merged two or more (``RoundClosed.coherence``)."""
+        self.timeline = Timeline()
+        self.observer = observer
+        self._next_snapshot_s = 0.0
         self.limit_s = 2 * recorder.horizon_s() + 100.0
         """Virtual time after which a run that has not finished is given up (a liveness failure)."""
         self.tokens = 0
@@ -119,7 +128,13 @@ class VirtualCluster:
         self.start()
         while self.running():
             self.step_event()
-        return self.finish()
+            if self.observer and self.queue.now >= self._next_snapshot_s:
+                self.observer(take_snapshot(self))
+                self._next_snapshot_s = self.queue.now + SNAPSHOT_EVERY_S
+        result = self.finish()
+        if self.observer:
+            self.observer(take_snapshot(self))
+        return result
 
     def running(self) -> bool:
         return bool(len(self.queue)) and not self.finished and self.queue.now <= self.limit_s
@@ -188,10 +203,12 @@ class VirtualCluster:
             assert outage is not None
             self.learners[m].crash()
             self.injected["learner_crash"] += 1
+            self.timeline.add(self.queue.now, Happening.FAILURE, m)
             self.queue.at(outage.up_s, Ev.RECOVER, m)
         elif kind is Ev.RECOVER:
             (m,) = args
             node = self.learners[m]
+            self.timeline.add(self.queue.now, Happening.RESTART, m)
             node.restart(self, self._new_core(node.name, node.model, node.boot))
             self._schedule_failure(m)
             node.advance(self)
@@ -245,6 +262,7 @@ class VirtualCluster:
             self.checker.on_round(record, value)
         if len(record.merged) >= 2:
             self.coherence.append((len(record.merged), record.coherence))
+        self.timeline.add(self.queue.now, Happening.MERGE)
         share = self._share[record.fragment]
         for mc in record.merged:
             node = self._by_name[mc.learner_id]
@@ -292,6 +310,8 @@ class VirtualCluster:
             "faults": {**{str(k): v for k, v in self.network.injected.items()}, **self.injected},
             "merge_coherence": _mean(c for _, c in self.coherence),
             "merge_width": _mean(n for n, _ in self.coherence),
+            "events": self.timeline.summarize(
+                self.queue.now, tuple(m for m, slow in enumerate(self.recorder.timer.slow) if slow)).to_dict(),
         }
 
 

@@ -30,6 +30,7 @@ from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import Ev
 from ddiloco.sim.invariants import InvariantViolation
 from ddiloco.sim.network import Direction
+from ddiloco.sim.timeline import Happening
 
 if TYPE_CHECKING:
     from ddiloco.sim.cluster import VirtualCluster
@@ -55,6 +56,11 @@ class LearnerNode:
     offsets: dict[tuple[int, int], int] = field(default_factory=dict)
     """(incarnation, session) → step offset of the boot that held it (to credit merged steps)."""
     failure: Fail | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Holds the global state from every shard (the timeline's join and rejoin)."""
+        return self.core.joined and not self.core.rejoining()
 
     # ---- carrying out the core's actions ---------------------------------------------------
 
@@ -97,7 +103,10 @@ class LearnerNode:
         now = cluster.queue.now
         if isinstance(reply, Admitted):
             held = self.core.links[shard].session
+            was_ready, rejoin = self.ready, self.boot > 0 or self.core.joined
             actions = self.core.on_admitted(reply.state, now, stop=reply.stop, shard=shard)
+            if self.ready and not was_ready:
+                cluster.timeline.add(now, Happening.REJOINED if rejoin else Happening.JOINED, self.index)
             session = self.core.links[shard].session
             if session != held and session is not None:
                 self.offsets[(session.incarnation, session.number)] = self.step_offset

@@ -13,7 +13,9 @@ class StepTimer:
         self, *, learners: int, step_time_s: float, jitter: float, slow_fraction: float, slow_factor: float, seed: int
     ) -> None:
         first_slow = learners - round(learners * slow_fraction)
-        self.base_s = [step_time_s * (slow_factor if m >= first_slow else 1.0) for m in range(learners)]
+        self.slow = tuple(m >= first_slow for m in range(learners))
+        """Which learners are on the slow generation (for reports; the draws use ``base_s``)."""
+        self.base_s = [step_time_s * (slow_factor if slow else 1.0) for slow in self.slow]
         self.jitter = jitter
         self._rngs = [np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x57E9]).spawn(learners)]
 
