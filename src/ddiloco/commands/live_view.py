@@ -61,12 +61,10 @@ class _Watch:
         for learner in s.learners:
             learners.add_row(learner.name, Text(learner.state.value, style=STATE_STYLE[learner.state]),
                              str(learner.steps), str(learner.failures), self._note(learner, s.time_s))
-        model = Text.assemble(
-            ("global model  ", "bold"), f"fragment versions {' '.join(map(str, s.versions))}  ·  ",
-            f"eval loss {s.eval_loss:.3f} (t={s.eval_at_s:.0f} s)  ·  goodput so far {s.goodput:.0%}",
-        )
-        run = Text(f"virtual t={s.time_s:.0f} s  ·  tokens {s.tokens:,}  ·  merges {s.merges}  ·  "
-                   f"failures {s.failures}  ·  rejoins {s.rejoins}", style="dim")
+        model = Text.assemble(("global model ", "bold"), f"fragment versions {' '.join(map(str, s.versions))} · "
+                              f"eval loss {s.eval_loss:.3f} (t={s.eval_at_s:.0f} s)")
+        run = Text(f"virtual t={s.time_s:.0f} s · tokens {s.tokens:,} · goodput so far {s.goodput:.0%}\n"
+                   f"merges {s.merges} · failures {s.failures} · rejoins {s.rejoins}", style="dim")
         return Group(head, learners, model, run)
 
     def _note(self, learner: LearnerView, now_s: float) -> str:
@@ -80,13 +78,13 @@ class _Watch:
         r = self.row
         if r is None:
             return "starting: building the workload and evaluating the initial model"
-        return (f"virtual t={r['virtual_time_s']:.0f} s  ·  eval loss {r['eval_loss']:.3f}  ·  "
+        return (f"virtual t={r['virtual_time_s']:.0f} s · eval loss {r['eval_loss']:.3f} · "
                 f"goodput so far {r['goodput']:.0%}")
 
     def plain_line(self) -> str:
         """One line per evaluation where nothing can be redrawn."""
         s = self.snapshot
-        counts = f"  ·  failures {s.failures}  ·  rejoins {s.rejoins}  ·  merges {s.merges}" if s else ""
+        counts = f" · failures {s.failures} · rejoins {s.rejoins} · merges {s.merges}" if s else ""
         return f"{self.label}  {self.fraction:>4.0%}  {self._row_line()}{counts}"
 
 
