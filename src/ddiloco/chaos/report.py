@@ -17,6 +17,8 @@ from ddiloco.config import Config
 JOINED = re.compile(r"learner (\S+) joined \(")
 """The synchronizer's log line for every registration (first joins and rejoins, every incarnation)."""
 
+MAX_LABELS = 20
+"""Faults named above the plot; beyond this many only their colours mark them."""
 KIND_COLORS = {
     FaultKind.KILL: "#d62728", FaultKind.FREEZE: "#1f77b4", FaultKind.SYNC_KILL: "#000000",
     FaultKind.LATENCY: "#ff7f0e", FaultKind.BANDWIDTH: "#9467bd", FaultKind.RESET: "#8c564b",
@@ -59,7 +61,7 @@ def rejoins(sync_log: Path) -> int:
 
 
 def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed: int,
-                 baseline: dict[str, Any] | None) -> dict[str, Any]:
+                 baseline: dict[str, Any] | None, min_step_s: float = 0.0) -> dict[str, Any]:
     """chaos.json: the counts, the pause against its bound, the model against the undisturbed run."""
     injected = collections.Counter(str(r.fault.kind) for r in outcome.records
                                    if r.started_s is not None and not r.skipped)
@@ -96,6 +98,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "seed": seed,
         "fault_window_s": window_s,
         "run_budget_s": config.run.time_s,
+        "min_step_s": min_step_s,
         "wall_s": round(outcome.wall_s, 1),
         "connections_reset": outcome.connections_reset,
         "proxy_bytes": outcome.proxy_bytes,
@@ -173,19 +176,20 @@ def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: st
     for down, up in outcome.sync_down:
         top.axvspan(down, up, color="0.85", zorder=0)
     used = set()
+    shown = [r for r in outcome.records if r.started_s is not None and not r.skipped]
     last_label_s, lift = -1e9, 0
-    for r in outcome.records:
-        if r.started_s is None or r.skipped:
-            continue
+    for r in shown:
         color = KIND_COLORS[r.fault.kind]
         stop = r.ended_s if r.ended_s is not None else end_s
-        top.axvline(r.started_s, color=color, lw=1.0, ls="--")
+        top.axvline(r.started_s, color=color, lw=1.0 if len(shown) <= MAX_LABELS else 0.5, ls="--")
         top.axvspan(r.started_s, max(stop, r.started_s + 0.2), color=color, alpha=0.08, lw=0)
+        used.add(r.fault.kind)
+        if len(shown) > MAX_LABELS:
+            continue  # a soak's hundred labels would be ink, not text: the colours and the legend say it
         lift = lift + 1 if r.started_s - last_label_s < 0.11 * max(end_s, 1.0) else 0  # stack labels that collide
         last_label_s = r.started_s
         top.text(r.started_s, 1.01 + 0.065 * (lift % 3), f"{r.fault.kind} {r.fault.target}",
                  transform=top.get_xaxis_transform(), fontsize=7, color=color, ha="left", va="bottom")
-        used.add(r.fault.kind)
     top.set_ylabel("fragment version")
     handles, _ = top.get_legend_handles_labels()
     handles += [Patch(color=KIND_COLORS[k], label=str(k)) for k in FaultKind if k in used]

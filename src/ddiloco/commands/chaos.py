@@ -3,9 +3,10 @@
 It runs what ``ddiloco run --runtime processes`` runs (a synchronizer and M learner
 processes, each learner behind a fault-injecting proxy), kills, freezes and cuts them on a
 seeded schedule or a schedule file, watches the synchronizer, then runs the same
-configuration without faults as the baseline. Exit code 0 when the run completed, every
-learner not deliberately left down was alive at the end, and the global model never stood
-still longer than one grace window plus one lease; 1 otherwise, naming the property.
+configuration without faults to the same number of tokens as the baseline. Exit code 0
+when the run completed, every learner not deliberately left down was alive at the end, and
+the global model never stood still longer than one grace window plus one lease; 1
+otherwise, naming the property.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="faults from this file ([[fault]] tables: time, fault, target, duration) instead of "
                         "the seeded schedule")
     parser.add_argument("--no-baseline", action="store_true",
-                        help="skip the same run without faults (its eval loss is the comparison)")
+                        help="skip the same run without faults, trained to the same number of tokens (its eval "
+                        "loss is the comparison)")
+    parser.add_argument("--min-step-s", type=float, default=0.0, metavar="SECONDS",
+                        help="pad every learner's inner step to at least this long, in the run and its baseline "
+                        "(leaves CPU for restarts when many processes share a small machine)")
     parser.add_argument("--out", metavar="DIR", help="output directory (default runs/chaos)")
     add_device_option(parser)
     parser.set_defaults(func=run)
@@ -68,6 +73,8 @@ def chaos_config(args: argparse.Namespace) -> Config:
     """The run's configuration: the workload options and a time budget of --time plus --settle seconds."""
     if not math.isfinite(args.time) or args.time <= 0:
         raise ConfigError(f"--time must be a positive number of seconds, got {args.time}")
+    if not math.isfinite(args.min_step_s) or args.min_step_s < 0:
+        raise ConfigError(f"--min-step-s must be a number of seconds >= 0, got {args.min_step_s}")
     config = config_from_args(args)
     if config.run.learners < 2:
         raise ConfigError(f"ddiloco chaos needs at least 2 learners, got {config.run.learners} "
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     out = prepare_out(args.out or "runs/chaos")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: children are killed
     try:
-        return _run(config, out, faults, window_s, device, args.no_baseline)
+        return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -107,11 +114,12 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, no_baseline: bool) -> int:
+def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
+         no_baseline: bool) -> int:
     console.print(f"ddiloco chaos: {len(faults)} faults in {window_s:.0f}s, run budget {config.run.time_s:.0f}s "
                   f"after the first join, M={config.run.learners}, seed {config.run.seed}; logs in {out}/logs")
     with Live(_live_view(None), console=console, refresh_per_second=4, transient=False) as live:
-        chaos = ChaosRun(config, out, faults, window_s=window_s, device=device,
+        chaos = ChaosRun(config, out, faults, window_s=window_s, device=device, min_step_s=min_step_s,
                          on_sample=lambda state: live.update(_live_view(state)),
                          on_event=lambda text: live.console.print(text))
         outcome = chaos.run()
@@ -119,10 +127,17 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
     if not no_baseline and outcome.completed:
         from ddiloco.runtime.launcher import run_processes
 
-        with progress_bar(f"baseline (no faults) M={config.run.learners}") as progress:
-            summary, _ = run_processes(config, out / "baseline", progress, device=device)
+        # The same number of tokens, not the same time: the budget's clock stops while the synchronizer
+        # is down, and learners train on meanwhile (work the rollback discards), so at equal time the
+        # faulty run would have trained more and the comparison would flatter it.
+        tokens = int(outcome.final_status["tokens"])
+        same_tokens = replace(config, run=replace(config.run, tokens=tokens, time_s=0.0)).validate()
+        with progress_bar(f"baseline (no faults, {tokens:,} tokens) M={config.run.learners}") as progress:
+            summary, _ = run_processes(same_tokens, out / "baseline", progress, device=device,
+                                       min_step_s=min_step_s)
         baseline = {"eval_loss": summary["eval_loss"], "tokens": summary["tokens"]}
-    report = build_report(outcome, config, window_s=window_s, seed=config.run.seed, baseline=baseline)
+    report = build_report(outcome, config, window_s=window_s, seed=config.run.seed, baseline=baseline,
+                          min_step_s=min_step_s)
     path = write_report(out, report)
     plot_timeline(out / "chaos.png", outcome, config.run.learners,
                   title=f"ddiloco chaos: M={config.run.learners}, seed {config.run.seed}, "

@@ -151,10 +151,15 @@ def sync_command(files: RunFiles, shard: int, *, port: int = 0, http_port: int |
             *(["--resume"] if resume else [])]
 
 
-def learner_command(addresses: list[str], learner_id: str, threads: int, device: str) -> list[str]:
-    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order)."""
+def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
+                    min_step_s: float = 0.0) -> list[str]:
+    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
+
+    ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
+    for restarts when chaos runs many processes on a small machine.
+    """
     return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
-            "--device", device]
+            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else [])]
 
 
 def learner_threads(learners: int) -> int:
@@ -200,8 +205,10 @@ def run_processes(
     *,
     timeout_s: float | None = None,
     device: str = "cpu",
+    min_step_s: float = 0.0,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1 (learners train on ``device``).
+    """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1 (learners train on ``device``,
+    each inner step padded to at least ``min_step_s``).
 
     Writes the children's logs to ``out/logs`` and the synchronizer's checkpoints to
     ``out/sync-state`` (``sync-state-<i>`` per shard when ``protocol.shards`` > 1: one
@@ -227,7 +234,7 @@ def run_processes(
         client = ShardedClient(addresses)
         evaluator = GlobalEvaluator(config, client)
         for i in range(m):
-            procs.start(f"learner-{i}", learner_command(addresses, f"learner-{i}", threads, device),
+            procs.start(f"learner-{i}", learner_command(addresses, f"learner-{i}", threads, device, min_step_s),
                         env={"OMP_NUM_THREADS": str(threads)})
 
         def evaluate(status: dict[str, Any]) -> dict[str, Any]:
