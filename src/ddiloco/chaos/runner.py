@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,7 @@ class ChaosRun:
     """One run of the cluster in ``out`` with ``faults`` injected; :meth:`run` returns what was observed."""
 
     def __init__(self, config: Config, out: Path, faults: list[Fault], *, window_s: float, device: str,
+                 min_step_s: float = 0.0,
                  on_sample: Callable[[LiveState], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
         if config.protocol.shards != 1:
@@ -175,6 +177,7 @@ class ChaosRun:
         self.out = out
         self.window_s = window_s
         self.device = device
+        self.min_step_s = min_step_s
         self.on_sample = on_sample
         self.on_event = on_event or (lambda text: None)
         self.records = [FaultRecord(f) for f in faults]
@@ -218,7 +221,7 @@ class ChaosRun:
                 name = learner_name(i)
                 link = proxies.add(name, port)
                 cluster.learner_cmds[name] = learner_command([f"127.0.0.1:{link}"], name, cluster.threads,
-                                                             self.device)
+                                                             self.device, self.min_step_s)
                 cluster.start_learner(name)
             self._address = f"127.0.0.1:{port}"
             client = ShardedClient([self._address])
@@ -245,7 +248,7 @@ class ChaosRun:
                     failure = f"the run did not finish within {FINISH_SLACK_S:.0f}s of its budget"
                     break
                 if self.on_sample is not None:
-                    self.on_sample(self._live(status, procs, status_url))
+                    self.on_sample(self._live(status, status_url))
                 time.sleep(POLL_S)
             eval_loss = None
             if not failure:
@@ -255,7 +258,7 @@ class ChaosRun:
                     if procs.running(name):
                         try:
                             procs.children[name].wait(30)
-                        except Exception:  # noqa: BLE001 - a learner slow to leave is stopped below
+                        except subprocess.TimeoutExpired:  # a learner slow to leave is stopped
                             procs.stop(name)
                 procs.stop(sync)
             return ChaosOutcome(
@@ -340,7 +343,7 @@ class ChaosRun:
                     f"; {crashed}:\n{procs.tail(crashed)}" if crashed else "")
         return ""
 
-    def _live(self, status: dict[str, Any], procs: Processes, status_url: str) -> LiveState:
+    def _live(self, status: dict[str, Any], status_url: str) -> LiveState:
         done = collections.Counter(str(r.fault.kind) for r in self.records if r.started_s is not None and not r.skipped)
         return LiveState(
             clock_s=self.clock_s(),
