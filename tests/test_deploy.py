@@ -13,14 +13,13 @@ Where the command lines come from:
   and ``scancel`` first on PATH and the variables Slurm sets given plausible values; the
   ``srun`` stub records its argv and runs the rest, so the recorded command lines are the
   script's after the shell has expanded every variable, array and loop.
-- docs/deploy.md: lines of fenced code blocks that start with ``ddiloco``.
+- docs/deploy.md: tests/test_docs_commands.py, with the other pages.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import os
 import re
 import shlex
@@ -31,43 +30,15 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from ddiloco.cli import build_parser
+from cli_lines import _parser, check_command
 from ddiloco.commands.options import config_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERNETES = REPO / "deploy" / "kubernetes"
 SBATCH = REPO / "deploy" / "slurm" / "ddiloco.sbatch"
-DOCS = REPO / "docs" / "deploy.md"
 
 
 # ---- the checker ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _parser() -> argparse.ArgumentParser:
-    return build_parser()
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    return action.choices
-
-
-def check_command(argv: list[str]) -> argparse.Namespace:
-    """``ddiloco`` arguments (without the program name), parsed; AssertionError when the CLI
-    would refuse them, or when a flag is not spelled exactly as defined (argparse accepts
-    unambiguous abbreviations, which would hide a renamed flag)."""
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as stop:
-        raise AssertionError(f"ddiloco refuses `ddiloco {shlex.join(argv)}` (exit code {stop.code})") from None
-    sub = _subcommands(parser)[argv[0]]
-    defined = {flag for action in sub._actions for flag in action.option_strings}  # noqa: SLF001
-    for token in argv[1:]:
-        if token.startswith("--") and token.split("=", 1)[0] not in defined:
-            raise AssertionError(f"`ddiloco {argv[0]}` has no flag {token.split('=', 1)[0]} (abbreviated?)")
-    return args
 
 
 def ddiloco_argv(command: list[str]) -> list[str] | None:
@@ -403,28 +374,3 @@ def test_a_broken_slurm_script_is_caught(tmp_path):
     assert code == 0, stderr  # bash does not know; the checker does
     with pytest.raises(AssertionError, match="--state-directory"):
         slurm_commands(recorded)
-
-
-# ---- docs ----------------------------------------------------------------------------------
-
-
-def test_command_lines_in_the_deploy_docs_are_accepted():
-    lines, in_block = [], False
-    for line in DOCS.read_text().splitlines():
-        if line.lstrip().startswith("```"):
-            in_block = not in_block
-        elif in_block:
-            if lines and lines[-1].endswith("\\"):
-                lines[-1] = lines[-1][:-1] + " " + line.strip()
-            else:
-                lines.append(line.strip())
-    commands = []
-    for line in lines:  # `ddiloco ...`, and `kubectl exec POD -- ddiloco ...`
-        tokens = shlex.split(line, comments=True)
-        if tokens[:1] == ["ddiloco"]:
-            commands.append(tokens[1:])
-        elif "--" in tokens and tokens[tokens.index("--") + 1:][:1] == ["ddiloco"]:
-            commands.append(tokens[tokens.index("--") + 2:])
-    assert len(commands) >= 4
-    for argv in commands:
-        check_command(argv)
