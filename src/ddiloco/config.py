@@ -268,16 +268,21 @@ def _coerce(key: str, value: Any, hint: Any, origin: str) -> Any:
     return value
 
 
-def load_toml(config: Config, path: str | Path) -> Config:
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file's tables; a missing, unreadable or malformed ``what`` file is one ConfigError."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {path}: {err}") from None
+        raise ConfigError(f"cannot read {what} file {path}: {err}") from None
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+        raise ConfigError(f"{what} file {path} is not valid TOML: {err}") from None
+
+
+def load_toml(config: Config, path: str | Path) -> Config:
+    data = read_toml(path, "config")
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")

@@ -22,11 +22,11 @@ from __future__ import annotations
 import enum
 import math
 import random
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddiloco.config import read_toml
 from ddiloco.errors import ConfigError
 
 SYNC_TARGET = "sync"
@@ -142,14 +142,7 @@ def check_targets(faults: list[Fault], learners: int, window_s: float) -> None:
 def load_schedule(path: str | Path) -> list[Fault]:
     """Read a schedule file; any mistake is one ConfigError naming the file and the entry."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"schedule file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read schedule file {path}: {err}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"schedule file {path} is not valid TOML: {err}") from None
+    data = read_toml(path, "schedule")
     extra = sorted(set(data) - {"fault"})
     if extra:
         raise ConfigError(f"schedule file {path}: unknown top-level key {extra[0]!r} (expected [[fault]] tables)")
