@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins, write_events
 from ddiloco.chaos.runner import ChaosOutcome, FaultRecord, Sample, SyncRestart
 from ddiloco.chaos.schedule import Fault, FaultKind
 from ddiloco.config import build_config
@@ -47,6 +49,11 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
     assert report["rejoins"] == 2 and report["learners_alive_at_end"] == 2 and report["violations"] == []
     plot_timeline(tmp_path / "chaos.png", outcome(tmp_path, samples, [kill], [restart]), 2, title="t")
     assert (tmp_path / "chaos.png").stat().st_size > 0
+    write_events(tmp_path, samples)  # what tensorboard --logdir shows: the samples, step = tokens
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("fragment_versions/1")] == [(0, 0), (100, 5), (600, 4), (800, 8)]
+    assert [e.value for e in events.Scalars("learners_alive")] == [2, 2, 2, 2]
 
 
 def test_each_broken_property_is_named(tmp_path) -> None:

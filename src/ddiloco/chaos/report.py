@@ -13,6 +13,7 @@ from rich.table import Table
 from ddiloco.chaos.runner import ChaosOutcome, Sample
 from ddiloco.chaos.schedule import SYNC_TARGET, FaultKind, learner_name
 from ddiloco.config import Config
+from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
 JOINED = re.compile(r"learner (\S+) joined \(")
 """The synchronizer's log line for every registration (first joins and rejoins, every incarnation)."""
@@ -123,6 +124,15 @@ def violations(report: dict[str, Any], failure: str) -> list[str]:
         found.append(f"longest pause without a merge {report['longest_pause_s']:.2f}s exceeds the bound "
                      f"{report['pause_bound_s']:.2f}s (grace window + lease)")
     return found
+
+
+def write_events(out: Path, samples: list[Sample]) -> None:
+    """The polled status as a TensorBoard event file beside chaos.json, like a run's metrics rows:
+    step = tokens merged, time = seconds after the first join (tokens go back after a
+    synchronizer crash, as the global model does)."""
+    write_run_events(out, [{STEP_KEY: s.tokens, TIME_KEY: s.t_s, "fragment_versions": list(s.versions),
+                            "learners_alive": sum(s.alive.values()), "grace_window_s": s.grace_window_s,
+                            "longest_pause_s": s.longest_pause_s} for s in samples if s.t_s >= 0])
 
 
 def write_report(out: Path, report: dict[str, Any]) -> Path:

@@ -21,7 +21,7 @@ from types import FrameType
 from rich.live import Live
 from rich.table import Table
 
-from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_report
+from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_events, write_report
 from ddiloco.chaos.runner import ChaosRun, LiveState
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
 from ddiloco.commands.display import console, print_table, progress_bar
@@ -139,12 +139,13 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
     report = build_report(outcome, config, window_s=window_s, seed=config.run.seed, baseline=baseline,
                           min_step_s=min_step_s)
     path = write_report(out, report)
+    write_events(out, outcome.samples)
     plot_timeline(out / "chaos.png", outcome, config.run.learners,
                   title=f"ddiloco chaos: M={config.run.learners}, seed {config.run.seed}, "
                   f"{sum(report['faults'].values())} faults, longest pause {report['longest_pause_s']:.2f}s "
                   f"(bound {report['pause_bound_s']:.2f}s)")
     print_table(report_table(report, title=f"ddiloco chaos (seed {config.run.seed})"))
-    console.print(f"wrote {path}, {out / 'chaos.png'}")
+    console.print(f"wrote {path}, {out / 'chaos.png'} and TensorBoard events")
     for violation in report["violations"]:
         console.print(f"ddiloco: chaos: {violation}", markup=False, highlight=False)
     return 1 if report["violations"] else 0
