@@ -324,3 +324,57 @@ def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
             assert min(client.fetch_state().versions()) >= 1
     finally:
         s.close()
+
+
+def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledgers(inproc_sync):
+    """Issue 12's findings 1-4 and 8 against a live service: each message is refused with its
+    reason and the run goes on merging an honest learner's work."""
+    from runtime_helpers import wait_for
+
+    from ddiloco.runtime import wire
+
+    config = tiny()
+    s = inproc_sync(config, ServiceOptions(token=TOKEN))
+    sync = s.service
+    client = SyncClient(f"127.0.0.1:{s.port}", token=TOKEN)
+    session = client.join(Join("intruder", "boot")).state.session
+    numel0 = sync.layout.plan.fragments[0].numel
+    payload = get_codec("int4").encode(torch.full((numel0,), 1e-3))
+
+    def chunk(**header):
+        fields = dict(learner_id="intruder", session=wire.session_to_pb(session), fragment=0, tokens=256, steps=1,
+                      compute_s=0.01, step_time_s=0.01, codec="int4", payload_bytes=len(payload))
+        return [pb.ContributionChunk(header=pb.ContributionHeader(**{**fields, **header}), data=payload)]
+
+    def beat(learner_id, tokens, steps=1):
+        return pb.HeartbeatRequest(learner_id=learner_id, session=wire.session_to_pb(session),
+                                   progress=pb.Progress(boot="boot", tokens=tokens, steps=steps))
+
+    malformed = [
+        lambda: client.contribute_chunks(chunk(tokens=0)),  # 1: froze every merge
+        lambda: client.contribute_chunks(chunk(compute_s=1e300)),  # 7: goodput 1e298
+        lambda: client.contribute_chunks(chunk(step_time_s=-1e300)),  # 7: grace window forced to 0
+        lambda: client._call(client.stub.Heartbeat, beat("intruder", 2**64 - 1, 2**63)),  # 3: int64 overflow
+        lambda: client._call(client.stub.Heartbeat, beat("x" * 100_000, 1)),  # 4, 5, 8: megabyte ids
+        lambda: client.contribute_chunks(chunk(learner_id="y" * 100_000)),
+    ]
+    for call in malformed:
+        err = refused(call)
+        assert err.reason == "malformed", err.detail
+        assert len(err.detail) < 1000  # the reason survives a standard client's metadata limit
+    # 2: a heartbeat from no registered session, claiming a run's worth of tokens.
+    assert refused(lambda: client._call(client.stub.Heartbeat, beat("ghost", 10**9, 10**6))).reason == "unknown_learner"
+    status = client.status_dict()
+    assert status["tokens"] == 0 and status["rejections"] == {"malformed": 6, "unknown_learner": 1}
+    assert all(len(lr["id"]) < 100 for lr in status["learners"])
+    assert all(len(str(row[0])) < 100 for row in sync.ledger.state_dict())
+
+    # The honest learner's work is still merged: the core host's timer is alive.
+    workload = Workload.build(config)
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0", token=TOKEN)
+    _train(runtime, workload, model, 0, 3 * config.protocol.period)
+    runtime.close()
+    # The intruder holds a lease and never contributes: the rounds close when their grace window ends.
+    wait_for(lambda: all(f["version"] >= 1 for f in client.status_dict()["fragments"]), "every fragment to merge")
+    client.close()

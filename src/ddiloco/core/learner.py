@@ -40,6 +40,7 @@ from ddiloco.core.messages import (
     Heartbeat,
     Join,
     Leave,
+    MAX_TOKENS_PER_STEP,
     Progress,
     RejectReason,
     Request,
@@ -254,6 +255,8 @@ class Learner:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
         if not self.joined or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED, LearnerPhase.IDLE):
             raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")
+        if not 1 <= tokens <= MAX_TOKENS_PER_STEP:
+            raise ValueError(f"a step trains 1..{MAX_TOKENS_PER_STEP} tokens, got {tokens}")
         self.step += 1
         self._tokens_total += tokens
         self.step_time.add(duration_s)

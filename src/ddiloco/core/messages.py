@@ -15,10 +15,32 @@ that is no longer current.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
+
+# Bounds on what a message may claim. Anything beyond them comes from a bug or a hostile
+# member, and would otherwise reach counters, ledgers, checkpoints and status replies.
+MAX_ID_CHARS = 128
+"""Learner and boot ids: printable ASCII without spaces, at most this long."""
+MAX_COUNT = 2**48
+"""Tokens and steps a message may claim (cumulative or per contribution): far beyond any run,
+and sums of many of them still fit the wire's 64-bit integers."""
+MAX_TOKENS_PER_STEP = 2**24
+"""Tokens one inner step may claim (16M: a very large global batch)."""
+MAX_INDEX = 2**62
+"""Sequence numbers, versions, fragment indices."""
+MAX_STEP_TIME_S = 3600.0
+"""A step time the grace window may learn from."""
+MAX_COMPUTE_S = 1e7
+"""Compute seconds one contribution may claim (goodput accounting)."""
+
+
+def check_id(value: str, what: str) -> None:
+    """ValueError unless ``value`` is a plausible id (it becomes a key of registries and ledgers)."""
+    if not value or len(value) > MAX_ID_CHARS or not (value.isascii() and value.isprintable()) or " " in value:
+        raise ValueError(f"{what} must be 1..{MAX_ID_CHARS} printable ASCII characters without spaces, "
+                         f"got {value[:40]!r}{'...' if len(value) > 40 else ''}")
 
 
 class RejectReason(enum.StrEnum):
@@ -91,10 +113,11 @@ class Progress:
     steps: int = 0
 
     def __post_init__(self) -> None:
-        if not self.boot:
-            raise ValueError("progress without boot id")
-        if self.tokens < 0 or self.steps < 0:
-            raise ValueError(f"negative progress: tokens={self.tokens} steps={self.steps}")
+        check_id(self.boot, "boot id")
+        if not (0 <= self.tokens <= MAX_COUNT and 0 <= self.steps <= MAX_COUNT):
+            raise ValueError(f"progress out of range: tokens={self.tokens} steps={self.steps}")
+        if self.tokens > self.steps * MAX_TOKENS_PER_STEP:
+            raise ValueError(f"progress claims {self.tokens} tokens in {self.steps} steps")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +128,8 @@ class Join:
     boot: str
 
     def __post_init__(self) -> None:
-        if not self.learner_id or not self.boot:
-            raise ValueError("join without learner id or boot id")
+        check_id(self.learner_id, "learner id")
+        check_id(self.boot, "boot id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +141,7 @@ class Heartbeat:
     progress: Progress
 
     def __post_init__(self) -> None:
-        if not self.learner_id:
-            raise ValueError("heartbeat without learner id")
+        check_id(self.learner_id, "learner id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +151,9 @@ class Leave:
     learner_id: str
     session: Session
     progress: Progress
+
+    def __post_init__(self) -> None:
+        check_id(self.learner_id, "learner id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,14 +182,15 @@ class Contribution:
     """The learner's cumulative progress, reported on the way (the budget)."""
 
     def __post_init__(self) -> None:
-        if not self.learner_id:
-            raise ValueError("contribution without learner id")
-        if self.fragment < 0 or self.base_version < 0 or self.seq < 0:
-            raise ValueError("negative fragment, version or seq")
-        if self.tokens < 0 or self.steps < 1:
+        check_id(self.learner_id, "learner id")
+        if not all(0 <= v < MAX_INDEX for v in (self.fragment, self.base_version, self.seq, self.first_step)):
+            raise ValueError("fragment, version, seq or first step out of range")
+        # A contribution without tokens would have no weight in the merge: refuse it here,
+        # before it can be accepted into a round that then has nothing to weigh.
+        if not (1 <= self.steps <= MAX_COUNT and 1 <= self.tokens <= self.steps * MAX_TOKENS_PER_STEP):
             raise ValueError(f"bad counters: tokens={self.tokens} steps={self.steps}")
-        if not (math.isfinite(self.compute_s) and math.isfinite(self.step_time_s)):
-            raise ValueError("non-finite timing")
+        if not (0.0 <= self.compute_s <= MAX_COMPUTE_S and 0.0 <= self.step_time_s <= MAX_STEP_TIME_S):
+            raise ValueError(f"timing out of range: compute_s={self.compute_s} step_time_s={self.step_time_s}")
 
     @property
     def last_step(self) -> int:

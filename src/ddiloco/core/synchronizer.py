@@ -274,24 +274,28 @@ class Synchronizer:
         )
         return [Admitted(join.learner_id, state, stop=self._stopping)]
 
+    # Progress is cumulative per boot, so it is counted only from messages that are accepted:
+    # a refused one's tokens come again with the learner's next accepted message, and a
+    # message from no registered session can never move the budget.
+
     def _heartbeat(self, beat: Heartbeat, now: float) -> list[SyncAction]:
-        self._run.report(beat.learner_id, beat.progress)
         rec = self._registry.check(beat.learner_id, beat.session)
+        self._run.report(beat.learner_id, beat.progress)
         self._registry.renew(rec, now)
         return [Accepted(beat.learner_id, beat, stop=self._stopping)]
 
     def _leave(self, leave: Leave, now: float) -> list[SyncAction]:
-        self._run.report(leave.learner_id, leave.progress)
         rec = self._registry.check(leave.learner_id, leave.session)
+        self._run.report(leave.learner_id, leave.progress)
         rec.lease_until_s = now  # stop waiting for it now rather than when its lease runs out
         return [Accepted(leave.learner_id, leave, stop=self._stopping), *self._tick(now)]
 
     def _contribute(self, c: Contribution, now: float) -> list[SyncAction]:
-        self._run.report(c.learner_id, c.progress)
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session)
         norm = self._validate(c, rec.last_seq)
+        self._run.report(c.learner_id, c.progress)
         rec.last_seq[c.fragment] = c.seq
         rec.accepted += 1
         rec.step_time_s = c.step_time_s

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from ddiloco.core.actions import Refused
-from ddiloco.core.messages import Contribution, RejectReason
+from ddiloco.core.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, token_matches
 from ddiloco.runtime.metrics import ByteLedger, ServiceMetrics
@@ -39,6 +39,14 @@ STATUS_CODES = {
 """gRPC status per rejection reason; everything else is INVALID_ARGUMENT."""
 
 M = TypeVar("M", bound=Message)
+
+
+def _check_learner(learner_id: str) -> None:
+    """An id becomes a key of the byte ledger, the rejection counts and checkpoints: only plausible ones."""
+    try:
+        check_id(learner_id, "learner id")
+    except ValueError as err:
+        raise Abort(RejectReason.MALFORMED, str(err)) from None
 
 
 class Abort(Exception):
@@ -81,6 +89,7 @@ class Boundary:
         self.admit(context)
         request = self.parse(message_type, raw)
         if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
+            _check_learner(request.learner_id)
             self.count_in(request.learner_id, -1, len(raw))
         return request
 
@@ -122,6 +131,7 @@ class Boundary:
                     if not chunk.HasField("header"):
                         raise Abort(RejectReason.CHUNK_ASSEMBLY, "the first chunk carries no header")
                     header = chunk.header
+                    _check_learner(header.learner_id)
                     learner, fragment = header.learner_id, int(header.fragment)
                     if header.payload_bytes > self.max_payload:
                         raise Abort(RejectReason.TOO_LARGE, f"{header.payload_bytes} payload bytes, at most "

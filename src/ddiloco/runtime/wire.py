@@ -55,7 +55,7 @@ def progress_to_pb(progress: Progress) -> pb.Progress:
 
 
 def progress_from_pb(msg: pb.Progress) -> Progress | None:
-    return Progress(msg.boot, int(msg.tokens), int(msg.steps)) if msg.boot else None
+    return _checked(Progress, msg.boot, int(msg.tokens), int(msg.steps)) if msg.boot else None
 
 
 def _checked(build: Any, *args: Any, **kwargs: Any) -> Any:
