@@ -378,3 +378,22 @@ def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledg
     # The intruder holds a lease and never contributes: the rounds close when their grace window ends.
     wait_for(lambda: all(f["version"] >= 1 for f in client.status_dict()["fragments"]), "every fragment to merge")
     client.close()
+
+
+def test_a_timer_that_fails_is_logged_and_stops_the_service_loudly(inproc_sync, caplog):
+    """Finding 1's second half: a failure in the core host's timer used to end it without a
+    log line, leaving a service that answered but never expired a lease or closed a round."""
+    from runtime_helpers import wait_for
+
+    s = inproc_sync(tiny())
+    host = s.service.host
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a bug in the core")
+
+    s.service.core.next_deadline = broken  # the fault: the next question the timer asks raises
+    with caplog.at_level("CRITICAL", logger="ddiloco.sync"):
+        s.loop.call_soon_threadsafe(host._wake.set)
+        wait_for(lambda: host.crashed.is_set(), "the host to report its failure")
+    assert isinstance(host.failure, RuntimeError)
+    assert any("timer failed" in r.getMessage() and r.exc_info for r in caplog.records)

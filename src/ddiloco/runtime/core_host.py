@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, TypeVar
@@ -41,6 +42,8 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.streams import UpdateStreams
+
+log = logging.getLogger("ddiloco.sync")
 
 T = TypeVar("T")
 TIMER_MAX_WAIT_S = 1.0
@@ -69,6 +72,9 @@ class SyncHost:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self._timer: asyncio.Task | None = None
         self._stopped = False
+        self.failure: BaseException | None = None
+        """What broke the timer, if anything: the service stops loudly rather than serve a core that no longer ticks."""
+        self.crashed = asyncio.Event()
 
     async def query(self, fn: Callable[[Synchronizer], T]) -> T:
         """Run a read-only question to the core on its thread."""
@@ -118,15 +124,20 @@ class SyncHost:
         self._timer = asyncio.ensure_future(self._timer_loop())
 
     async def _timer_loop(self) -> None:
-        while not self._stopped:
-            deadline = await self.query(lambda core: core.next_deadline())
-            now = self.clock()
-            wait_s = TIMER_MAX_WAIT_S if deadline is None else min(TIMER_MAX_WAIT_S, max(0.0, deadline - now))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait_s)
-            self._wake.clear()
-            if not self._stopped:
-                await self.handle(Tick())
+        try:
+            while not self._stopped:
+                deadline = await self.query(lambda core: core.next_deadline())
+                now = self.clock()
+                wait_s = TIMER_MAX_WAIT_S if deadline is None else min(TIMER_MAX_WAIT_S, max(0.0, deadline - now))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait_s)
+                self._wake.clear()
+                if not self._stopped:
+                    await self.handle(Tick())
+        except Exception as err:  # a bug: without the timer no lease expires and no grace window closes
+            log.critical("the synchronizer's timer failed; stopping without a final checkpoint", exc_info=True)
+            self.failure = err
+            self.crashed.set()
 
     async def stop_timer(self) -> None:
         # A flag, not only cancel(): asyncio.wait_for in Python 3.11 can swallow a cancellation

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from ddiloco.core.kernels import compile_kernels
-from ddiloco.errors import ConfigError
+from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.service import SyncService
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
@@ -79,9 +79,9 @@ async def serve(service: SyncService, listen: Address, *, credentials: grpc.Serv
         tmp.write_text(f"{port}\n")
         os.replace(tmp, port_file)
     try:
-        waits = [asyncio.ensure_future(server.closing.wait())]
+        assert service.host is not None
+        waits = [asyncio.ensure_future(server.closing.wait()), asyncio.ensure_future(service.host.crashed.wait())]
         if exit_when_finished:
-            assert service.host is not None
             waits.append(asyncio.ensure_future(service.host.finished.wait()))
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
@@ -89,13 +89,19 @@ async def serve(service: SyncService, listen: Address, *, credentials: grpc.Serv
     finally:
         log.info("shutting down")
         await server.stop()
+    if service.host.failure is not None:
+        raise DdilocoError(f"the synchronizer's core failed ({service.host.failure!r}); the log has the traceback; "
+                           "restart with --resume from the last checkpoint")
 
 
 def _dump_tasks() -> None:
     """``kill -USR2 PID``: log where every asyncio task of the service is waiting."""
     for task in asyncio.all_tasks():
         out = io.StringIO()
-        task.print_stack(file=out)
+        try:
+            task.print_stack(file=out)
+        except TypeError:  # a task of grpc's compiled coroutines has no Python frames to print
+            out.write(repr(task))
         log.warning("task %s:\n%s", task.get_name(), out.getvalue())
 
 

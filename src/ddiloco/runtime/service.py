@@ -426,7 +426,8 @@ class SyncService:
         """Stop the timer, write the final checkpoint, close every stream, stop the host."""
         if self.host is not None:
             await self.host.stop_timer()
-            await self.checkpoint()
+            if self.host.failure is None:  # a core that failed mid-event may hold half an update
+                await self.checkpoint()
             self.streams.close_all()
             await self.host.stop()
         if self.state_dir is not None:
