@@ -23,6 +23,14 @@ from ddiloco.errors import ConfigError
 from ddiloco.workload.model import ModelConfig
 
 MODES = tuple(m.value for m in Mode)
+MAX_SEED = 2**63 - 1
+"""Seeds are non-negative 64-bit signed integers: what torch's and numpy's generators all take."""
+
+
+def check_seed(seed: int, what: str) -> None:
+    """A seed out of range stops with one line naming it (rather than a traceback from deep in numpy or torch)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"{what} must be an integer from 0 to 2**63 - 1, got {seed}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,6 +180,7 @@ class RunConfig:
             raise ConfigError(f"run.mode: unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if self.learners < 1:
             raise ConfigError(f"run.learners must be >= 1, got {self.learners}")
+        check_seed(self.seed, "run.seed")
         if self.tokens < 0:
             raise ConfigError(f"run.tokens must be >= 0, got {self.tokens}")
         if self.time_s < 0:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 from dataclasses import replace
 from pathlib import Path
-from types import FrameType
 
 from rich.live import Live
 from rich.table import Table
@@ -25,6 +23,7 @@ from ddiloco.chaos.report import build_report, plot_timeline, report_table, writ
 from ddiloco.chaos.runner import ChaosRun, LiveState
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
 from ddiloco.commands.display import console, print_table, progress_bar
+from ddiloco.commands.interrupt import sigterm_as_interrupt
 from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
@@ -103,15 +102,8 @@ def run(args: argparse.Namespace) -> int:
                                  fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed)
     device = str(resolve_device(args.device))
     out = prepare_out(args.out or "runs/chaos")
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: children are killed
-    try:
+    with sigterm_as_interrupt():  # children are killed as on Ctrl-C
         return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
