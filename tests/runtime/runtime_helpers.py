@@ -140,6 +140,7 @@ class Honest:
         self.runtime = LearnerRuntime(self.model, f"127.0.0.1:{port}", name,
                                       tokens_per_step=self.workload.tokens_per_step, **credentials)
         self.index = index
+        self.error: Exception | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._train, daemon=True)
         self.thread.start()
@@ -147,10 +148,13 @@ class Honest:
     def _train(self) -> None:
         trainer = self.workload.new_trainer(self.model)
         sampler = self.workload.sampler(self.index)
-        while not self.stop.is_set() and not self.runtime.should_stop:
-            x, y = sampler.next_batch()
-            trainer.step(x, y)
-            self.runtime.step(tokens=x.numel())
+        try:
+            while not self.stop.is_set() and not self.runtime.should_stop:
+                x, y = sampler.next_batch()
+                trainer.step(x, y)
+                self.runtime.step(tokens=x.numel())
+        except Exception as err:  # what a user's loop would see: the test reads it from ``error``
+            self.error = err
 
     def close(self) -> None:
         self.stop.set()

@@ -247,3 +247,27 @@ def test_metrics_are_served_on_the_services_interface_and_behind_its_token_beyon
         for server in (local, wide):
             server.shutdown()
             server.server_close()
+
+
+def test_a_learner_replaced_by_a_later_process_of_its_id_stops_with_one_clear_error(inproc_sync):
+    """Finding 7: under Slurm an orphaned worker and its restart took one learner id back from each
+    other about 104 times in 11 s. The earlier process must stop, not register again."""
+    from ddiloco.errors import DdilocoError
+
+    config = tiny()
+    s = inproc_sync(config)
+    orphan = Honest(config, s.port, "learner-0", 0)
+    wait_for(lambda: orphan.runtime.stats.contributions_sent >= 1, "the first process's work")
+    restart = Honest(config, s.port, "learner-0", 0)
+    orphan.thread.join(90)
+    assert not orphan.thread.is_alive() and isinstance(orphan.error, DdilocoError)  # its loop ended with it
+    with pytest.raises(DdilocoError, match="another process registered as learner 'learner-0'"):
+        orphan.runtime.step(tokens=1)
+    joins = orphan.runtime.stats.joins
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        (me,) = [lr for lr in client.status_dict()["learners"] if lr["id"] == "learner-0"]
+        assert me["registrations"] == 2 and me["alive"] and client.status_dict()["rejections"]["replaced"] >= 1
+        start = versions(client)
+        wait_for(lambda: min(v - v0 for v, v0 in zip(versions(client), start)) >= 1, "the restart's merges")
+    assert orphan.runtime.stats.joins == joins == 1  # it never took the id back
+    restart.close()

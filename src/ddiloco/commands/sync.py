@@ -87,14 +87,14 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, protocol=replace(config.protocol, shards=shards)).validate()
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
-    credentials = load_credentials(args.credentials)
-    require_token_beyond_loopback(listen, token, credentials)
+    secrets = load_credentials(args.credentials)
+    require_token_beyond_loopback(listen, token, secrets)
     credentials = server_credentials(args.tls_cert, args.tls_key)
     options = ServiceOptions(
         state_dir=Path(args.state_dir) if args.state_dir else None,
         resume=args.resume,
         token=token,
-        credentials=credentials,
+        credentials=secrets,
         checkpoint_every_rounds=max(1, args.checkpoint_every_rounds),
         checkpoint_every_s=args.checkpoint_every,
         shard=shard,

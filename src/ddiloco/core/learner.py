@@ -398,7 +398,10 @@ class Learner:
         reason = RejectReason(reason)
         if reason in FATAL:
             self.phase = LearnerPhase.FAILED
-            self.failure = Fail(reason, f"the synchronizer refused {type(request).__name__}: {reason}")
+            why = (f"another process registered as learner {self.learner_id!r} after this one, which stops "
+                   "(is an older copy of it still running?)" if reason is RejectReason.REPLACED else
+                   f"the synchronizer refused {type(request).__name__}: {reason}")
+            self.failure = Fail(reason, why)
             for link in self.links:
                 link.quiet()
             return [self.failure]

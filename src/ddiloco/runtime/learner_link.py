@@ -34,6 +34,7 @@ from typing import Any, Callable
 from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import RejectReason, Request, Session
+from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import AuthenticationError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
 
@@ -110,7 +111,7 @@ class LearnerLink:
             elif isinstance(action, (SendJoin, SendHeartbeat)):
                 self.channels[action.shard].control(action)
             elif isinstance(action, Fail):
-                self.fail(RuntimeError(action.detail))
+                self.fail(DdilocoError(action.detail))  # one line for the user, never retried
             elif isinstance(action, SendLeave):
                 self._leaves.append(action)  # once the senders have delivered what is queued
 
