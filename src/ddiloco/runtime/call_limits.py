@@ -47,8 +47,6 @@ class CallLimits:
     total_active: int = 0
     uploads: int = 0
     transfers: int = 0
-    refused: collections.Counter = field(default_factory=collections.Counter)
-    """Calls refused or cut off, by reason (``busy``, ``timed_out``)."""
 
     @property
     def total(self) -> int:
@@ -67,12 +65,12 @@ class CallLimits:
         """How long a stream of ``nbytes`` may take."""
         return LEASES_ALLOWED * self.lease_s + nbytes / self.min_bytes_per_s
 
-    def busy(self, what: str) -> Abort:
-        self.refused[str(RejectReason.BUSY)] += 1
+    @staticmethod
+    def busy(what: str) -> Abort:
         return Abort(RejectReason.BUSY, f"{what}: try again later")
 
-    def timed_out(self, what: str, seconds: float) -> Abort:
-        self.refused[str(RejectReason.TIMED_OUT)] += 1
+    @staticmethod
+    def timed_out(what: str, seconds: float) -> Abort:
         return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
 
     @contextlib.asynccontextmanager

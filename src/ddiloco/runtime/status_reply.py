@@ -91,7 +91,7 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_o
         ))
     for key, count in sorted(core.rounds_closed.items()):
         reply.rounds_closed.append(pb.CountEntry(key=key, count=count))
-    rejections = collections.Counter(core.rejections) + service.boundary.rejections + service.calls.refused
+    rejections = collections.Counter(core.rejections) + service.boundary.rejections
     for key, count in sorted(rejections.items()):
         reply.rejections.append(pb.CountEntry(key=key, count=count))
     return reply
