@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
@@ -262,3 +262,21 @@ def test_stepping_before_joining_is_an_error():
     with pytest.raises(RuntimeError):
         fresh.record_step(1, 1.0, 0.0)
     assert not fresh.can_step(0.0)
+
+
+def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
+    """Issue 20, item 0: the learners trained at full speed while nothing merged, and nothing told the user."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    said = []
+    for s in range(1, 3 * BASE.period + 2):
+        local_step(params, seed=s)
+        for c in step(core, 10, 1.0, float(s)):
+            core.on_undelivered(c, float(s))  # the link carries nothing
+        said += [a for a in core.tick(float(s)) if isinstance(a, Starved)]
+    (notice,) = said
+    assert notice.steps == 3 * BASE.period and core.starved
+    local_step(params, seed=99)
+    while not (due := step(core, 10, 1.0, 50.0)):
+        pass
+    core.on_accepted(due[0], 50.0)
+    assert not core.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]

@@ -248,4 +248,12 @@ class Fail:
     detail: str
 
 
-LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail
+@dataclass(frozen=True, slots=True)
+class Starved:
+    """None of this learner's work has reached the synchronizer for ``steps`` steps while it trained
+    (its link cannot carry its contributions, or the synchronizer is unreachable): say so, once."""
+
+    steps: int
+
+
+LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved

@@ -27,7 +27,7 @@ from typing import Mapping
 
 import torch
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
@@ -74,6 +74,9 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
+STARVED_PERIODS = 3
+"""Periods of training without an accepted contribution after which a learner says its work is not
+getting through (the synchronizer applies the same rule to it, ``core/registry.py``)."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
                    RejectReason.REPLACED})
 """Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes
@@ -147,6 +150,10 @@ class Learner:
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
+        self._accepted_at_step = 0
+        """The step at which a contribution was last accepted, or a state adopted."""
+        self.starved = False
+        """None of its work has reached the synchronizer for ``STARVED_PERIODS`` periods."""
         self.failure: Fail | None = None
 
     # ---- queries -------------------------------------------------------------------------
@@ -252,6 +259,7 @@ class Learner:
             unflatten_into(values, self._tensors[p])
             self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
             self.versions[p] = frag.version
+            self._accepted_at_step = self.step
             self._counters[p] = _Counters(first_step=self.step + 1)
             self._seq[p] = 0
             self._in_flight.pop(p, None)
@@ -391,6 +399,9 @@ class Learner:
         return UpdateResult.APPLIED
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
+        if isinstance(request, Contribution):
+            self._accepted_at_step = self.step
+            self.starved = False
         return self.on_stop(now) if stop else []
 
     def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:
@@ -469,6 +480,11 @@ class Learner:
         """
         self._expire_waits(now)
         actions: list[LearnerAction] = []
+        unaccepted = self.step - self._accepted_at_step
+        if (self.phase is LearnerPhase.TRAINING and not self.starved and not self.rejoining()
+                and unaccepted >= STARVED_PERIODS * self.plan.period):
+            self.starved = True
+            actions.append(Starved(unaccepted))
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:
