@@ -31,9 +31,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import RejectReason, Request, Session
+from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import AuthenticationError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
 
@@ -110,9 +111,13 @@ class LearnerLink:
             elif isinstance(action, (SendJoin, SendHeartbeat)):
                 self.channels[action.shard].control(action)
             elif isinstance(action, Fail):
-                self.fail(RuntimeError(action.detail))
+                self.fail(DdilocoError(action.detail))  # one line for the user, never retried
             elif isinstance(action, SendLeave):
                 self._leaves.append(action)  # once the senders have delivered what is queued
+            elif isinstance(action, Starved):
+                log.warning("none of this learner's work has reached the synchronizer in its last %d steps: its link "
+                            "is too slow for the protocol, or the synchronizer is unreachable (%d contributions "
+                            "waiting)", action.steps, self.backlog)
 
     def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
