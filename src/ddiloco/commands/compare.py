@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         curves[stop.summary["mode"]] = stop.rows
         write_compare(out, base, summaries, curves)
         console.print(f"ddiloco: interrupted during {stop.summary['mode']}: wrote what was done to {out}/compare.json "
-                      "and compare.png", highlight=False)
+                      "and compare.png", highlight=False, soft_wrap=True)
         return 130
     write_compare(out, base, summaries, curves)
     story = compare_story(summaries, slow_factor=base.cluster.slow_factor, mtbf_s=base.faults.mtbf_s,

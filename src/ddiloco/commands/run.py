@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             s = stop.summary
             console.print(f"ddiloco: interrupted at {s['done']:.0%} of the budget (virtual t={s['virtual_time_s']:.0f} s): "
                           f"kept {out}/metrics.jsonl ({len(stop.rows)} rows), TensorBoard events, config.toml and "
-                          "a partial summary.json", highlight=False)
+                          "a partial summary.json", highlight=False, soft_wrap=True)
             return 130
     else:
         from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
