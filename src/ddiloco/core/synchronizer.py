@@ -62,7 +62,8 @@ from ddiloco.core.messages import (
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Forgotten, LearnerRecord, Registry
 from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase, token_weight
+from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
+from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_status import CoreView, SyncStatus
 
@@ -100,7 +101,8 @@ class Synchronizer:
                 value = v.detach().to(torch.float32).flatten().clone()
                 self._fragments[i] = GlobalFragment(
                     value=value, is_embedding=i in embeds, initial_norm=float(torch.linalg.vector_norm(value)),
-                    accumulator=RoundAccumulator(v.numel(), self._uplink, rda=config.merge == "rda" and i not in embeds),
+                    accumulator=RoundAccumulator(v.numel(), self._uplink,
+                                                 merge_rule(MergeRuleName.MEAN if i in embeds else config.merge)),
                 )
         self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
@@ -293,7 +295,8 @@ class Synchronizer:
         frag = self._fragments[c.fragment]
         frag.norms.append(norm)
         key = (c.learner_id, c.session)
-        frag.accumulator.add(key, c.payload, token_weight(pending.contribution), norm)
+        merged = pending.contribution
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
