@@ -16,7 +16,7 @@ from ddiloco.config import Config
 from ddiloco.workload.corpus import BatchSampler, Corpus, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
 from ddiloco.workload.model import ByteTransformer
-from ddiloco.workload.trainer import InnerTrainer, OptimizerSettings, build_model
+from ddiloco.workload.trainer import InnerTrainer, LrSchedule, OptimizerSettings, Precision, build_model
 
 
 @dataclass(slots=True)
@@ -52,7 +52,9 @@ class Workload:
 
     def new_trainer(self, model: torch.nn.Module) -> InnerTrainer:
         t = self.config.train
-        return InnerTrainer(model, OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay))
+        return InnerTrainer(model, OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+                                                     schedule=LrSchedule(t.schedule), lr_min_ratio=t.lr_min_ratio,
+                                                     precision=Precision(t.precision)))
 
     def sampler(self, learner: int) -> BatchSampler:
         return BatchSampler(
