@@ -164,7 +164,7 @@ class LearnerNode:
         self.stepping = False
         x, y = self.sampler.next_batch()
         now = cluster.queue.now
-        self.trainer.step(x, y, cluster.recorder.fraction_done(cluster.tokens, now))  # the run's progress
+        self.trainer.step(x, y, cluster.recorder.run_progress(cluster.tokens, now))
         tokens = x.numel()
         cluster.tokens += tokens
         sends = self.core.record_step(tokens, now - started_s, now)

@@ -31,8 +31,10 @@ class Workload:
     """Where models are trained and evaluated (``workload/device.py``); data is drawn on the CPU."""
 
     @classmethod
-    def build(cls, config: Config, device: torch.device | None = None) -> "Workload":
-        data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
+    def build(cls, config: Config, device: torch.device | None = None, *, data: bytes | None = None) -> "Workload":
+        """``data``: the corpus already loaded (``load_corpus``), for callers that build many workloads."""
+        if data is None:
+            data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
         corpus = split_corpus(data, num_shards=config.run.learners, seq_len=config.model.seq_len)
         batches = eval_batches(
             corpus.eval_data,
