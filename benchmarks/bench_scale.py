@@ -94,7 +94,7 @@ PLANS = {
     "test": Plan(_ladder(16, 4, ("7k", 16, 1), ("14k", 24, 1)), {"7k": 1, "14k": 1}, (3e-3,), ("7k", "14k"), 4,
                  "fp32", 2**20),
     # A few minutes on one CPU thread: CI and users without a GPU.
-    "smoke": Plan(_ladder(64, 8, ("35k", 32, 2), ("119k", 64, 2)), {"35k": 10, "119k": 10}, (3e-3, 6e-3),
+    "smoke": Plan(_ladder(64, 8, ("35k", 32, 2), ("119k", 64, 2)), {"35k": 10, "119k": 10}, (1.5e-3, 3e-3),
                   ("35k", "119k"), 8, "fp32", 16 * 2**20),
     # The GPU ladder, ~0.85M to ~32M parameters; see docs/results.md for the commands and their timing.
     "gpu": Plan(_ladder(256, 16, ("1m", 128, 4), ("3m", 192, 6), ("8m", 256, 10))
@@ -106,9 +106,11 @@ PLANS = {
 
 @dataclass(frozen=True)
 class Variant:
-    """A candidate change to Decoupled DiLoCo (data parallel keeps the base recipe)."""
+    """A candidate change to Decoupled DiLoCo, measured against data parallel's base recipe,
+    or against data parallel with the same change where it is one to the recipe of every mode."""
 
     overrides: tuple[str, ...] = ()
+    baseline_too: bool = False
     warm_fraction: float = 0.0
     """Share of the tokens trained as data parallel before the learners start from its weights."""
     batch_factor: int = 1
@@ -117,7 +119,7 @@ class Variant:
 
 VARIANTS = {
     "base": Variant(),
-    "constant-lr": Variant(("train.schedule=constant",)),
+    "constant-lr": Variant(("train.schedule=constant",), baseline_too=True),
     "dp-warm-start": Variant(warm_fraction=0.1),
     "mean-merge": Variant(("protocol.merge=mean",)),
     "batch-x-M": Variant(batch_factor=LEARNERS),
@@ -176,7 +178,7 @@ def make_config(size: Size, mode: str, lr: float, tokens: int, variant: Variant,
                  f"train.precision={args.precision}", f"train.eval_batches={eval_batches}", "train.evals=4",
                  f"train.corpus_max_bytes={args.corpus_max_bytes or plan.corpus_max_bytes}", f"protocol.codec={args.codec or plan.codec}",
                  f"protocol.downlink_codec={args.codec or plan.codec}", "cluster.jitter=0.05",
-                 *(variant.overrides if mode != "dp" else ()))
+                 *(variant.overrides if mode != "dp" or variant.baseline_too else ()))
     if args.corpus:
         overrides += (f"train.corpus={json.dumps(args.corpus)}",)
     return build_config(preset="default", overrides=overrides)  # the protocol's defaults (P = 4, H = 12)
@@ -211,11 +213,13 @@ def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             best[k] = r
     out = []
     for (size, tokens, mode, variant, precision, codec, kind), r in sorted(best.items(), key=lambda kv: kv[1]["params"]):
-        dp = best.get((size, tokens, "dp", "base", precision, codec, kind))
+        baseline = variant if variant in VARIANTS and VARIANTS[variant].baseline_too else "base"
+        dp = best.get((size, tokens, "dp", baseline, precision, codec, kind))
         if mode == "dp" or dp is None:
             continue
         out.append({"size": size, "params": r["params"], "tokens": tokens, "tokens_per_param": r["tokens_per_param"],
-                    "mode": mode, "variant": variant, "lr": r["lr"], "eval_loss": r["eval_loss"], "dp_lr": dp["lr"],
+                    "mode": mode, "variant": variant, "lr": r["lr"], "eval_loss": r["eval_loss"],
+                    "dp_variant": baseline, "dp_lr": dp["lr"],
                     "dp_eval_loss": dp["eval_loss"], "gap_pct": round(100 * (r["eval_loss"] / dp["eval_loss"] - 1), 3),
                     "device": r["device"], "precision": precision, "codec": codec})
     return out
@@ -308,9 +312,10 @@ def _main(args: argparse.Namespace) -> int:
         tokens = int(tpp * size.params)
         workload = None
         for mode in modes:
-            for variant_name in (["base"] if mode == "dp" else variants):
+            names = variants if mode != "dp" else ["base", *(v for v in variants if VARIANTS[v].baseline_too)]
+            for variant_name in names:
                 variant = VARIANTS[variant_name]
-                for lr in _lrs_for(size, mode, variant_name, lrs, plan, table):
+                for lr in _lrs_for(size, mode, variant_name, lrs, plan, table, args.estimate):
                     config = make_config(size, mode, lr, tokens, variant, args, plan)
                     if args.estimate:
                         short = make_config(size, mode, lr, max(tokens // 50, 1), variant, args, plan)
@@ -347,10 +352,14 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lrs_for(size: Size, mode: str, variant: str, lrs: tuple[float, ...], plan: Plan, table: Table) -> tuple[float, ...]:
-    """The grid where the plan grids this size; else the mode's best lr at the largest gridded size run."""
+def _lrs_for(size: Size, mode: str, variant: str, lrs: tuple[float, ...], plan: Plan, table: Table,
+             estimate: bool) -> tuple[float, ...]:
+    """The grid where the plan grids this size; else the mode's best lr at the largest gridded size run
+    (one lr of the grid when only estimating: the time does not depend on it)."""
     if size.name in plan.grid_sizes or size.name not in {s.name for s in plan.sizes}:
         return lrs
+    if estimate:
+        return lrs[:1]
     done = [g for g in gaps(table.rows) if g["size"] in plan.grid_sizes and g["variant"] == variant
             and (mode == "dp" or g["mode"] == mode)]
     if not done:

@@ -46,6 +46,14 @@ def test_a_plan_gives_one_row_per_run_the_gaps_and_a_plot_and_resumes(tmp_path, 
     assert len(json.loads((out / "table.json").read_text())["runs"]) == len(runs)
 
 
+def test_an_estimate_times_every_run_of_the_plan_and_trains_nothing_else(tmp_path, capsys):
+    out = tmp_path / "scale"
+    assert bench.main([*ARGS, "--modes", "dp,decoupled", "--estimate", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:-1]] == ["dp", "decoupled"] and lines[-1].startswith("projected: ")
+    assert not (out / "table.json").exists()
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--sizes", "16384x64"], "size '16384x64' ("),
     (["--sizes", "huge"], "unknown size 'huge'"),
