@@ -97,9 +97,11 @@ PLANS = {
     "smoke": Plan(_ladder(64, 8, ("35k", 32, 2), ("119k", 64, 2)), {"35k": 10, "119k": 10}, (1.5e-3, 3e-3),
                   ("35k", "119k"), 8, "fp32", 16 * 2**20),
     # The GPU ladder, ~0.85M to ~32M parameters; see docs/results.md for the commands and their timing.
-    "gpu": Plan(_ladder(256, 16, ("1m", 128, 4), ("3m", 192, 6), ("8m", 256, 10))
-                + _ladder(256, 32, ("15m", 384, 8), ("30m", 512, 10)),
-                {"1m": 20, "3m": 20, "8m": 20, "15m": 10, "30m": 10}, (1e-3, 2e-3, 4e-3), ("1m", "3m", "8m"), 32,
+    # Larger models take larger batches: fewer steps, so the virtual cluster's per-step cost on
+    # the host (events, Δ, merges) weighs less against the GPU's.
+    "gpu": Plan(_ladder(256, 16, ("1m", 128, 4), ("3m", 192, 6)) + _ladder(256, 32, ("8m", 256, 10))
+                + _ladder(256, 64, ("15m", 384, 8), ("30m", 512, 10)),
+                {"1m": 20, "3m": 10, "8m": 10, "15m": 10, "30m": 10}, (1e-3, 2e-3, 4e-3), ("1m", "3m"), 32,
                 "fp32", 16 * 2**20),
 }
 
@@ -205,23 +207,24 @@ class Table:
 
 
 def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per size, tokens and variant: each mode's best lr and loss, and its gap to data parallel's best."""
+    """Per size, tokens, variant and seed: each mode's best lr and loss, and its gap to data parallel's best."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        k = (r["size"], r["tokens"], r["mode"], r["variant"], r["precision"], r["codec"], r["device_type"])
+        k = (r["size"], r["tokens"], r["mode"], r["variant"], r["seed"], r["precision"], r["codec"], r["device_type"])
         if k not in best or r["eval_loss"] < best[k]["eval_loss"]:
             best[k] = r
     out = []
-    for (size, tokens, mode, variant, precision, codec, kind), r in sorted(best.items(), key=lambda kv: kv[1]["params"]):
+    for (size, tokens, mode, variant, seed, precision, codec, kind), r in sorted(best.items(),
+                                                                                 key=lambda kv: kv[1]["params"]):
         baseline = variant if variant in VARIANTS and VARIANTS[variant].baseline_too else "base"
-        dp = best.get((size, tokens, "dp", baseline, precision, codec, kind))
+        dp = best.get((size, tokens, "dp", baseline, seed, precision, codec, kind))
         if mode == "dp" or dp is None:
             continue
         out.append({"size": size, "params": r["params"], "tokens": tokens, "tokens_per_param": r["tokens_per_param"],
                     "mode": mode, "variant": variant, "lr": r["lr"], "eval_loss": r["eval_loss"],
                     "dp_variant": baseline, "dp_lr": dp["lr"],
                     "dp_eval_loss": dp["eval_loss"], "gap_pct": round(100 * (r["eval_loss"] / dp["eval_loss"] - 1), 3),
-                    "device": r["device"], "precision": precision, "codec": codec})
+                    "seed": seed, "device": r["device"], "precision": precision, "codec": codec})
     return out
 
 
@@ -232,16 +235,19 @@ def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for (mode, variant), style in ((("decoupled", "base"), "o-"), (("diloco", "base"), "s--")):
-        pts = [(g["params"], g["gap_pct"]) for g in table if g["mode"] == mode and g["variant"] == variant]
+    by_point: dict[tuple, list[float]] = {}
+    for g in table:  # seeds: their mean
+        by_point.setdefault((g["mode"], g["variant"], g["params"]), []).append(g["gap_pct"])
+    mean = {k: sum(v) / len(v) for k, v in by_point.items()}
+    for mode, style, label in (("decoupled", "o-", "ours: Decoupled DiLoCo M=4, K=1"),
+                               ("diloco", "s--", "ours: synchronous DiLoCo M=4")):
+        pts = sorted((params, gap) for (m, v, params), gap in mean.items() if m == mode and v == "base")
         if pts:
-            label = "ours: Decoupled DiLoCo M=4, K=1" if mode == "decoupled" else "ours: synchronous DiLoCo M=4"
-            ax.plot(*zip(*sorted(pts)), style, label=label)
-    for g in table:
-        if g["variant"] != "base":
-            ax.plot(g["params"], g["gap_pct"], "x", color="gray")
-            ax.annotate(g["variant"], (g["params"], g["gap_pct"]), fontsize=7, color="gray",
-                        xytext=(4, 2), textcoords="offset points")
+            ax.plot(*zip(*pts), style, label=label)
+    for (mode, variant, params), gap in mean.items():
+        if variant != "base":
+            ax.plot(params, gap, "x", color="gray")
+            ax.annotate(variant, (params, gap), fontsize=7, color="gray", xytext=(4, 2), textcoords="offset points")
     ax.plot(*zip(*PUBLISHED_M4), "k^:", label="published: DiLoCo M=4 (Charles et al. 2025, C4, Chinchilla)")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xscale="log", xlabel="parameters", ylabel="eval-loss gap to data parallel (%)", title=title)
