@@ -26,6 +26,7 @@ from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.learner_runtime import LearnerRuntime
 from ddiloco.runtime.staging import HostStaging
 from ddiloco.workload.workload import Workload
+from runtime_helpers import train_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the staging path for accelerators)")
 SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("w3", (4, 8))]
@@ -141,11 +142,7 @@ def test_a_learner_runtime_on_a_gpu_trains_sends_and_merges(inproc_sync):
     workload = Workload.build(config, torch.device("cuda"))
     model = workload.new_model()
     runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "gpu-0")
-    trainer, sampler = workload.new_trainer(model), workload.sampler(0)
-    for _ in range(4 * config.protocol.period):
-        x, y = sampler.next_batch()
-        trainer.step(x, y)
-        runtime.step(tokens=x.numel())
+    trainer = train_steps(runtime, workload, model, 0, 4 * config.protocol.period)
     runtime.close()
     stats = runtime.stats
     assert stats.contributions_sent >= 4 and stats.updates_applied >= 1

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from bench_loader import load_benchmark
 
 from ddiloco.config import build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_warm_started
 
 
-def _load_bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
-    spec = importlib.util.spec_from_file_location("bench_scale", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_benchmark("bench_scale")
 ARGS = ["--preset", "test", "--device", "cpu", "--sizes", "7k"]
 
 
