@@ -250,7 +250,8 @@ def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
             ax.annotate(variant, (params, gap), fontsize=7, color="gray", xytext=(4, 2), textcoords="offset points")
     ax.plot(*zip(*PUBLISHED_M4), "k^:", label="published: DiLoCo M=4 (Charles et al. 2025, C4, Chinchilla)")
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xscale="log", xlabel="parameters", ylabel="eval-loss gap to data parallel (%)", title=title)
+    ax.set(xscale="log", xlabel="parameters", ylabel="eval-loss gap to data parallel (%)")
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -353,7 +354,9 @@ def _main(args: argparse.Namespace) -> int:
     for g in summary:
         print(f"gap {g['size']:>6} {g['params'] / 1e6:7.3f}M {g['mode']:<9} {g['variant']:<13} "
               f"{g['eval_loss']:.4f} vs dp {g['dp_eval_loss']:.4f}: {g['gap_pct']:+.2f}%")
-    plot(out / "gap.png", summary, f"Gap to data parallel at equal tokens ({where}, {args.precision})")
+    tpp = "/".join(sorted({f"{g['tokens_per_param']:g}" for g in summary}, key=float))
+    plot(out / "gap.png", summary, f"Gap to data parallel at equal tokens\n({tpp} tokens/param; {where}, "
+                                   f"{args.precision}; mean over seeds)")
     print(f"wrote {out / 'table.json'} and {out / 'gap.png'}")
     return 0
 
