@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -136,3 +137,38 @@ class InProcessSync:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.server.closing.set)
         self.thread.join(30)
+
+
+class Honest:
+    """A learner training the reference workload in a thread, as a user's loop would."""
+
+    def __init__(self, config: Any, port: int, name: str, index: int, **credentials: str) -> None:
+        from ddiloco.runtime.learner_runtime import LearnerRuntime
+        from ddiloco.workload.workload import Workload
+
+        self.workload = Workload.build(config)
+        self.model = self.workload.new_model()
+        self.runtime = LearnerRuntime(self.model, f"127.0.0.1:{port}", name,
+                                      tokens_per_step=self.workload.tokens_per_step, **credentials)
+        self.index = index
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.thread.start()
+
+    def _train(self) -> None:
+        trainer = self.workload.new_trainer(self.model)
+        sampler = self.workload.sampler(self.index)
+        while not self.stop.is_set() and not self.runtime.should_stop:
+            x, y = sampler.next_batch()
+            trainer.step(x, y)
+            self.runtime.step(tokens=x.numel())
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.runtime.close()
+
+
+def versions(client: SyncClient) -> list[int]:
+    """Every fragment's version, as the synchronizer's status says."""
+    return [f["version"] for f in client.status_dict()["fragments"]]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
 from ddiloco.config import Config, apply_section
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import load_token, parse_address
+from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.core.messages import Join
 from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if action.dest == "preset":
             action.help = "size preset: tiny, default (default: the synchronizer's whole configuration)"
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
+    parser.add_argument("--secret-file", metavar="FILE",
+                        help="this learner's own secret, when the synchronizer has --credentials (else $DDILOCO_SECRET)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads (default: train.threads)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: the run's budget)")
@@ -106,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
     clients: list[SyncClient] = []
     if rank == 0:
         # Probe first (no lease yet): building the workload may take longer than a lease.
-        token = load_token(args.token_file)
-        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca) for a in addresses]
+        secret = load_secret(args.secret_file)
+        token = secret or load_token(args.token_file)
+        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
+                   for a in addresses]
         probe = join_with_backoff(clients[0], Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
         if probe.header.finished:
             log.info("the run is already finished")
@@ -134,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     else:  # the other ranks of this learner draw other batches from the same shard
         sampler = BatchSampler(workload.corpus.train_shards[index], batch_size=config.train.batch_size,
                                seq_len=config.model.seq_len, seed=(config.run.seed * 1_000_003 + index) * 7919 + rank)
-    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout)
+    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
+                             tokens_per_step=workload.tokens_per_step)
     if runtime.should_stop:
         log.info("the run is already finished")
         runtime.close(flush=False)

@@ -96,6 +96,23 @@ class RoundAccumulator:
         self._sum_w += weight
         self._sum_w_norm += weight * norm
 
+    def cap_weights(self, max_ratio: float) -> int:
+        """No entry weighs more than ``max_ratio`` times the lower-median weight; returns how many
+        were capped. Applied at the close, when every weight of the round is known."""
+        if not max_ratio or len(self._entries) < 2:
+            return 0
+        weights = sorted(e.weight for e in self._entries.values())
+        cap = max_ratio * weights[(len(weights) - 1) // 2]
+        capped = 0
+        for key, entry in list(self._entries.items()):
+            if entry.weight > cap:
+                self._axpy(entry.payload, entry.norm, cap - entry.weight)
+                self._sum_w += cap - entry.weight
+                self._sum_w_norm += (cap - entry.weight) * entry.norm
+                self._entries[key] = _Entry(entry.payload, cap, entry.norm)
+                capped += 1
+        return capped
+
     def discard(self, key: Hashable) -> None:
         entry = self._entries.pop(key)
         self._axpy(entry.payload, entry.norm, -entry.weight)

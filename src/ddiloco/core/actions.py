@@ -24,6 +24,7 @@ from ddiloco.core.messages import (
     Leave,
     RejectReason,
     Request,
+    Session,
 )
 
 # ---- synchronizer: events that are not messages ------------------------------------------
@@ -41,7 +42,17 @@ class SyncTimeObserved:
     seconds: float
 
 
-SyncEvent = Join | Heartbeat | Contribution | Leave | Tick | SyncTimeObserved
+@dataclass(frozen=True, slots=True)
+class StateDelivered:
+    """The global state an ``Admitted`` reply carried reached its learner (``ok``), or its transfer
+    failed: the learner's lease, which waited while the state was on its way, runs from now."""
+
+    learner_id: str
+    session: Session
+    ok: bool = True
+
+
+SyncEvent = Join | Heartbeat | Contribution | Leave | Tick | SyncTimeObserved | StateDelivered
 
 # ---- synchronizer: actions ---------------------------------------------------------------
 
@@ -144,6 +155,21 @@ class LeaseExpired:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkStarved:
+    """A live learner's work has not reached the synchronizer for ``for_s``: its link cannot carry it."""
+
+    learner_id: str
+    for_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LearnersForgotten:
+    """Dead long enough to be dropped from the registry: drivers drop what they keep per learner."""
+
+    learner_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StopLearners:
     """The budget is spent: tell these learners to flush and leave."""
 
@@ -164,7 +190,8 @@ class Checkpoint:
     state: dict[str, Any]
 
 
-SyncAction = Reply | Broadcast | RoundClosed | LeaseExpired | StopLearners | Finished | Checkpoint
+SyncAction = (Reply | Broadcast | RoundClosed | LeaseExpired | LinkStarved | LearnersForgotten | StopLearners | Finished
+              | Checkpoint)
 
 # ---- learner: actions ----------------------------------------------------------------------
 

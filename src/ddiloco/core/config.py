@@ -92,7 +92,26 @@ class ProtocolConfig:
     heartbeat_s: float = 2.0
     """Interval between a learner's heartbeats (never more than a third of the lease)."""
     delta_norm_ratio_max: float = 10.0
-    """Reject an outer gradient whose norm exceeds this multiple of max(‖Θ_p‖, 1): absurd updates."""
+    """Reject an outer gradient whose norm exceeds this multiple of the fragment's recent accepted
+    norms (the lower median of the last 32; before 8 are known, of max(‖Θ_p‖ at the start, 1)).
+    Measured against what most learners sent, so no one member can raise its own bound."""
+    max_weight_ratio: float = 4.0
+    """In a merge, no learner's token weight counts for more than this multiple of the round's
+    lower-median weight (0 = no cap): a member claiming far more work than the others cannot
+    steer the round, while honest differences (slower hardware, a folded period) keep their weight."""
+    min_step_s: float = 0.001
+    """The fastest inner step the synchronizer believes: a learner's claimed steps (progress,
+    contributions, sequence numbers) beyond one per this many seconds since its last counted
+    report are not counted (progress) or refused as implausible (contributions)."""
+    max_tokens_per_step: int = 0
+    """Most tokens one inner step of a learner may claim (its whole batch, all its ranks); 0 = what
+    each learner declares when it joins (at most 2^24). Set it to bound a member's claims."""
+    forget_after_s: float = 600.0
+    """A learner dead (lease expired) this long is dropped from the registry and status
+    (its counts are kept as totals); 0 = never by age."""
+    min_link_bytes_per_s: float = 32_000.0
+    """The slowest link a (re)join is allowed for: the lease of a joining learner waits for its
+    global state for up to lease_s + state bytes / this rate (the state sends as fast as the link allows)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -127,6 +146,8 @@ class ProtocolConfig:
             ("protocol.lease_s", self.lease_s),
             ("protocol.heartbeat_s", self.heartbeat_s),
             ("protocol.delta_norm_ratio_max", self.delta_norm_ratio_max),
+            ("protocol.min_step_s", self.min_step_s),
+            ("protocol.min_link_bytes_per_s", self.min_link_bytes_per_s),
         ):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
@@ -134,6 +155,14 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+        for key, value in (("protocol.max_weight_ratio", self.max_weight_ratio),
+                           ("protocol.forget_after_s", self.forget_after_s)):
+            if not value >= 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if 0 < self.max_weight_ratio < 1:
+            raise ConfigError(f"protocol.max_weight_ratio must be 0 (no cap) or >= 1, got {self.max_weight_ratio}")
+        if not 0 <= self.max_tokens_per_step <= 2**24:
+            raise ConfigError(f"protocol.max_tokens_per_step must be in [0, 2^24], got {self.max_tokens_per_step}")
 
     def shard_of(self, fragment: int) -> int:
         """The synchronizer shard that owns ``fragment``."""

@@ -74,8 +74,10 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
-FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH})
-"""Refusals no retry can fix."""
+FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
+                   RejectReason.REPLACED})
+"""Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes
+taking it back from each other would fight for ever, so the earlier one stops)."""
 
 
 @dataclass(slots=True)
@@ -112,12 +114,17 @@ class Learner:
         named_parameters: Mapping[str, torch.Tensor],
         *,
         boot: str = "boot",
+        tokens_per_step: int = 0,
     ) -> None:
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
+        if not 0 <= tokens_per_step <= MAX_TOKENS_PER_STEP:
+            raise ValueError(f"tokens_per_step must be in [0, {MAX_TOKENS_PER_STEP}], got {tokens_per_step}")
         self.learner_id = learner_id
         self.boot = boot
+        self.tokens_per_step = tokens_per_step
+        """What one inner step trains at most (all ranks), declared when joining; 0 = not declared."""
         self.config = config
         self.plan = plan
         self.phase = LearnerPhase.IDLE
@@ -217,7 +224,7 @@ class Learner:
 
     def _join(self, shard: int) -> list[LearnerAction]:
         self.links[shard].start_join()
-        return [SendJoin(Join(self.learner_id, self.boot), shard)]
+        return [SendJoin(Join(self.learner_id, self.boot, self.tokens_per_step), shard)]
 
     def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         """A synchronizer shard registered us: adopt the fragments it sent (a new session there)."""
@@ -227,7 +234,7 @@ class Learner:
         if not link.joining and not link.newer(state.session):
             return []  # an answer to an older (duplicated or retried) join
         self._adopt(state, shard)
-        link.admitted(state.session, now, self.config.heartbeat_interval_s)
+        link.admitted(state.session, now)
         if self.phase is LearnerPhase.JOINING and all(lk.session is not None for lk in self.links):
             self.phase = LearnerPhase.TRAINING
         return self.on_stop(now) if stop else []
@@ -255,8 +262,9 @@ class Learner:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
         if not self.joined or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED, LearnerPhase.IDLE):
             raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")
-        if not 1 <= tokens <= MAX_TOKENS_PER_STEP:
-            raise ValueError(f"a step trains 1..{MAX_TOKENS_PER_STEP} tokens, got {tokens}")
+        if not 1 <= tokens <= (self.tokens_per_step or MAX_TOKENS_PER_STEP):
+            raise ValueError(f"a step trains 1..{self.tokens_per_step or MAX_TOKENS_PER_STEP} tokens, got {tokens}"
+                             + (" (the tokens per step this learner declared)" if self.tokens_per_step else ""))
         self.step += 1
         self._tokens_total += tokens
         self.step_time.add(duration_s)
@@ -417,10 +425,17 @@ class Learner:
         if isinstance(request, Contribution):
             self._in_flight.pop(request.fragment, None)
         target = self._shard_of(request)
-        if (reason in REJOIN_ON and target is not None and self.phase is LearnerPhase.TRAINING
-                and not self.links[target].joining):
+        if ((reason in REJOIN_ON or self._impossible_duplicate(request, reason)) and target is not None
+                and self.phase is LearnerPhase.TRAINING and not self.links[target].joining):
             return self._join(target)
-        return []  # duplicate, or a contribution the synchronizer found unusable: dropped
+        return []  # an old duplicate, or a contribution the synchronizer found unusable: dropped
+
+    def _impossible_duplicate(self, request: Request, reason: RejectReason) -> bool:
+        """The synchronizer holds our newest sequence number for a fragment, or a later one: a
+        contribution we never had accepted, sent by someone speaking for us. A new session
+        (sequence numbers from 0, a number they do not know) shuts them out."""
+        return (reason is RejectReason.DUPLICATE and isinstance(request, Contribution)
+                and request.seq == self._seq[request.fragment] - 1)
 
     def on_undelivered(self, request: Request, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """A call got no answer (synchronizer down, network): retry, fold or drop."""

@@ -31,12 +31,14 @@ class ShardLink:
         self.joining = True
         self.heartbeat_due_s = self.join_retry_s = None
 
-    def admitted(self, session: Session, now: float, heartbeat_interval_s: float) -> None:
+    def admitted(self, session: Session, now: float) -> None:
         self.session = session
         self.joining = False
         self.join_retry_s = None
         self.backoff_s = JOIN_BACKOFF_START_S
-        self.heartbeat_due_s = now + heartbeat_interval_s
+        # At once: the lease began when the state was delivered, and on a slow link the last of
+        # it reached us only now; the heartbeat also tells the synchronizer we hold the state.
+        self.heartbeat_due_s = now
 
     def newer(self, session: Session) -> bool:
         """A later registration at the same incarnation (incarnations are ids: they have no order)."""

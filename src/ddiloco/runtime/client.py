@@ -79,8 +79,8 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
         if key == REASON_HEADER:
             reason = value.decode() if isinstance(value, bytes) else value
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthenticationError(f"the synchronizer at {address} refused our auth token "
-                                   "(check --token-file / $DDILOCO_TOKEN on both sides)")
+        return AuthenticationError(f"the synchronizer at {address} refused our credentials ({err.details()}; check "
+                                   "--token-file / $DDILOCO_TOKEN, or --secret-file / $DDILOCO_SECRET, on both sides)")
     if reason:
         return Refused(reason, err.details() or reason, code)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -92,7 +92,9 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
 class SyncClient:
     """One channel to a synchronizer; thread-safe (gRPC channels are)."""
 
-    def __init__(self, address: Address | str, *, token: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, address: Address | str, *, token: str | None = None, tls_ca: str | None = None,
+                 learner_id: str | None = None) -> None:
+        """``token``: the shared token, or with ``learner_id`` that learner's own secret (per-learner credentials)."""
         self.address = str(address)
         credentials = channel_credentials(tls_ca)
         if credentials is None:
@@ -100,7 +102,7 @@ class SyncClient:
         else:
             self.channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
-        self.metadata = client_metadata(token)
+        self.metadata = client_metadata(token, learner_id)
 
     def close(self) -> None:
         self.channel.close()
@@ -179,11 +181,15 @@ class SyncClient:
     def leave(self, leave: Leave) -> None:
         self._call(self.stub.Leave, wire.leave_to_pb(leave))
 
-    def status(self, timeout_s: float = CALL_TIMEOUT_S) -> pb.StatusReply:
-        return self._call(self.stub.Status, pb.StatusRequest(), timeout_s)
+    def status(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+               learner_limit: int = 0) -> pb.StatusReply:
+        """The synchronizer's status, with one page of its learners (in id order)."""
+        request = pb.StatusRequest(learner_offset=learner_offset, learner_limit=learner_limit)
+        return self._call(self.stub.Status, request, timeout_s)
 
-    def status_dict(self, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        return status_to_dict(self.status(timeout_s))
+    def status_dict(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+                    learner_limit: int = 0) -> dict[str, Any]:
+        return status_to_dict(self.status(timeout_s, learner_offset=learner_offset, learner_limit=learner_limit))
 
 
 class UpdateStream:

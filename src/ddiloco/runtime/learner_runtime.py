@@ -109,7 +109,7 @@ def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None
 
 
 def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token: str | None = None,
-                tls_ca: str | None = None) -> list[SyncClient]:
+                tls_ca: str | None = None, learner_id: str | None = None) -> list[SyncClient]:
     """Clients for one address, ``"A,B,..."`` (a synchronizer sharded by fragment), or a list."""
     items: Sequence[str | SyncClient]
     if isinstance(connect, SyncClient):
@@ -120,7 +120,8 @@ def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token
         items = list(connect)
     if not items:
         raise ConfigError("no synchronizer address given")
-    return [c if isinstance(c, SyncClient) else SyncClient(c, token=token, tls_ca=tls_ca) for c in items]
+    return [c if isinstance(c, SyncClient) else SyncClient(c, token=token, tls_ca=tls_ca, learner_id=learner_id)
+            for c in items]
 
 
 def one_run(clients: list[SyncClient], probes: list[JoinResult]) -> list[SyncClient]:
@@ -153,16 +154,24 @@ class LearnerRuntime:
         learner_id: str,
         *,
         token: str | None = None,
+        secret: str | None = None,
         tls_ca: str | None = None,
         join_timeout_s: float | None = None,
+        tokens_per_step: int = 0,
     ) -> None:
+        """``token``: the run's shared token; ``secret``: this learner's own (per-learner credentials).
+        ``tokens_per_step``: the most tokens one call of :meth:`step` reports (this rank's batch), so
+        the synchronizer can bound what this learner claims; 0 leaves it to the run's configuration."""
         if not learner_id:
             raise ConfigError("a learner needs a non-empty id")
+        if token is not None and secret is not None:
+            raise ConfigError("give a learner the run's shared token or its own secret, not both")
         self.model = model
         self.learner_id = learner_id
         self.boot = uuid.uuid4().hex[:12]
         self._params = dict(model.named_parameters())
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.tokens_per_step = tokens_per_step * self.world
         self.is_leader = self.rank == 0
         self._lock = threading.RLock()
         self._last_step_end = time.perf_counter()
@@ -176,10 +185,14 @@ class LearnerRuntime:
         if self.is_leader:
             if connect is None:
                 raise ConfigError("the leading rank needs a synchronizer address")
-            self.clients = connect_all(connect, token=token, tls_ca=tls_ca)
+            self.clients = connect_all(connect, token=secret or token, tls_ca=tls_ca,
+                                       learner_id=learner_id if secret is not None else None)
             self._setup(join_timeout_s)
         if self.world > 1:
             self._share_layout()
+        # The first step is timed from here: the join (the whole state's download, 40 s on a
+        # 1 Mbit/s link) is not a step, and the synchronizer spaces rounds by the step time.
+        self._last_step_end = time.perf_counter()
 
     # ---- setup -----------------------------------------------------------------------------
 
@@ -197,7 +210,8 @@ class LearnerRuntime:
         results = []
         for client in self.clients:
             try:
-                results.append(join_with_backoff(client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s))
+                results.append(join_with_backoff(client, Join(self.learner_id, self.boot, self.tokens_per_step),
+                                                 timeout_s=join_timeout_s))
             except Refused as err:
                 if err.reason != RejectReason.FINISHED:
                     raise DdilocoError(f"the synchronizer at {client.address} refused to admit "
@@ -205,7 +219,8 @@ class LearnerRuntime:
                 self._finished_before_start = True
                 return
         protocol = ProtocolConfig(**results[0].protocol)
-        self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot)
+        self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot,
+                                   tokens_per_step=self.tokens_per_step)
         now = time.monotonic()
         # The joins went out above (they also told us the layout): hand the core their answers.
         assert all(isinstance(a, SendJoin) for a in core.start(now))
