@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -178,8 +179,9 @@ def make_config(size: Size, mode: str, lr: float, tokens: int, variant: Variant,
                  f"run.seed={args.seed}", f"train.lr={lr}", f"train.batch_size={batch}",
                  f"train.warmup_steps={max(5, steps // 50)}", "train.schedule=cosine", "train.lr_min_ratio=0.1",
                  f"train.precision={args.precision}", f"train.eval_batches={eval_batches}", "train.evals=4",
-                 f"train.corpus_max_bytes={args.corpus_max_bytes or plan.corpus_max_bytes}", f"protocol.codec={args.codec or plan.codec}",
-                 f"protocol.downlink_codec={args.codec or plan.codec}", "cluster.jitter=0.05",
+                 f"train.corpus_max_bytes={args.corpus_max_bytes or plan.corpus_max_bytes}",
+                 f"protocol.codec={args.codec or plan.codec}", f"protocol.downlink_codec={args.codec or plan.codec}",
+                 "cluster.jitter=0.05",
                  *(variant.overrides if mode != "dp" or variant.baseline_too else ()))
     if args.corpus:
         overrides += (f"train.corpus={json.dumps(args.corpus)}",)
@@ -202,8 +204,11 @@ class Table:
         return next((r for r in self.rows if self.key(r) == key), None)
 
     def add(self, row: dict[str, Any]) -> None:
+        """Append a run and rewrite the file atomically (a command stopped mid-write keeps the old one)."""
         self.rows.append(row)
-        self.path.write_text(json.dumps({"runs": self.rows, "gaps": gaps(self.rows)}, indent=1) + "\n")
+        partial = self.path.with_suffix(".json.partial")
+        partial.write_text(json.dumps({"runs": self.rows, "gaps": gaps(self.rows)}, indent=1) + "\n")
+        os.replace(partial, self.path)
 
 
 def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -298,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     plan = PLANS[args.preset]
     device = resolve_device(args.device)
-    sizes = [parse_size(s.strip(), plan) for s in (args.sizes.split(",") if args.sizes else [s.name for s in plan.sizes])]
+    names = args.sizes.split(",") if args.sizes else [s.name for s in plan.sizes]
+    sizes = [parse_size(name.strip(), plan) for name in names]
     modes = [m.strip() for m in args.modes.split(",")]
     variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
     for name, valid, what in ((modes, MODES, "--modes"), (variants, VARIANTS, "--variants")):

@@ -29,7 +29,8 @@ def test_decaying_schedules_go_from_the_peak_to_the_floor():
 def test_a_late_joiner_warms_up_then_takes_the_rate_the_run_has_reached():
     config = build_config(preset="tiny")
     model = build_model(config.model, 0)
-    settings = OptimizerSettings(lr=1e-3, warmup_steps=4, weight_decay=0.0, schedule=LrSchedule.COSINE, lr_min_ratio=0.1)
+    settings = OptimizerSettings(lr=1e-3, warmup_steps=4, weight_decay=0.0, schedule=LrSchedule.COSINE,
+                                 lr_min_ratio=0.1)
     trainer = InnerTrainer(model, settings)
     trainer.reset_optimizer()  # a restarted learner: fresh AdamW, its own warm-up
     assert math.isclose(trainer.lr_at(0.5), 1e-3 * 0.25 * 0.55)
@@ -50,7 +51,8 @@ def test_bf16_autocasts_the_step_and_keeps_weights_and_optimizer_state_fp32():
         loss = trainer.step(x, x)
         assert loss.dim() == 0 and not loss.requires_grad and math.isfinite(float(loss))
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        assert all(v.dtype == torch.float32 for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step")
+        state = trainer.optimizer.state.values()
+        assert all(v.dtype == torch.float32 for s in state for k, v in s.items() if k != "step")
         losses[precision] = float(loss)
     assert losses[Precision.BF16] != losses[Precision.FP32]  # the products really ran in bfloat16
     assert math.isclose(losses[Precision.BF16], losses[Precision.FP32], rel_tol=0.02)

@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
                 loss_value = float(loss)  # waits for this step: only when it is logged
                 st = runtime.stats
                 log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
-                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent, st.updates_applied,
-                         runtime.backlog, st.contributions_dropped, st.unreachable)
+                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
+                         st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
                 if events is not None:
                     events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
                                        "contributions_sent": st.contributions_sent,
