@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         faults = seeded_schedule(window_s=window_s, learners=config.run.learners, lease_s=config.protocol.lease_s,
                                  fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed)
     device = str(resolve_device(args.device))
+    config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: children are killed
     try:

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         box = [None, None]
     if world > 1:
         dist.broadcast_object_list(box, src=0)
-    config = _resolve_config(args, box[0])
+    config = _resolve_config(args, box[0]).validate_for_processes()
     if not args.threads and config.train.threads:
         torch.set_num_threads(config.train.threads)
     index = int(box[1])
@@ -162,12 +162,13 @@ def run(args: argparse.Namespace) -> int:
             runtime.step(tokens=x.numel())
             steps += 1
             if rank == 0 and steps % 50 == 0:
+                loss_value = float(loss)  # waits for this step: only when it is logged
                 st = runtime.stats
                 log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
-                         "unreachable %d", steps, loss, runtime.versions, st.contributions_sent, st.updates_applied,
-                         runtime.backlog, st.contributions_dropped, st.unreachable)
+                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
+                         st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
                 if events is not None:
-                    events.add(steps, {"train_loss": loss, "fragment_versions": runtime.versions,
+                    events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
                                        "contributions_sent": st.contributions_sent,
                                        "updates_applied": st.updates_applied, "backlog": runtime.backlog,
                                        "contributions_dropped": st.contributions_dropped,

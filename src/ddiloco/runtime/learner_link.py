@@ -16,7 +16,9 @@ of a wait). A shard that is slow or unreachable holds up only its own threads: t
 keeps exchanging the fragments of the others. Every call into the core is made under one lock.
 Whatever changes the model's parameters — adopting a joined state, applying an update — is
 queued for the training thread, which hands it to the core between two steps
-(:attr:`LearnerLink.inbox`).
+(:attr:`LearnerLink.inbox`); an update goes there already decoded by the receiver. Copies
+between host and accelerator are staged so the training stream never waits
+(:mod:`ddiloco.runtime.staging`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ddiloco.core.messages import RejectReason, Request, Session
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import AuthenticationError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
+from ddiloco.runtime.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -71,9 +74,10 @@ def next_delay(delay: float) -> float:
 class LearnerLink:
     """Every shard's channel, one shared core, lock and inbox."""
 
-    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock,
+    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock, staging: HostStaging,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.staging = staging
         self.lock = lock
         self.clock = clock
         self.stats = LinkStats()
@@ -105,7 +109,7 @@ class LearnerLink:
         return sum(c.outbox.qsize() for c in self.channels)
 
     def dispatch(self, actions: list[LearnerAction]) -> None:
-        for action in actions:
+        for action in self.staging.stage(actions):
             if isinstance(action, Send):
                 self.channels[action.shard].outbox.put(action)
             elif isinstance(action, (SendJoin, SendHeartbeat)):
@@ -301,7 +305,7 @@ class ShardChannel:
                         link.tell_core(lambda core: core.on_stop(link.clock()))
                         link.inbox.put((Inbox.WAKE, None))
                     else:
-                        link.inbox.put((Inbox.UPDATE, update))
+                        link.inbox.put((Inbox.UPDATE, (update, link.staging.decode(update))))
                 self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
             except (Unreachable, Refused):
                 # Not a decision: a broken stream is re-made; whether the session is still ours

@@ -15,7 +15,9 @@ training loop's steps and carries out its actions through
 upload, heartbeat, rejoin and receive). ``step`` never waits for the network: it takes the
 outer gradients that fell due (a memory copy), hands them to the sender thread, and applies
 the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
-waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``.
+waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU
+it does not wait for the device either: Δ leaves and updates arrive through pinned memory
+on asynchronous copies (:mod:`ddiloco.runtime.staging`).
 
 Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runtime is
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
@@ -41,6 +43,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddiloco.core.actions import SendJoin
+from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
 from ddiloco.core.messages import Join, RejectReason
@@ -48,6 +51,7 @@ from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner_link import BACKOFF_START_S, Inbox, LearnerLink, next_delay
+from ddiloco.runtime.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -223,7 +227,10 @@ class LearnerRuntime:
         actions = []
         for shard, result in enumerate(results):
             actions += core.on_admitted(result.state, now, stop=result.header.stop, shard=shard)
-        self.link = LearnerLink(core, self.clients, self._lock)
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments])
+        self.link = LearnerLink(core, self.clients, self._lock, staging)
         self.link.stats.joins += len(results)
         self.link.start([result.state.session for result in results])
         self.link.dispatch(actions)
@@ -375,11 +382,12 @@ class LearnerRuntime:
                         log.info("adopted the global state at versions %s", list(core.versions))
                 link.dispatch(actions)
             elif kind is Inbox.UPDATE:
+                update, values = item
                 with self._lock:
-                    before = core.versions[item.fragment]
-                    actions = core.on_update(item, now)
-                    if core.versions[item.fragment] != before:
-                        changed.add(item.fragment)
+                    before = core.versions[update.fragment]
+                    actions = core.on_update(update, now, values=values)
+                    if core.versions[update.fragment] != before:
+                        changed.add(update.fragment)
                 link.dispatch(actions)
 
     def _sync_ranks(self, changed: set[int]) -> set[int]:
