@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ddiloco.core.config import Mode, ProtocolConfig
+from ddiloco.core.run import RunLimits
 from ddiloco.errors import ConfigError
 from ddiloco.workload.model import ModelConfig
 from ddiloco.workload.trainer import LrSchedule, Precision
@@ -218,6 +219,19 @@ class Config:
         if self.run.tokens == 0 and self.run.time_s == 0:
             raise ConfigError("no budget: set run.tokens or run.time_s (or use a preset)")
         return self
+
+    def run_limits(self, *, checkpoint_every_rounds: int, checkpoint_every_s: float,
+                   drain_timeout_s: float | None = None) -> RunLimits:
+        """When this run ends and how often its synchronizer checkpoints (every driver's, from one place)."""
+        protocol = self.protocol.for_mode(self.run.mode, self.run.learners)
+        return RunLimits(
+            tokens=0 if self.run.time_s else self.run.tokens,
+            time_s=self.run.time_s,
+            drain_timeout_s=2 * protocol.lease_s if drain_timeout_s is None else drain_timeout_s,
+            checkpoint_every_rounds=checkpoint_every_rounds,
+            checkpoint_every_s=checkpoint_every_s,
+            learners=self.run.learners,
+        )
 
     def validate_for_processes(self) -> "Config":
         """What learner processes cannot do that the virtual cluster can."""

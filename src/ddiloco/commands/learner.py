@@ -23,10 +23,8 @@ from ddiloco.config import Config, apply_section
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
-from ddiloco.core.messages import Join
-from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
+from ddiloco.runtime.learner_runtime import LearnerRuntime, probe_with_backoff
 from ddiloco.workload.workload import Workload, weights_sha256
-from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
 
 log = logging.getLogger("ddiloco.learner")
@@ -112,10 +110,7 @@ def run(args: argparse.Namespace) -> int:
         token = secret or load_token(args.token_file)
         clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
                    for a in addresses]
-        probe = join_with_backoff(clients[0], Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
-        if probe.header.finished:
-            log.info("the run is already finished")
-            return 0
+        probe = probe_with_backoff(clients[0], args.id, timeout_s=args.join_timeout)
         box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
     else:
         box = [None, None]
@@ -133,14 +128,10 @@ def run(args: argparse.Namespace) -> int:
     if world > 1:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
-    if rank == 0:
-        sampler = workload.sampler(index)
-    else:  # the other ranks of this learner draw other batches from the same shard
-        sampler = BatchSampler(workload.corpus.train_shards[index], batch_size=config.train.batch_size,
-                               seq_len=config.model.seq_len, seed=(config.run.seed * 1_000_003 + index) * 7919 + rank)
+    sampler = workload.sampler(index, rank)
     runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
                              tokens_per_step=workload.tokens_per_step)
-    if runtime.should_stop:
+    if runtime.should_stop:  # the synchronizer refused our join: the run is over
         log.info("the run is already finished")
         runtime.close(flush=False)
         return 0

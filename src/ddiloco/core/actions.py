@@ -64,6 +64,8 @@ class Admitted:
     learner_id: str
     state: GlobalState
     stop: bool = False
+    data_shard: int = 0
+    """The part of the training data this learner id trains on (kept while the registry knows it)."""
 
 
 @dataclass(frozen=True, slots=True)

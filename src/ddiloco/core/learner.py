@@ -198,6 +198,15 @@ class Learner:
         shard = self._shard_of(request)
         return shard is not None and self._session_of_request(request) == self.links[shard].session
 
+    def still_to_send(self, send: Send) -> bool:
+        """A queued contribution is about to go out: is it still of the current session? If not
+        (the learner joined again meanwhile) it is dropped, and counted: it was measured from a
+        state the learner no longer holds."""
+        if self.is_current(send):
+            return True
+        self.dropped += 1
+        return False
+
     def _session_of_request(self, request: Request | Send) -> Session | None:
         return request.header.session if isinstance(request, Send) else getattr(request, "session", None)
 

@@ -106,7 +106,8 @@ class Synchronizer:
                 )
         self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
-                                  max_learners=limits.max_learners, forget_after_s=config.forget_after_s)
+                                  max_learners=limits.max_learners, data_shards=limits.learners,
+                                  forget_after_s=config.forget_after_s)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._rejections: Counter[str] = Counter()
@@ -162,6 +163,10 @@ class Synchronizer:
         """How long a joining learner's lease waits for its global state: the transfer at
         ``protocol.min_link_bytes_per_s`` (drivers give the transfer the same deadline)."""
         return self._state_bytes / self.config.min_link_bytes_per_s
+
+    def data_shard(self, learner_id: str) -> int:
+        """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""
+        return self._registry.data_shard(learner_id)
 
     def holds_session(self, learner_id: str, session: Session) -> bool:
         """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
@@ -258,7 +263,7 @@ class Synchronizer:
             incarnation=self.incarnation,
             session=rec.session,
         )
-        return [Admitted(join.learner_id, state, stop=self._stopping)]
+        return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:
     # a refused one's tokens come again with the learner's next accepted message, and a

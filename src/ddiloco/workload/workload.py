@@ -58,12 +58,15 @@ class Workload:
                                                      schedule=LrSchedule(t.schedule), lr_min_ratio=t.lr_min_ratio,
                                                      precision=Precision(t.precision)))
 
-    def sampler(self, learner: int) -> BatchSampler:
+    def sampler(self, learner: int, rank: int = 0) -> BatchSampler:
+        """Batches of learner ``learner``'s shard; a data-parallel learner's other ranks (``rank`` > 0)
+        draw other batches from the same shard."""
+        seed = self.config.run.seed * 1_000_003 + learner
         return BatchSampler(
             self.corpus.train_shards[learner],
             batch_size=self.config.train.batch_size,
             seq_len=self.config.model.seq_len,
-            seed=self.config.run.seed * 1_000_003 + learner,
+            seed=seed * 7919 + rank if rank else seed,
         )
 
     @property
