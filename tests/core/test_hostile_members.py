@@ -226,18 +226,25 @@ def test_a_leave_in_another_session_changes_nothing_of_the_learner():
 
 def test_registrations_beyond_the_cap_are_refused_and_dead_learners_are_forgotten():
     config = dataclasses.replace(BASE, forget_after_s=100.0, lease_s=10.0)
-    plan, sync = make_sync(config, limits=RunLimits(max_learners=3))
-    for i in range(3):
+    plan, sync = make_sync(config, limits=RunLimits(learners=1))  # four leases at most
+    for i in range(4):
         assert isinstance(sync.handle(Join(f"x{i}", "b"), 0.0)[0], Admitted)
-    assert refused(sync.handle(Join("x3", "b"), 0.0)).reason == "registry_full"
+    assert refused(sync.handle(Join("x4", "b"), 0.0)).reason == "registry_full"
     assert isinstance(sync.handle(Join("x0", "b"), 0.0)[0], Admitted)  # a member again: always
     sync.handle(Tick(), 1000.0)  # every lease ran out (nobody heard the state arrive: it waited, then ran)
     assert sync.status().learners and not any(s.alive for s in sync.status().learners)
     actions = sync.handle(Tick(), 1200.0)
-    assert any(isinstance(a, LearnersForgotten) and set(a.learner_ids) == {"x0", "x1", "x2"} for a in actions)
+    assert any(isinstance(a, LearnersForgotten) and set(a.learner_ids) == {"x0", "x1", "x2", "x3"} for a in actions)
     status = sync.status()
-    assert status.learners == () and status.learners_forgotten == 3
-    assert isinstance(sync.handle(Join("x3", "b"), 1200.0)[0], Admitted)
+    assert status.learners == () and status.learners_forgotten == 4
+    assert isinstance(sync.handle(Join("x4", "b"), 1200.0)[0], Admitted)
+
+
+def test_data_shards_are_the_cores_decision_and_stay_with_the_id():
+    plan, sync = make_sync(BASE, limits=RunLimits(learners=3))
+    shards = {name: sync.handle(Join(name, "b"), 0.0)[0].data_shard for name in ("learner-2", "island", "learner-7")}
+    assert shards == {"learner-2": 2, "island": 0, "learner-7": 1}  # its number, else the first free
+    assert sync.data_shard("learner-2") == 2 and sync.handle(Join("learner-2", "b2"), 1.0)[0].data_shard == 2
 
 
 def test_the_lease_waits_while_the_state_is_on_its_way_and_runs_from_its_arrival():

@@ -36,6 +36,17 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLIN
         time.sleep(poll_s)
 
 
+def train_steps(runtime: Any, workload: Any, model: Any, index: int, steps: int) -> Any:
+    """``steps`` inner steps of ``model`` on learner ``index``'s shard, each handed to ``runtime``;
+    returns the trainer (its optimizer state is the learner's)."""
+    trainer, sampler = workload.new_trainer(model), workload.sampler(index)
+    for _ in range(steps):
+        x, y = sampler.next_batch()
+        trainer.step(x, y)
+        runtime.step(tokens=x.numel())
+    return trainer
+
+
 def status_of(port: int, token: str | None = None) -> dict | None:
     """The synchronizer's status, or None while it is unreachable."""
     try:

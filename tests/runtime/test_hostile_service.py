@@ -21,7 +21,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Join, Leave, Progress, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import Address, AuthenticationError, client_metadata
+from ddiloco.runtime.auth import Address, client_metadata
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.service import ServiceOptions
@@ -44,10 +44,10 @@ def code_of(call) -> grpc.StatusCode:
                 pass
     except grpc.RpcError as err:
         return err.code()
-    except Refused as err:
+    except Refused as err:  # an AuthenticationError too (UNAUTHENTICATED)
         return err.code
-    except (Unreachable, AuthenticationError) as err:
-        return grpc.StatusCode.UNAVAILABLE if isinstance(err, Unreachable) else grpc.StatusCode.UNAUTHENTICATED
+    except Unreachable:
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.OK
 
 

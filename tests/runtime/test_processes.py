@@ -14,8 +14,8 @@ from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Leave, Progress
-from ddiloco.runtime.auth import AuthenticationError, client_metadata
-from ddiloco.runtime.client import Refused, SyncClient
+from ddiloco.runtime.auth import client_metadata
+from ddiloco.runtime.client import AuthenticationError, Refused, SyncClient
 
 pytestmark = pytest.mark.slow
 

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         faults = seeded_schedule(window_s=window_s, learners=config.run.learners, lease_s=config.protocol.lease_s,
                                  fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed)
     device = str(resolve_device(args.device))
+    config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")
     with sigterm_as_interrupt():  # children are killed as on Ctrl-C
         return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline)

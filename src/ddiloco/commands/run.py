@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     virtual = args.runtime == "virtual"
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
+    if not virtual:
+        config.validate_for_processes()
     device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     label = f"{config.run.mode} M={config.run.learners}"

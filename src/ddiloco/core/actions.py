@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -64,6 +64,8 @@ class Admitted:
     learner_id: str
     state: GlobalState
     stop: bool = False
+    data_shard: int = 0
+    """The part of the training data this learner id trains on (kept while the registry knows it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,14 +213,19 @@ class Send:
     codec: Codec
     shard: int = 0
     """The synchronizer shard that owns the fragment."""
+    ready: Callable[[], object] | None = None
+    """Waits until ``delta`` holds its values, when a driver copies it from an accelerator
+    asynchronously (``runtime/staging.py``); None: it already does."""
 
     @property
     def fragment(self) -> int:
         return self.header.fragment
 
     def encode(self) -> Contribution:
-        """Compress Δ on the host: a Δ taken on an accelerator is copied here, by the thread
+        """Compress Δ on the host: a Δ still on an accelerator is copied here, by the thread
         that encodes (a real learner's sender thread, never its training loop)."""
+        if self.ready is not None:
+            self.ready()
         return dataclasses.replace(self.header, payload=self.codec.encode(self.delta.cpu()))
 
 

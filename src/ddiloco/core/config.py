@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ddiloco.core.codecs import CODEC_NAMES
 from ddiloco.core.fragments import STRATEGIES
-from ddiloco.core.merge import MERGE_RULES
+from ddiloco.core.merge import MERGE_RULES, MergeRuleName
 from ddiloco.errors import ConfigError
 
 
@@ -63,8 +63,8 @@ class ProtocolConfig:
     """Codec for the outer updates the synchronizer sends back (with error feedback)."""
     block_size: int = 128
     """Elements per quantization block (one float32 scale each)."""
-    merge: str = "rda"
-    """Merge rule for non-embedding fragments: rda or mean (the embedding always uses mean)."""
+    merge: str = MergeRuleName.RDA
+    """Merge rule for non-embedding fragments: rda, mean or rda-median (the embedding always uses mean)."""
     outer_lr: float = 0.4
     """Outer SGD learning rate. DiLoCo's 0.7 was tuned for H≈500 and synchronous rounds; with
     H = 12 and partial rounds 0.4 gave the lowest eval loss here (docs/results.md)."""
@@ -178,7 +178,7 @@ class ProtocolConfig:
         K = M strict, blocking learners that adopt the global value (α = 0) merged by a plain
         mean, as in DiLoCo."""
         if Mode(mode) is Mode.DILOCO:
-            return replace(self, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge="mean")
+            return replace(self, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge=MergeRuleName.MEAN)
         return self
 
     def validate_for(self, learners: int) -> None:

@@ -198,6 +198,15 @@ class Learner:
         shard = self._shard_of(request)
         return shard is not None and self._session_of_request(request) == self.links[shard].session
 
+    def still_to_send(self, send: Send) -> bool:
+        """A queued contribution is about to go out: is it still of the current session? If not
+        (the learner joined again meanwhile) it is dropped, and counted: it was measured from a
+        state the learner no longer holds."""
+        if self.is_current(send):
+            return True
+        self.dropped += 1
+        return False
+
     def _session_of_request(self, request: Request | Send) -> Session | None:
         return request.header.session if isinstance(request, Send) else getattr(request, "session", None)
 
@@ -362,16 +371,21 @@ class Learner:
 
     # ---- what comes back -----------------------------------------------------------------
 
-    def on_update(self, update: FragmentUpdate, now: float) -> list[LearnerAction]:
-        """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ."""
-        result = self._apply(update)
+    def on_update(self, update: FragmentUpdate, now: float, *,
+                  values: torch.Tensor | None = None) -> list[LearnerAction]:
+        """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ.
+
+        ``values``: the update's payload already decoded by the driver (off the training
+        thread, into memory an accelerator copies from without waiting); decoded here if None.
+        """
+        result = self._apply(update, values)
         self.updates[result] += 1
         shard = self.config.shard_of(update.fragment)
         if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING and not self.links[shard].joining:
             return self._join(shard)  # missed a version: fetch that shard's state again
         return []
 
-    def _apply(self, update: FragmentUpdate) -> UpdateResult:
+    def _apply(self, update: FragmentUpdate, values: torch.Tensor | None) -> UpdateResult:
         p = update.fragment
         if not 0 <= p < len(self._tensors) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
@@ -383,7 +397,11 @@ class Learner:
         if update.version != self.versions[p] + 1:
             return UpdateResult.GAP
         anchor = self._anchors[p]
-        anchor += self._downlink.decode(update.payload, anchor.numel()).to(anchor.device)
+        if values is None:
+            values = self._downlink.decode(update.payload, anchor.numel())
+        elif values.shape != anchor.shape:
+            raise ValueError(f"update for fragment {p}: {values.numel()} decoded values, expected {anchor.numel()}")
+        anchor += values.to(anchor.device, non_blocking=True)  # from pinned memory: no wait for the device
         self.versions[p] = update.version
         alpha = self.config.alpha
         local = flatten(self._tensors[p])

@@ -78,6 +78,16 @@ class RejectReason(enum.StrEnum):
     """A stream that stalled past its deadline (an upload or a download), or too many at once."""
     BUSY = "busy"
     """Too many calls at once from this peer or in all: try again later."""
+    UNRECOGNIZED = "unrecognized"
+    """A code this learner does not know (a newer synchronizer's): the refused message is dropped."""
+
+    @classmethod
+    def parse(cls, text: str) -> "RejectReason":
+        """The reason a code on the wire names (``UNRECOGNIZED`` for one this version does not know)."""
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.UNRECOGNIZED
 
 
 class Rejected(Exception):

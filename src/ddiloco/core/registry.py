@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +62,7 @@ class LearnerRecord:
     starved: bool = False
     step_time_s: float | None = None
     tokens_per_step: int = 0
+    data_shard: int = 0
     accepted: int = 0
     rejected: int = 0
     registrations: int = 0
@@ -91,9 +93,10 @@ class Forgotten:
 
 class Registry:
     def __init__(self, incarnation: int, lease_s: float, *, period: int = 1, salt: int = 0, max_learners: int = 0,
-                 forget_after_s: float = 0.0) -> None:
+                 data_shards: int = 0, forget_after_s: float = 0.0) -> None:
         self.incarnation = incarnation
         self.lease_s = lease_s
+        self.data_shards = data_shards
         self.period = period
         self.starved_episodes = 0
         self.max_learners = max_learners
@@ -125,7 +128,8 @@ class Registry:
                                                        "(at most four times run.learners)")
         session = self._new_session()
         if rec is None:
-            rec = self.records[join.learner_id] = LearnerRecord(session=session)
+            rec = self.records[join.learner_id] = LearnerRecord(session=session,
+                                                                 data_shard=self.data_shard(join.learner_id))
         elif rec.boot and rec.boot != join.boot:
             rec.retired_boots.append(rec.boot)
         rec.session = session
@@ -142,6 +146,21 @@ class Registry:
         rec.last_seen_s = now
         rec.lease_until_s = now + admission_s + self.lease_s
         return rec
+
+    def data_shard(self, learner_id: str) -> int:
+        """A learner's part of the data: kept once given; a new id gets its trailing number if it
+        names a shard (``learner-3``), else the first shard nobody listed holds, else round robin."""
+        rec = self.records.get(learner_id)
+        if rec is not None:
+            return rec.data_shard
+        m = self.data_shards
+        if not m:
+            return 0
+        match = re.search(r"(\d+)$", learner_id)
+        if match and int(match.group(1)) < m:
+            return int(match.group(1))
+        held = {r.data_shard for r in self.records.values()}
+        return next((i for i in range(m) if i not in held), len(self.records) % m)
 
     def delivered(self, learner_id: str, session: Session, ok: bool, now: float) -> None:
         """The state sent for ``session`` arrived (``ok``) or the transfer failed: the lease runs from now."""
@@ -266,7 +285,8 @@ class Registry:
 
     def state_dict(self) -> dict[str, dict]:
         return {name: {"accepted": r.accepted, "rejected": r.rejected, "registrations": r.registrations,
-                       "retired_boots": list(r.retired_boots) + ([r.boot] if r.boot else [])}
+                       "retired_boots": list(r.retired_boots) + ([r.boot] if r.boot else []),
+                       "data_shard": r.data_shard}
                 for name, r in self.records.items()}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
@@ -277,7 +297,8 @@ class Registry:
         self.records = {}
         for name, v in state.items():
             rec = LearnerRecord(session=Session(self.incarnation, 0), alive=False, accepted=int(v["accepted"]),
-                                rejected=int(v["rejected"]), registrations=int(v.get("registrations", 0)))
+                                rejected=int(v["rejected"]), registrations=int(v.get("registrations", 0)),
+                                data_shard=int(v.get("data_shard", 0)))
             boots = [str(b) for b in v.get("retired_boots", [])]
             rec.retired_boots.extend(boots[:-1])
             rec.boot = boots[-1] if boots else ""

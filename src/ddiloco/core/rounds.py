@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import AbsmaxCodec, Codec
+from ddiloco.core.codecs import Codec, fused_int4
 from ddiloco.core.kernels import outer_step_int4
 from ddiloco.core.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
 from ddiloco.core.outer import NesterovSGD
@@ -120,11 +120,6 @@ class Round:
         self.quorum_required = self.alive_at_quorum = 0
 
 
-def token_weight(c: Contribution) -> float:
-    """w = tokens · tokens/steps: quantity times efficiency (DESIGN.md section 2, step 3)."""
-    return c.tokens * (c.tokens / c.steps)
-
-
 @dataclass(slots=True)
 class GlobalFragment:
     """Θ_p with its version and outer-optimizer state, and the round that will move it."""
@@ -188,7 +183,7 @@ class GlobalFragment:
         """
         acc, factor, coherence = self.accumulator.accumulated()
         self._value_norm = None
-        if not (isinstance(downlink, AbsmaxCodec) and downlink.bits == 4 and downlink.block_size % 2 == 0):
+        if not fused_int4(downlink):
             merged = torch.from_numpy(acc * np.float32(factor))
             self.accumulator.clear()
             return self.step(merged, outer, downlink, plain=plain), coherence

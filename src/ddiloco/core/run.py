@@ -39,14 +39,20 @@ class RunLimits:
     """Checkpoint after this many merged rounds (0 = never by count)..."""
     checkpoint_every_s: float = 0.0
     """... or this many seconds after the previous checkpoint, if rounds were merged (0 = never)."""
-    max_learners: int = 0
-    """Learners that may hold a lease at once (0 = no cap); drivers admit four times the run's M."""
+    learners: int = 0
+    """M, the run's learners: their data shards, and four times as many may hold a lease at once
+    (0: no cap; a data shard is then a learner's trailing number, else 0)."""
 
     def validate(self) -> None:
-        if min(self.tokens, self.time_s, self.checkpoint_every_rounds, self.checkpoint_every_s, self.max_learners) < 0:
+        if min(self.tokens, self.time_s, self.checkpoint_every_rounds, self.checkpoint_every_s, self.learners) < 0:
             raise ConfigError(f"run limits must be >= 0: {self}")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def max_learners(self) -> int:
+        """Leases held at once: four times M (a cluster re-registering after a blip, restarts)."""
+        return 4 * self.learners
 
     @property
     def checkpoints(self) -> bool:

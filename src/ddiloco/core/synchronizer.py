@@ -62,7 +62,8 @@ from ddiloco.core.messages import (
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Forgotten, LearnerRecord, Registry
 from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase, token_weight
+from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
+from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_status import CoreView, SyncStatus
 
@@ -100,11 +101,13 @@ class Synchronizer:
                 value = v.detach().to(torch.float32).flatten().clone()
                 self._fragments[i] = GlobalFragment(
                     value=value, is_embedding=i in embeds, initial_norm=float(torch.linalg.vector_norm(value)),
-                    accumulator=RoundAccumulator(v.numel(), self._uplink, rda=config.merge == "rda" and i not in embeds),
+                    accumulator=RoundAccumulator(v.numel(), self._uplink,
+                                                 merge_rule(MergeRuleName.MEAN if i in embeds else config.merge)),
                 )
         self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
-                                  max_learners=limits.max_learners, forget_after_s=config.forget_after_s)
+                                  max_learners=limits.max_learners, data_shards=limits.learners,
+                                  forget_after_s=config.forget_after_s)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._rejections: Counter[str] = Counter()
@@ -160,6 +163,10 @@ class Synchronizer:
         """How long a joining learner's lease waits for its global state: the transfer at
         ``protocol.min_link_bytes_per_s`` (drivers give the transfer the same deadline)."""
         return self._state_bytes / self.config.min_link_bytes_per_s
+
+    def data_shard(self, learner_id: str) -> int:
+        """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""
+        return self._registry.data_shard(learner_id)
 
     def holds_session(self, learner_id: str, session: Session) -> bool:
         """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
@@ -256,7 +263,7 @@ class Synchronizer:
             incarnation=self.incarnation,
             session=rec.session,
         )
-        return [Admitted(join.learner_id, state, stop=self._stopping)]
+        return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:
     # a refused one's tokens come again with the learner's next accepted message, and a
@@ -293,7 +300,8 @@ class Synchronizer:
         frag = self._fragments[c.fragment]
         frag.norms.append(norm)
         key = (c.learner_id, c.session)
-        frag.accumulator.add(key, c.payload, token_weight(pending.contribution), norm)
+        merged = pending.contribution
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import grpc
 
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.errors import ConfigError
 
 TOKEN_ENV = "DDILOCO_TOKEN"
 SECRET_ENV = "DDILOCO_SECRET"
@@ -35,10 +35,6 @@ PROTOCOL_HEADER = "ddiloco-protocol"
 REASON_HEADER = "ddiloco-reason"
 PROTOCOL_VERSION = 2
 """Major version of the wire protocol (the ``ddiloco.v2`` package of the schema)."""
-
-
-class AuthenticationError(DdilocoError):
-    """The synchronizer refused our token: permanent, retrying cannot help."""
 
 
 @dataclass(frozen=True, slots=True)

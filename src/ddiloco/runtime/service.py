@@ -25,7 +25,6 @@ import collections
 import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, replace
@@ -48,7 +47,6 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.config import Mode
 from ddiloco.core.messages import RejectReason
-from ddiloco.core.run import RunLimits
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
@@ -111,14 +109,9 @@ class SyncService:
                                          .encode()).hexdigest()
         self.incarnation = secrets.randbits(48)
         checkpoints = options.state_dir is not None
-        limits = RunLimits(
-            tokens=0 if config.run.time_s else config.run.tokens,
-            time_s=config.run.time_s,
-            drain_timeout_s=2 * self.protocol.lease_s if options.drain_timeout_s is None else options.drain_timeout_s,
-            checkpoint_every_rounds=options.checkpoint_every_rounds if checkpoints else 0,
-            checkpoint_every_s=options.checkpoint_every_s if checkpoints else 0.0,
-            max_learners=4 * config.run.learners,
-        )
+        limits = config.run_limits(checkpoint_every_rounds=options.checkpoint_every_rounds if checkpoints else 0,
+                                   checkpoint_every_s=options.checkpoint_every_s if checkpoints else 0.0,
+                                   drain_timeout_s=options.drain_timeout_s)
         self.core = Synchronizer(
             self.protocol, self.layout.initial_values,
             embedding_fragments=[f.index for f in self.layout.plan.fragments if f.is_embedding],
@@ -135,7 +128,6 @@ class SyncService:
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
         self.calls = CallLimits(self.protocol.min_link_bytes_per_s, limits.max_learners, self.protocol.lease_s)
         self.goodput = GoodputMeter(learners=config.run.learners)
-        self.learner_index: dict[str, int] = {}
         self.port: int | None = None
         self.process_start_s = time.monotonic()
         self.first_join_s: float | None = None
@@ -159,8 +151,7 @@ class SyncService:
 
     def load_service_state(self, service: dict[str, Any]) -> None:
         """What a checkpoint holds of the service (the core restores itself)."""
-        self.learner_index = {k: int(v) for k, v in service["learner_index"].items()}
-        self.boundary.known = set(self.learner_index)
+        self.boundary.known = {rec.learner_id for rec in self.core.status().learners}
         self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
         self.boundary.learner_rejected = collections.Counter(
             {k: int(v) for k, v in service["learner_wire_rejected"].items()})
@@ -173,7 +164,6 @@ class SyncService:
         uptime = 0.0 if self.first_join_s is None else self.goodput.uptime(self.first_join_s, now)
         return {
             "layout_sha256": self.layout_sha256,
-            "learner_index": dict(self.learner_index),
             "wire_rejections": dict(self.boundary.rejections),
             "learner_wire_rejected": dict(self.boundary.learner_rejected),
             "bytes": self.ledger.state_dict(),
@@ -218,7 +208,6 @@ class SyncService:
             elif isinstance(action, LearnersForgotten):
                 for name in action.learner_ids:
                     self.boundary.known.discard(name)
-                    self.learner_index.pop(name, None)
                     self.ledger.rename(name, FORGOTTEN)
                     self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
@@ -228,7 +217,7 @@ class SyncService:
             elif isinstance(action, Finished):
                 log.info("run finished: %d tokens, fragment versions %s", view.tokens, list(view.versions))
 
-    def _header(self, learner: str, *, assign: bool) -> pb.JoinHeader:
+    def _header(self, data_shard: int) -> pb.JoinHeader:
         return pb.JoinHeader(
             incarnation=self.incarnation,
             protocol_json=json.dumps(asdict(self.protocol)),
@@ -240,25 +229,8 @@ class SyncService:
             shard=self.shard,
             shards=self.protocol.shards,
             run_sha256=self.run_sha256,
-            learner_index=self._index(learner, assign=assign),
+            learner_index=data_shard,
         )
-
-    def _index(self, learner: str, *, assign: bool) -> int:
-        """The learner's data shard: its trailing number if it has one, else the next free index.
-        Kept only for registered learners (``assign``); a probe is told without being recorded."""
-        if learner in self.learner_index:
-            return self.learner_index[learner]
-        m = self.config.run.learners
-        match = re.search(r"(\d+)$", learner)
-        used = set(self.learner_index.values())
-        if match and int(match.group(1)) < m:
-            index = int(match.group(1))
-        else:
-            free = [i for i in range(m) if i not in used]
-            index = free[0] if free else len(self.learner_index) % m
-        if assign:
-            self.learner_index[learner] = index
-        return index
 
     # ---- RPC handlers ----------------------------------------------------------------------
 
@@ -277,7 +249,8 @@ class SyncService:
         async def work() -> None:
             req = self.boundary.receive(context, pb.JoinRequest, raw)
             if req.probe:
-                header = self._header(req.learner_id, assign=False)
+                name = req.learner_id
+                header = self._header(await self._host.query(lambda core: core.data_shard(name)))
                 header.versions.extend(self.view.versions)
                 await self.calls.write(context, self.boundary.out(req.learner_id, -1, pb.JoinReply(header=header)),
                                        "join")
@@ -297,7 +270,7 @@ class SyncService:
         """The header and the global state; the core hears whether it all went out (the lease waits till then)."""
         learner, session = reply.learner_id, reply.state.session
         assert session is not None
-        header = self._header(learner, assign=True)
+        header = self._header(reply.data_shard)
         header.session.CopyFrom(wire.session_to_pb(session))
         header.stop = reply.stop
         header.versions.extend(reply.state.versions())

@@ -28,7 +28,6 @@ import torch
 from ddiloco.core.actions import RoundClosed
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
-from ddiloco.core.run import RunLimits
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.adversary import TimedFault, plan_windows
 from ddiloco.sim.events import Ev, EventQueue
@@ -67,14 +66,8 @@ class VirtualCluster:
         initial = [flatten([params[n] for n in f.param_names]).cpu() for f in self.plan.fragments]  # the synchronizer's
         embeds = [f.index for f in self.plan.fragments if f.is_embedding]
         run, cluster = config.run, config.cluster
-        limits = RunLimits(
-            tokens=0 if run.time_s else run.tokens,
-            time_s=run.time_s,
-            drain_timeout_s=2 * protocol.lease_s,
-            checkpoint_every_rounds=cluster.checkpoint_every_rounds,
-            checkpoint_every_s=cluster.checkpoint_every_s,
-            max_learners=4 * run.learners,
-        )
+        limits = config.run_limits(checkpoint_every_rounds=cluster.checkpoint_every_rounds,
+                                   checkpoint_every_s=cluster.checkpoint_every_s)
         self.syncs = [
             SyncNode(lambda incarnation, shard=shard: Synchronizer(protocol, initial, embeds, limits=limits,
                                                                    incarnation=incarnation, shard=shard,

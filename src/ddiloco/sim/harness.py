@@ -36,6 +36,9 @@ class Recorder:
     bytes: ByteCounter = field(default_factory=ByteCounter)
     trace: FailureTrace = field(init=False)
     timer: StepTimer = field(init=False)
+    schedule_span: tuple[float, float] = (0.0, 1.0)
+    """The share of the whole run's learning-rate schedule this run covers (a warm start's
+    phases each cover part of it, ``experiment.run_warm_started``)."""
     _next_eval: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +73,11 @@ class Recorder:
         if run.time_s:
             return min(1.0, now / run.time_s)
         return min(1.0, tokens / run.tokens)
+
+    def run_progress(self, tokens: int, now: float) -> float:
+        """Where the inner learning-rate schedule stands: the fraction done, placed on the span."""
+        start, end = self.schedule_span
+        return start + (end - start) * self.fraction_done(tokens, now)
 
     def eval_due(self, tokens: int, now: float) -> bool:
         """``train.evals`` evaluations spread over the run, the first at its start; the

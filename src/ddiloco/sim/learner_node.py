@@ -162,10 +162,10 @@ class LearnerNode:
     def on_step_end(self, cluster: "VirtualCluster", started_s: float) -> None:
         self.stepping = False
         x, y = self.sampler.next_batch()
-        self.trainer.step(x, y)
+        now = cluster.queue.now
+        self.trainer.step(x, y, cluster.recorder.run_progress(cluster.tokens, now))
         tokens = x.numel()
         cluster.tokens += tokens
-        now = cluster.queue.now
         sends = self.core.record_step(tokens, now - started_s, now)
         cluster.recorder.accounting.add_step(self.index, self.step_offset + self.core.step, started_s, now)
         self.execute(cluster, list(sends))
