@@ -255,7 +255,7 @@ class GrpcDriver:
 
         def read() -> None:
             for update in stream:
-                self._inbox.put((name, StopNotice() if update is None else update))
+                self._inbox.put((name, update))
 
         threading.Thread(target=read, daemon=True).start()
 

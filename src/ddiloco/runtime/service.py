@@ -46,7 +46,7 @@ from ddiloco.core.actions import (
     SyncAction,
 )
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import RejectReason
+from ddiloco.core.messages import RejectReason, StopNotice
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
@@ -62,7 +62,7 @@ from ddiloco.runtime.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.state_dir import StateDir
 from ddiloco.runtime.status_reply import status_reply
-from ddiloco.runtime.streams import StreamItem, UpdateStreams
+from ddiloco.runtime.streams import CLOSE, UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -348,9 +348,9 @@ class SyncService:
                     await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)), "the update stream")
                 while True:
                     item = await sub.queue.get()
-                    if item is StreamItem.CLOSE:
+                    if item is CLOSE:
                         return
-                    if item is StreamItem.STOP:
+                    if isinstance(item, StopNotice):
                         await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)),
                                                "the update stream")
                         continue

@@ -236,6 +236,12 @@ class VirtualCluster:
             m, until = args
             self.network.partition(self.learners[m].name, until)
             self.injected["partition"] += 1
+            self.queue.at(until, Ev.PARTITION_END, m)
+        elif kind is Ev.PARTITION_END:
+            node = self.learners[args[0]]
+            if node.up and not self.network.partitioned(node.name, self.queue.now):
+                for sync in self.syncs:
+                    sync.replay_to(self, node.name, list(node.core.versions))
         elif kind is Ev.SYNC_CRASH:
             shard, until = args
             sync = self.syncs[shard]
