@@ -46,7 +46,7 @@ from ddiloco.core.actions import (
     SyncAction,
 )
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import RejectReason
+from ddiloco.core.messages import RejectReason, StopNotice
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
@@ -57,11 +57,12 @@ from ddiloco.runtime.call_limits import CallLimits
 from ddiloco.runtime.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
-from ddiloco.runtime.metrics import ByteLedger, GoodputMeter, ServiceMetrics
+from ddiloco.measures import ByteLedger, fragment_shares
+from ddiloco.runtime.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.state_dir import StateDir
 from ddiloco.runtime.status_reply import status_reply
-from ddiloco.runtime.streams import StreamItem, UpdateStreams
+from ddiloco.runtime.streams import CLOSE, UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -119,8 +120,7 @@ class SyncService:
         )
         owned = [self.layout.plan.fragments[p] for p in self.core.owned]
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
-        total = sum(f.numel for f in self.layout.plan.fragments)
-        self._share = [f.numel / total for f in self.layout.plan.fragments]
+        self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
         self.state_bytes = 4 * sum(f.numel for f in owned)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
@@ -348,9 +348,9 @@ class SyncService:
                     await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)), "the update stream")
                 while True:
                     item = await sub.queue.get()
-                    if item is StreamItem.CLOSE:
+                    if item is CLOSE:
                         return
-                    if item is StreamItem.STOP:
+                    if isinstance(item, StopNotice):
                         await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)),
                                                "the update stream")
                         continue
