@@ -58,10 +58,11 @@ def run_virtual(
     recorder = Recorder(config, workload, progress=progress, schedule_span=schedule_span)
     started = time.perf_counter()
     driver: VirtualCluster | DataParallel
-    if config.run.mode in ("decoupled", "diloco"):
+    mode = Mode(config.run.mode)
+    if mode.uses_protocol:
         driver = VirtualCluster(workload, recorder, check_invariants=check_invariants, observer=observer)
     else:
-        driver = DataParallel(workload, recorder, elastic=config.run.mode == "dp-elastic")
+        driver = DataParallel(workload, recorder, elastic=mode is Mode.DP_ELASTIC)
     writer = RunWriter(out, config) if out is not None else None
     recorder.on_row = writer.add_row if writer else None
     try:

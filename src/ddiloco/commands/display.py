@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ddiloco.core.config import Mode
 from ddiloco.reporting import ProgressFn
 
 console = Console(stderr=True)
@@ -129,7 +130,8 @@ def _story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
     if summary.get("interrupted"):
         lines.append(f"Interrupted at {summary['done']:.0%} of the budget (virtual t={summary['virtual_time_s']:.0f} s); "
                      "this is what it did until then.")
-    return lines + (_dp_story(summary, events) if summary["mode"].startswith("dp") else _diloco_story(summary, events))
+    story = _diloco_story if Mode(summary["mode"]).uses_protocol else _dp_story
+    return lines + story(summary, events)
 
 
 def _diloco_story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
