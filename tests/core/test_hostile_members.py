@@ -145,14 +145,16 @@ def test_one_heartbeat_claiming_2_to_the_48_tokens_does_not_end_the_run():
     status = sync.status()
     assert status.phase is RunPhase.RUNNING and status.progress_clipped == 1
     assert status.tokens == (int(10.0 / config.min_step_s) + 1) * 100  # what 10 s can hold: one 100-token step per 10 ms
-    # The same claim again adds nothing; an honest report of what followed still counts.
+    # The same claim again adds nothing.
     sync.handle(Heartbeat("l0", cores[0].session, greedy), 10.5)
     assert sync.status().tokens == status.tokens
 
 
-def test_the_budget_counts_honest_progress_in_full():
+def test_the_budget_counts_honest_progress_in_full_however_late_and_close_together_reports_arrive():
+    """Reports delayed on a slow link arrive back to back: the bound is on totals since the
+    learner's origin, so two reports a millisecond apart can carry seconds of work between them."""
     plan, sync, cores, params = make_cluster(STRICT, learners=1, limits=RunLimits(tokens=1000))
-    for t, tokens in ((1.0, 300), (2.0, 600), (3.0, 1000)):
+    for t, tokens in ((1.0, 300), (1.001, 600), (1.002, 1000)):  # 10 steps of 100 tokens in 1.002 s
         actions = sync.handle(Heartbeat("l0", cores[0].session, Progress("b0", tokens, tokens // 100)), t)
     assert sync.status().tokens == 1000 and sync.status().progress_clipped == 0
     assert any(isinstance(a, StopLearners) for a in actions)
@@ -282,3 +284,24 @@ def test_a_live_learner_whose_work_never_arrives_is_reported_link_starved():
     c = a_contribution(cores, params)
     assert not isinstance(sync.handle(c, t + 1)[0], Refused)
     assert not sync.status(t + 1).learners[0].link_starved and sync.status(t + 1).learners[0].accepted_per_min == 1
+
+
+def test_contributions_delayed_and_arriving_back_to_back_are_still_plausible():
+    """Found by the registration burst (bench_sync_abuse.py): a contribution held up behind busy
+    uploads, and the next one right after it, used to be refused as implausible (each was
+    measured against the time since the previous one arrived)."""
+    config = dataclasses.replace(STRICT, quorum=2, space_rounds=False)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    first = a_contribution(cores, params)
+    fragment = first.fragment
+    while True:
+        local_step(params[0], seed=cores[0].step)
+        due = step(cores[0], tokens=100, duration_s=1.0)
+        for c in due:
+            if c.fragment != fragment:
+                cores[0].on_undelivered(c, 0.0)
+        if any(c.fragment == fragment for c in due):
+            second = next(c for c in due if c.fragment == fragment)
+            break
+    for c, now in ((first, 10.0), (second, 10.0001)):  # both held up, then delivered a tenth of a ms apart
+        assert not isinstance(sync.handle(c, now)[0], Refused)
