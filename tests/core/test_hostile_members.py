@@ -14,7 +14,9 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
 from ddiloco.core.run import RunLimits, RunPhase
-from protocol_helpers import join, local_step, make_cluster, make_params, make_sync, refused, step
+import torch
+from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, refused, step
+from test_synchronizer import contributions_for
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 
@@ -305,3 +307,28 @@ def test_contributions_delayed_and_arriving_back_to_back_are_still_plausible():
             break
     for c, now in ((first, 10.0), (second, 10.0001)):  # both held up, then delivered a tenth of a ms apart
         assert not isinstance(sync.handle(c, now)[0], Refused)
+
+
+def test_a_member_sending_at_nine_tenths_of_the_norm_bound_cannot_make_the_model_grow_round_after_round():
+    """Finding 2: the bound was relative to the fragment's current value, so ten contributions at
+    0.9 x the bound (with a weight of about 2^88) grew a fragment's norm from 18 to 1.4e8. Now the
+    bound follows what most learners sent and the weight is capped."""
+    config = dataclasses.replace(BASE, quorum=2, codec="fp32", downlink_codec="fp32", space_rounds=False,
+                                 min_step_s=1e-9, max_tokens_per_step=10**6, lease_s=1e6)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    p = 1
+    numel = plan.fragments[p].numel
+    start = float(sync.value(p).norm())
+    for rnd in range(10):
+        honest, hostile = contributions_for(cores, params, fragment=p, seed=rnd)
+        honest_norm = float(torch.frombuffer(bytearray(honest.payload), dtype=torch.float32).norm())
+        bound = config.delta_norm_ratio_max * max(honest_norm, 1e-6)
+        pushed = torch.full((numel,), 0.9 * bound / numel**0.5)
+        forged = dataclasses.replace(hostile, payload=pushed.numpy().tobytes(), tokens=10**9, steps=10**3)
+        t = 10.0 * (rnd + 1)
+        for c in (honest, forged):
+            actions = sync.handle(c, t)
+            deliver(actions, cores)
+            assert not isinstance(actions[0], Refused) or c is forged
+    assert float(sync.value(p).norm()) < 3 * start, (start, float(sync.value(p).norm()))
+    assert sync.status().weights_capped >= 1
