@@ -46,7 +46,15 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat, Join,
 from ddiloco.core.registry import SESSION_TAG_BITS
 from ddiloco.core.run import RunLimits
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.sim.events import Ev, EventQueue
+from ddiloco.sim.events import (
+    AtLearner,
+    EventQueue,
+    PushArrives,
+    ReplyArrives,
+    RequestArrives,
+    StateArrives,
+    SyncTick,
+)
 from ddiloco.measures import ByteLedger, Direction
 from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.sync_node import SyncNode
@@ -142,15 +150,15 @@ class SimDriver:
         self._pushes: list[tuple[str, Any]] = []
         self.sync.start(self)
 
-    # what SyncNode needs of a cluster
-    def push(self, m: int, boot: int, fragment: int, size: int, kind: Ev, *args: Any) -> float | None:
-        arrivals = self.network.deliveries(NAMES[m], Direction.DOWN, fragment, size, self.queue.now)
+    # what SyncNode needs of its host (ddiloco.sim.host.NodeHost)
+    def push(self, event: AtLearner, fragment: int, size: int) -> float | None:
+        arrivals = self.network.deliveries(NAMES[event.m], Direction.DOWN, fragment, size, self.queue.now)
         for t in arrivals:
-            self.queue.at(t, kind, m, boot, *args)
+            self.queue.at(t, event)
         return arrivals[0] if arrivals else None
 
     def push_to(self, name: str, fragment: int, size: int, message: Any) -> float | None:
-        return self.push(NAMES.index(name), 0, fragment, size, Ev.PUSH, message)
+        return self.push(PushArrives(NAMES.index(name), 0, message), fragment, size)
 
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         pass
@@ -167,24 +175,24 @@ class SimDriver:
 
     def _run_until(self, t: float) -> None:
         while self.queue.next_time() <= t:
-            event = self.queue.pop()
-            if event.kind is Ev.REQUEST:
-                self.sync.on_request(self, *event.args)
-            elif event.kind is Ev.SYNC_TICK:
-                self.sync.on_tick(self, event.args[1])
-            elif event.kind is Ev.REPLY:
-                self._replies[event.args[2]] = event.args[3]
-            elif event.kind is Ev.PUSH:
-                self._pushes.append((NAMES[event.args[0]], event.args[2]))
-            elif event.kind is Ev.DELIVERED:
-                self.sync.on_delivered(self, *event.args[1:])
+            event = self.queue.pop().what
+            if isinstance(event, RequestArrives):
+                self.sync.on_request(self, event.m, event.boot, event.call_id, event.request)
+            elif isinstance(event, SyncTick):
+                self.sync.on_tick(self, event.incarnation)
+            elif isinstance(event, ReplyArrives):
+                self._replies[event.call_id] = event.reply
+            elif isinstance(event, PushArrives):
+                self._pushes.append((NAMES[event.m], event.message))
+            elif isinstance(event, StateArrives):
+                self.sync.on_delivered(self, event.incarnation, event.m, event.boot, event.admitted, event.arrived)
         self.queue.now = max(self.queue.now, t)
 
     def request(self, name: str, message: Any) -> Any:
         call = next(self._calls)
         size = len(message.payload) if isinstance(message, Contribution) else 0
         for t in self.network.deliveries(name, Direction.UP, -1, size, self.queue.now):
-            self.queue.at(t, Ev.REQUEST, NAMES.index(name), 0, call, message)
+            self.queue.at(t, RequestArrives(NAMES.index(name), 0, call, message, 0))
         self._run_until(self.queue.now)  # instant links: everything arrives now
         return self._replies.pop(call)
 

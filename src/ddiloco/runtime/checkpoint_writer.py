@@ -12,14 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.metrics import ServiceMetrics
 from ddiloco.runtime.state_dir import StateDir
-
-if TYPE_CHECKING:
-    from ddiloco.runtime.service import SyncService
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -36,30 +33,26 @@ class CheckpointWriter:
         self._writes: set[asyncio.Task] = set()
         self._lock: asyncio.Lock | None = None
 
-    def restore(self, service: "SyncService") -> None:
-        """Load the latest checkpoint into ``service`` and its core, if the state directory holds one."""
+    def restore(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None]) -> bool:
+        """Hand the latest checkpoint to ``apply`` (the service, which restores its core and
+        counters), if the state directory holds one of this model and layout; True if it did."""
         if self.state_dir is None:
-            return
+            return False
         try:
             saved = self.state_dir.load()
             if saved is None:
-                if service.options.resume:
-                    log.info("no checkpoint in %s: starting a new run", self.state_dir.path)
-                return
-            state = saved["service"]
-            if state["layout_sha256"] != service.layout_sha256:
+                return False
+            if saved["service"]["layout_sha256"] != layout_sha256:
                 raise CheckpointError(
                     "the checkpoint belongs to a run with another model, fragmentation or codec: "
                     "start with the same --preset/--config/--set as the run that wrote it"
                 )
             try:
-                service.core.load_state_dict(saved["core"])
+                apply(saved)
             except (KeyError, ValueError) as err:
                 raise CheckpointError(f"checkpoint does not fit this synchronizer: {err}") from None
-            service.load_service_state(state)
-            self.checkpoints = int(state["checkpoints"])
-            log.info("resumed from %s: fragment versions %s", self.state_dir.checkpoint_path,
-                     list(service.core.versions()))
+            self.checkpoints = int(saved["service"]["checkpoints"])
+            return True
         except BaseException:
             self.state_dir.close()
             raise

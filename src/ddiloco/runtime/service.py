@@ -134,7 +134,10 @@ class SyncService:
         self._pending: set[asyncio.Future] = set()
         state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
         self.writer = CheckpointWriter(state_dir, self.metrics)
-        self.writer.restore(self)
+        if self.writer.restore(self.layout_sha256, self._restore):
+            log.info("resumed from %s: fragment versions %s", options.state_dir, list(self.core.versions()))
+        elif options.resume:
+            log.info("no checkpoint in %s: starting a new run", options.state_dir)
         self.streams = UpdateStreams(len(self.layout.plan.fragments))
         self.host: SyncHost | None = None
 
@@ -149,8 +152,10 @@ class SyncService:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def load_service_state(self, service: dict[str, Any]) -> None:
-        """What a checkpoint holds of the service (the core restores itself)."""
+    def _restore(self, saved: dict[str, Any]) -> None:
+        """Restore the core and the service's counters from a checkpoint (before serving)."""
+        self.core.load_state_dict(saved["core"])
+        service = saved["service"]
         self.boundary.known = {rec.learner_id for rec in self.core.status().learners}
         self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
         self.boundary.learner_rejected = collections.Counter(

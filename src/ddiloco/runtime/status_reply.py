@@ -8,23 +8,41 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ddiloco.config import Config
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.run import RunPhase
 from ddiloco.core.sync_status import SyncStatus
-from ddiloco.measures import Direction
+from ddiloco.measures import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
+from ddiloco.runtime.boundary import Boundary
+from ddiloco.runtime.checkpoint_writer import CheckpointWriter
+from ddiloco.runtime.layout import ModelLayout
+from ddiloco.runtime.metrics import GoodputMeter
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.service import SyncService
+
+class Measured(Protocol):
+    """What the service measures itself, beside its core's status."""
+
+    config: Config
+    protocol: ProtocolConfig
+    shard: int
+    layout: ModelLayout
+    ledger: ByteLedger
+    boundary: Boundary
+    goodput: GoodputMeter
+    writer: CheckpointWriter
+    first_join_s: float | None
+    process_start_s: float
 
 
 LEARNERS_PAGE = 1000
 """Learners per Status reply when the caller asks for no page size (and the most it may ask for)."""
 
 
-def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_offset: int = 0,
+def status_reply(service: Measured, core: SyncStatus, now: float, learner_offset: int = 0,
                  learner_limit: int = 0) -> pb.StatusReply:
     wall_now = time.monotonic()
     writer = service.writer

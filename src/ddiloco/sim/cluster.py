@@ -29,25 +29,39 @@ from ddiloco.core.actions import RoundClosed
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.sim.adversary import TimedFault, plan_windows
-from ddiloco.sim.events import Ev, EventQueue
+from ddiloco.sim.adversary import plan_windows
+from ddiloco.sim.events import (
+    AtLearner,
+    CallTimeout,
+    EventQueue,
+    LearnerTick,
+    PushArrives,
+    ReplyArrives,
+    RequestArrives,
+    StateArrives,
+    StepEnd,
+    SyncTick,
+)
+from ddiloco.sim.fate import Fate, window_event
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.learner_node import LearnerNode
 from ddiloco.measures import Direction, fragment_shares
 from ddiloco.sim.network import NetFaults, Network
-from ddiloco.sim.snapshot import SnapshotFn, take_snapshot
+from ddiloco.sim.snapshot import ClusterSnapshot, SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.timeline import Happening, RunEvents, Timeline
 from ddiloco.workload.workload import Workload, weights_sha256
 
-_AT_LEARNER = {Ev.STEP_END, Ev.REPLY, Ev.PUSH, Ev.CALL_TIMEOUT, Ev.LEARNER_TICK}
 SNAPSHOT_EVERY_S = 1.0
 """Virtual seconds between two snapshots for the observer (a terminal redraws a few times a second)."""
 
 
 class VirtualCluster:
-    """Runs Decoupled DiLoCo (or synchronous DiLoCo) on M virtual learners."""
+    """Runs Decoupled DiLoCo (or synchronous DiLoCo) on M virtual learners.
+
+    It is the nodes' :class:`~ddiloco.sim.host.NodeHost`: their clock, links and bookkeeping.
+    """
 
     def __init__(self, workload: Workload, recorder: Recorder, *, check_invariants: bool = True,
                  attack_until_s: float | None = None, observer: SnapshotFn | None = None) -> None:
@@ -95,7 +109,6 @@ class VirtualCluster:
         self._by_name = {node.name: node for node in self.learners}
         self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed,
                                     shards=protocol.shards)
-        self.injected: Counter[str] = Counter()
         self.coherence: list[tuple[int, float]] = []
         """(contributions, coherence) of every round that merged two or more (``RoundClosed.coherence``)."""
         self.timeline = Timeline()
@@ -105,14 +118,17 @@ class VirtualCluster:
         """Virtual time after which a run that has not finished is given up (a liveness failure)."""
         self.tokens = 0
         self._call_ids = itertools.count()
+        self.fate = Fate(self, learners=self.learners, syncs=self.syncs, network=self.network,
+                         trace=recorder.trace, timeline=self.timeline, new_core=self.new_core,
+                         attack_until_s=self.attack_until_s)
 
     def _new_node(self, m: int) -> LearnerNode:
         model = self.workload.new_model()
         name = f"learner-{m}"
         return LearnerNode(m, name, model, self.workload.new_trainer(model), self.workload.sampler(m),
-                           self._new_core(name, model, boot=0))
+                           self.new_core(name, model, boot=0))
 
-    def _new_core(self, name: str, model: torch.nn.Module, boot: int) -> Learner:
+    def new_core(self, name: str, model: torch.nn.Module, boot: int) -> Learner:
         return Learner(name, self.protocol, self.plan, dict(model.named_parameters()), boot=f"{name}#{boot}",
                        tokens_per_step=self.tokens_per_step)
 
@@ -135,12 +151,15 @@ class VirtualCluster:
         while self.running():
             self.step_event()
             if self.observer and self.queue.now >= self._next_snapshot_s:
-                self.observer(take_snapshot(self))
+                self.observer(self.snapshot())
                 self._next_snapshot_s = self.queue.now + SNAPSHOT_EVERY_S
         result = self.finish()
         if self.observer:
-            self.observer(take_snapshot(self))
+            self.observer(self.snapshot())
         return result
+
+    def snapshot(self) -> ClusterSnapshot:
+        return take_snapshot(self.queue.now, self.tokens, self.versions(), self.learners, self.recorder, self.timeline)
 
     def running(self) -> bool:
         return bool(len(self.queue)) and not self.finished and self.queue.now <= self.limit_s
@@ -157,119 +176,87 @@ class VirtualCluster:
             sync.start(self)
         for node in self.learners:
             node.execute(self, node.core.start(0.0))
-            self._schedule_failure(node.index)
+            self.fate.schedule_failure(node.index)
         for w in self.windows:
-            kind = {TimedFault.PARTITION: Ev.PARTITION, TimedFault.FREEZE: Ev.FREEZE,
-                    TimedFault.SYNC_CRASH: Ev.SYNC_CRASH}[w.kind]
-            self.queue.at(w.start_s, kind, w.target, w.end_s)
+            self.queue.at(w.start_s, window_event(w))
         self.evaluate()
 
     def step_event(self) -> None:
         """Take the next event off the queue and carry it out."""
-        event = self.queue.pop()
-        kind, args = event.kind, event.args
-        if kind in _AT_LEARNER:
-            node = self.learners[args[0]]
-            if args[1] != node.boot or not node.up:
+        event = self.queue.pop().what
+        now = self.queue.now
+        if isinstance(event, AtLearner):
+            node = self.learners[event.m]
+            if event.boot != node.boot or not node.up:
                 return  # it died with the process it was meant for
-            if self.queue.now < node.frozen_until_s:
-                self.queue.at(node.frozen_until_s, kind, *args)  # nothing runs in a stopped process
+            if now < node.frozen_until_s:
+                self.queue.at(node.frozen_until_s, event)  # nothing runs in a stopped process
                 return
-            if kind in (Ev.REPLY, Ev.PUSH) and self.network.partitioned(node.name, self.queue.now):
+            if isinstance(event, (ReplyArrives, PushArrives)) and self.network.partitioned(node.name, now):
                 return
-            self._at_learner(node, kind, args[2:])
-            node.advance(self)
-        elif kind is Ev.REQUEST:
-            if not self.network.partitioned(self.learners[args[0]].name, self.queue.now):
-                m, boot, call_id, request, shard = args
-                self.syncs[shard].on_request(self, m, boot, call_id, request)
-        elif kind is Ev.SYNC_TICK:
-            shard, incarnation = args
-            self.syncs[shard].on_tick(self, incarnation)
-        elif kind is Ev.DELIVERED:
-            self.syncs[args[0]].on_delivered(self, *args[1:])
-        else:
-            self._fate(kind, args)
-
-    def _at_learner(self, node: LearnerNode, kind: Ev, args: tuple[Any, ...]) -> None:
-        if kind is Ev.STEP_END:
-            node.on_step_end(self, *args)
-        elif kind is Ev.REPLY:
-            node.on_reply(self, *args)
-        elif kind is Ev.PUSH:
-            node.on_push(self, *args)
-        elif kind is Ev.CALL_TIMEOUT:
-            node.on_timeout(self, *args)
-        else:
-            node.on_tick(self)
-
-    def _fate(self, kind: Ev, args: tuple[Any, ...]) -> None:
-        """Failures from the trace and the adversary's timed faults."""
-        if kind is Ev.CRASH:
-            (m,) = args
-            outage = self.recorder.trace.outage_at(m, self.queue.now)
-            assert outage is not None
-            self.learners[m].crash()
-            self.injected["learner_crash"] += 1
-            self.timeline.add(self.queue.now, Happening.FAILURE, m)
-            self.queue.at(outage.up_s, Ev.RECOVER, m)
-        elif kind is Ev.RECOVER:
-            (m,) = args
-            node = self.learners[m]
-            self.timeline.add(self.queue.now, Happening.RESTART, m)
-            node.restart(self, self._new_core(node.name, node.model, node.boot))
-            self._schedule_failure(m)
-            node.advance(self)
-        elif kind is Ev.FREEZE:
-            m, until = args
-            node = self.learners[m]
-            if node.up:
-                node.frozen_until_s = max(node.frozen_until_s, until)
-                self.injected["freeze"] += 1
-                self.queue.at(until, Ev.THAW, m)
-        elif kind is Ev.THAW:
-            node = self.learners[args[0]]
-            if node.up and self.queue.now >= node.frozen_until_s:
+            if isinstance(event, StepEnd):
+                node.on_step_end(self, event.started_s)
+            elif isinstance(event, ReplyArrives):
+                node.on_reply(self, event.call_id, event.reply, event.shard)
+            elif isinstance(event, PushArrives):
+                node.on_push(self, event.message)
+            elif isinstance(event, CallTimeout):
+                node.on_timeout(self, event.call_id)
+            else:
+                assert isinstance(event, LearnerTick)
                 node.on_tick(self)
-                node.advance(self)
-        elif kind is Ev.PARTITION:
-            m, until = args
-            self.network.partition(self.learners[m].name, until)
-            self.injected["partition"] += 1
-            self.queue.at(until, Ev.PARTITION_END, m)
-        elif kind is Ev.PARTITION_END:
-            node = self.learners[args[0]]
-            if node.up and not self.network.partitioned(node.name, self.queue.now):
-                for sync in self.syncs:
-                    sync.replay_to(self, node.name, list(node.core.versions))
-        elif kind is Ev.SYNC_CRASH:
-            shard, until = args
-            sync = self.syncs[shard]
-            if sync.up and not sync.finished:
-                sync.crash(self)
-                self.injected["sync_crash"] += 1
-                self.queue.at(until, Ev.SYNC_RESTART, shard)
-        elif kind is Ev.SYNC_RESTART:
-            self.syncs[args[0]].restart(self)
-
-    def _schedule_failure(self, m: int) -> None:
-        down = self.recorder.trace.next_down(m, self.queue.now if self.queue.now > 0 else -1.0)
-        if down < self.attack_until_s:
-            self.queue.at(down, Ev.CRASH, m)
+            node.advance(self)
+        elif isinstance(event, RequestArrives):
+            if not self.network.partitioned(self.learners[event.m].name, now):
+                self.syncs[event.shard].on_request(self, event.m, event.boot, event.call_id, event.request)
+        elif isinstance(event, SyncTick):
+            self.syncs[event.shard].on_tick(self, event.incarnation)
+        elif isinstance(event, StateArrives):
+            self.syncs[event.shard].on_delivered(self, event.incarnation, event.m, event.boot, event.admitted,
+                                                 event.arrived)
+        else:
+            self.fate.befall(event)
 
     # ---- what the nodes call ---------------------------------------------------------------
 
-    def push(self, m: int, boot: int, fragment: int, payload_bytes: int, kind: Ev, *args: Any) -> float | None:
-        """Send a message down to learner ``m`` (its process ``boot``); returns its first arrival."""
-        name = self.learners[m].name
+    def send_up(self, learner: str, fragment: int, payload_bytes: int) -> list[float]:
+        return self.network.deliveries(learner, Direction.UP, fragment, payload_bytes, self.queue.now)
+
+    def push(self, event: AtLearner, fragment: int, payload_bytes: int) -> float | None:
+        name = self.learners[event.m].name
         arrivals = self.network.deliveries(name, Direction.DOWN, fragment, payload_bytes, self.queue.now)
         for arrival in arrivals:
-            self.queue.at(arrival, kind, m, boot, *args)
+            self.queue.at(arrival, event)
         return arrivals[0] if arrivals else None
 
-    def push_to(self, name: str, fragment: int, payload_bytes: int, message: Any) -> float | None:
-        node = self._by_name[name]
-        return self.push(node.index, node.boot, fragment, payload_bytes, Ev.PUSH, message)
+    def push_to(self, learner: str, fragment: int, payload_bytes: int, message: Any) -> float | None:
+        node = self._by_name[learner]
+        return self.push(PushArrives(node.index, node.boot, message), fragment, payload_bytes)
+
+    def step_time_s(self, m: int) -> float:
+        return self.recorder.timer.draw(m)
+
+    def run_progress(self) -> float:
+        return self.recorder.run_progress(self.tokens, self.queue.now)
+
+    def on_step(self, m: int, tokens: int, step: int, started_s: float) -> None:
+        self.tokens += tokens
+        self.recorder.accounting.add_step(m, step, started_s, self.queue.now)
+
+    def after_step(self) -> None:
+        if self.recorder.eval_due(self.tokens, self.queue.now):
+            self.evaluate()
+
+    def on_ready(self, m: int, rejoined: bool) -> None:
+        self.timeline.add(self.queue.now, Happening.REJOINED if rejoined else Happening.JOINED, m)
+
+    def reset_links(self, learner: str) -> None:
+        self.network.reset(learner, self.queue.now)
+
+    @property
+    def injected(self) -> Counter[str]:
+        """Faults injected so far by the trace and the adversary (the network's own aside)."""
+        return self.fate.injected
 
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         if self.checker:

@@ -1,46 +1,147 @@
-"""The virtual cluster's clock: a priority queue of typed events, ordered by (time, sequence)."""
+"""The virtual cluster's clock: a priority queue of typed events, ordered by (time, sequence).
+
+Each event is a small frozen dataclass naming what happens and to whom. Events for a learner
+process carry its index and *boot*: one meant for a process that has since died (or been
+restarted) is dropped when it comes due.
+"""
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+
+from ddiloco.core.actions import Admitted, Reply
+from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 
 
-class Ev(enum.Enum):
-    # at a learner process
-    STEP_END = enum.auto()
-    REPLY = enum.auto()
+# ---- at a learner process ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AtLearner:
+    m: int
+    boot: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnd(AtLearner):
+    started_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyArrives(AtLearner):
     """The synchronizer's answer to one of the learner's calls."""
-    PUSH = enum.auto()
+
+    call_id: int
+    reply: Reply
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class PushArrives(AtLearner):
     """An update or a stop notice on the learner's update stream."""
-    CALL_TIMEOUT = enum.auto()
-    LEARNER_TICK = enum.auto()
-    # at the synchronizer
-    REQUEST = enum.auto()
-    SYNC_TICK = enum.auto()
-    DELIVERED = enum.auto()
+
+    message: FragmentUpdate | StopNotice
+
+
+@dataclass(frozen=True, slots=True)
+class CallTimeout(AtLearner):
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerTick(AtLearner):
+    pass
+
+
+# ---- at the synchronizer ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArrives:
+    m: int
+    boot: int
+    call_id: int
+    request: Request
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncTick:
+    shard: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateArrives:
     """A joining learner's global state arrived (or its transfer failed): its lease runs from now."""
-    # the failure trace and the adversary
-    CRASH = enum.auto()
-    RECOVER = enum.auto()
-    FREEZE = enum.auto()
-    THAW = enum.auto()
-    PARTITION = enum.auto()
-    PARTITION_END = enum.auto()
+
+    shard: int
+    incarnation: int
+    m: int
+    boot: int
+    admitted: Admitted
+    arrived: bool
+
+
+# ---- the failure trace and the adversary ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Crash:
+    m: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    m: int
+
+
+@dataclass(frozen=True, slots=True)
+class Freeze:
+    m: int
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Thaw:
+    m: int
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    m: int
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionEnd:
     """The learner's links are back: its update stream resubscribes and what it missed is replayed."""
-    SYNC_CRASH = enum.auto()
-    SYNC_RESTART = enum.auto()
+
+    m: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncCrash:
+    shard: int
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRestart:
+    shard: int
+
+
+SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | SyncTick | StateArrives
+             | Crash | Recover | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart)
 
 
 @dataclass(order=True, slots=True)
 class Event:
     time: float
     seq: int
-    kind: Ev = field(compare=False)
-    args: tuple[Any, ...] = field(compare=False)
+    what: SimEvent = field(compare=False)
 
 
 class EventQueue:
@@ -51,8 +152,8 @@ class EventQueue:
         self._seq = itertools.count()
         self.now = 0.0
 
-    def at(self, time: float, kind: Ev, *args: Any) -> None:
-        heapq.heappush(self._heap, Event(max(time, self.now), next(self._seq), kind, args))
+    def at(self, time: float, what: SimEvent) -> None:
+        heapq.heappush(self._heap, Event(max(time, self.now), next(self._seq), what))
 
     def pop(self) -> Event:
         event = heapq.heappop(self._heap)

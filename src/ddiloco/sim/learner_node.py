@@ -11,7 +11,7 @@ crashes and restarts (a new *boot*: fresh core and optimizer, it joins again), i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddiloco.core.actions import (
     Accepted,
@@ -27,13 +27,9 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.learner import Learner, LearnerPhase
 from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
-from ddiloco.sim.events import Ev
+from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
+from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
-from ddiloco.measures import Direction
-from ddiloco.sim.timeline import Happening
-
-if TYPE_CHECKING:
-    from ddiloco.sim.cluster import VirtualCluster
 
 
 @dataclass(slots=True)
@@ -64,113 +60,111 @@ class LearnerNode:
 
     # ---- carrying out the core's actions ---------------------------------------------------
 
-    def execute(self, cluster: "VirtualCluster", actions: list[LearnerAction]) -> None:
+    def execute(self, host: NodeHost, actions: list[LearnerAction]) -> None:
         for action in actions:
             if isinstance(action, Send):
                 contribution = action.encode()
-                if cluster.checker:
-                    cluster.checker.on_sent(self.core, contribution)
-                self.call(cluster, contribution, action.fragment, len(contribution.payload), action.shard)
+                if host.checker:
+                    host.checker.on_sent(self.core, contribution)
+                self.call(host, contribution, action.fragment, len(contribution.payload), action.shard)
             elif isinstance(action, (SendJoin, SendHeartbeat, SendLeave)):
-                self.call(cluster, action.message, -1, 0, action.shard)
+                self.call(host, action.message, -1, 0, action.shard)
             elif isinstance(action, Fail):
                 self.failure = action
-        self.schedule_tick(cluster)
+        self.schedule_tick(host)
 
-    def call(self, cluster: "VirtualCluster", request: Request, fragment: int, payload_bytes: int, shard: int) -> None:
+    def call(self, host: NodeHost, request: Request, fragment: int, payload_bytes: int, shard: int) -> None:
         """One RPC to a synchronizer shard: the request travels up; the reply (or the deadline) comes back."""
-        now = cluster.queue.now
-        call_id = cluster.new_call_id()
+        now = host.queue.now
+        call_id = host.new_call_id()
         self.calls[call_id] = (request, shard)
-        for arrival in cluster.network.deliveries(self.name, Direction.UP, fragment, payload_bytes, now):
-            cluster.queue.at(arrival, Ev.REQUEST, self.index, self.boot, call_id, request, shard)
-        cluster.queue.at(now + cluster.rpc_deadline_s(payload_bytes), Ev.CALL_TIMEOUT, self.index, self.boot, call_id)
+        for arrival in host.send_up(self.name, fragment, payload_bytes):
+            host.queue.at(arrival, RequestArrives(self.index, self.boot, call_id, request, shard))
+        host.queue.at(now + host.rpc_deadline_s(payload_bytes), CallTimeout(self.index, self.boot, call_id))
 
-    def schedule_tick(self, cluster: "VirtualCluster") -> None:
+    def schedule_tick(self, host: NodeHost) -> None:
         deadline = self.core.next_deadline()
         if deadline is not None and (self.tick_at is None or deadline < self.tick_at):
             self.tick_at = deadline
-            cluster.queue.at(deadline, Ev.LEARNER_TICK, self.index, self.boot)
+            host.queue.at(deadline, LearnerTick(self.index, self.boot))
 
     # ---- what arrives ----------------------------------------------------------------------
 
-    def on_reply(self, cluster: "VirtualCluster", call_id: int, reply: Reply, shard: int) -> None:
+    def on_reply(self, host: NodeHost, call_id: int, reply: Reply, shard: int) -> None:
         call = self.calls.pop(call_id, None)
         if call is None:
             return  # the call already timed out (or this is a duplicate answer)
         request, _ = call
-        now = cluster.queue.now
+        now = host.queue.now
         if isinstance(reply, Admitted):
             held = self.core.links[shard].session
             was_ready, rejoin = self.ready, self.boot > 0 or self.core.joined
             actions = self.core.on_admitted(reply.state, now, stop=reply.stop, shard=shard)
             if self.ready and not was_ready:
-                cluster.timeline.add(now, Happening.REJOINED if rejoin else Happening.JOINED, self.index)
+                host.on_ready(self.index, rejoin)
             session = self.core.links[shard].session
             if session != held and session is not None:
                 self.offsets[(session.incarnation, session.number)] = self.step_offset
-                if cluster.checker:
+                if host.checker:
                     for f in reply.state.fragments:
-                        cluster.checker.on_anchor(self.core, f.fragment)
+                        host.checker.on_anchor(self.core, f.fragment)
         elif isinstance(reply, Accepted):
             actions = self.core.on_accepted(request, now, stop=reply.stop, shard=shard)
         else:
             assert isinstance(reply, Refused)
             actions = self.core.on_refused(request, reply.reason, now, shard=shard)
-        self.execute(cluster, actions)
+        self.execute(host, actions)
 
-    def on_push(self, cluster: "VirtualCluster", message: FragmentUpdate | StopNotice) -> None:
-        now = cluster.queue.now
+    def on_push(self, host: NodeHost, message: FragmentUpdate | StopNotice) -> None:
+        now = host.queue.now
         if isinstance(message, StopNotice):
-            self.execute(cluster, self.core.on_stop(now))
+            self.execute(host, self.core.on_stop(now))
             return
         before = self.core.versions[message.fragment]
         actions = self.core.on_update(message, now)
-        if cluster.checker and self.core.versions[message.fragment] != before:
-            cluster.checker.on_anchor(self.core, message.fragment)
-        self.execute(cluster, actions)
+        if host.checker and self.core.versions[message.fragment] != before:
+            host.checker.on_anchor(self.core, message.fragment)
+        self.execute(host, actions)
 
-    def on_timeout(self, cluster: "VirtualCluster", call_id: int) -> None:
+    def on_timeout(self, host: NodeHost, call_id: int) -> None:
         call = self.calls.pop(call_id, None)
         if call is not None:
             request, shard = call
-            self.execute(cluster, self.core.on_undelivered(request, cluster.queue.now, shard=shard))
+            self.execute(host, self.core.on_undelivered(request, host.queue.now, shard=shard))
 
-    def on_tick(self, cluster: "VirtualCluster") -> None:
+    def on_tick(self, host: NodeHost) -> None:
         self.tick_at = None
-        now = cluster.queue.now
+        now = host.queue.now
         actions = self.core.tick(now)
         deadline = self.core.next_deadline()
         if deadline is not None and deadline <= now:
             raise InvariantViolation(f"{self.name}'s core asks to be woken at {deadline!r} after its tick at {now!r}: "
                                      "time would stand still")
-        self.execute(cluster, actions)
+        self.execute(host, actions)
 
     # ---- the training loop -----------------------------------------------------------------
 
-    def advance(self, cluster: "VirtualCluster") -> None:
+    def advance(self, host: NodeHost) -> None:
         """Between steps: close when told to stop, else start the next step if the core allows."""
         if not self.up or self.stepping or self.failure is not None:
             return
-        now = cluster.queue.now
+        now = host.queue.now
         if self.core.phase is LearnerPhase.STOPPING:
-            self.execute(cluster, self.core.close(now))
+            self.execute(host, self.core.close(now))
         elif self.core.can_step(now):
             self.stepping = True
-            cluster.queue.at(now + cluster.recorder.timer.draw(self.index), Ev.STEP_END, self.index, self.boot, now)
+            host.queue.at(now + host.step_time_s(self.index), StepEnd(self.index, self.boot, now))
 
-    def on_step_end(self, cluster: "VirtualCluster", started_s: float) -> None:
+    def on_step_end(self, host: NodeHost, started_s: float) -> None:
         self.stepping = False
         x, y = self.sampler.next_batch()
-        now = cluster.queue.now
-        self.trainer.step(x, y, cluster.recorder.run_progress(cluster.tokens, now))
+        now = host.queue.now
+        self.trainer.step(x, y, host.run_progress())
         tokens = x.numel()
-        cluster.tokens += tokens
         sends = self.core.record_step(tokens, now - started_s, now)
-        cluster.recorder.accounting.add_step(self.index, self.step_offset + self.core.step, started_s, now)
-        self.execute(cluster, list(sends))
-        if cluster.recorder.eval_due(cluster.tokens, now):
-            cluster.evaluate()
+        host.on_step(self.index, tokens, self.step_offset + self.core.step, started_s)
+        self.execute(host, list(sends))
+        host.after_step()
 
     # ---- the process's fate ----------------------------------------------------------------
 
@@ -181,11 +175,11 @@ class LearnerNode:
         self.calls.clear()
         self.tick_at = None
 
-    def restart(self, cluster: "VirtualCluster", core: Learner) -> None:
+    def restart(self, host: NodeHost, core: Learner) -> None:
         """A fresh process: new core (new boot), new optimizer state; it joins and adopts the global state."""
         self.step_offset += self.core.step
         self.core = core
         self.up = True
         self.trainer.reset_optimizer()
-        cluster.network.reset(self.name, cluster.queue.now)
-        self.execute(cluster, core.start(cluster.queue.now))
+        host.reset_links(self.name)
+        self.execute(host, core.start(host.queue.now))

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 from ddiloco.core.learner import LearnerPhase
-from ddiloco.sim.timeline import Happening
-
-if TYPE_CHECKING:
-    from ddiloco.sim.cluster import VirtualCluster
-    from ddiloco.sim.learner_node import LearnerNode
+from ddiloco.sim.harness import Recorder
+from ddiloco.sim.learner_node import LearnerNode
+from ddiloco.sim.timeline import Happening, Timeline
 
 
 class LearnerState(enum.StrEnum):
@@ -73,7 +71,7 @@ SnapshotFn = Callable[[ClusterSnapshot], None]
 """Called with a fresh snapshot every so often (virtual time) and at the end of the run."""
 
 
-def learner_state(node: "LearnerNode", now: float) -> LearnerState:
+def learner_state(node: LearnerNode, now: float) -> LearnerState:
     if not node.up:
         return LearnerState.DOWN
     if now < node.frozen_until_s:
@@ -90,20 +88,20 @@ def learner_state(node: "LearnerNode", now: float) -> LearnerState:
     return LearnerState.TRAINING
 
 
-def take_snapshot(cluster: "VirtualCluster") -> ClusterSnapshot:
-    now = cluster.queue.now
-    recorder, timeline = cluster.recorder, cluster.timeline
+def take_snapshot(now: float, tokens: int, versions: Sequence[int], learners: Sequence[LearnerNode],
+                  recorder: Recorder, timeline: Timeline) -> ClusterSnapshot:
+    """What a virtual cluster's parts say at ``now`` (the cluster passes them; nothing is changed)."""
     latest = recorder.rows[-1]
     return ClusterSnapshot(
         time_s=now,
-        fraction_done=recorder.fraction_done(cluster.tokens, now),
-        tokens=cluster.tokens,
-        versions=tuple(cluster.versions()),
+        fraction_done=recorder.fraction_done(tokens, now),
+        tokens=tokens,
+        versions=tuple(versions),
         learners=tuple(
             LearnerView(node.name, learner_state(node, now), recorder.timer.slow[node.index],
                         node.step_offset + node.core.step, timeline.of(Happening.FAILURE, node.index),
                         timeline.last(Happening.REJOINED, node.index))
-            for node in cluster.learners
+            for node in learners
         ),
         goodput=recorder.accounting.goodput(now),
         eval_loss=latest["eval_loss"],

@@ -9,7 +9,7 @@ and join again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 from ddiloco.core.actions import (
@@ -29,11 +29,9 @@ from ddiloco.core.actions import (
 from ddiloco.core.messages import Contribution, FragmentUpdate, Request, StopNotice
 from ddiloco.core.replay import ReplayLog
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.sim.events import Ev
+from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick
+from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
-
-if TYPE_CHECKING:
-    from ddiloco.sim.cluster import VirtualCluster
 
 
 class SyncNode:
@@ -54,98 +52,97 @@ class SyncNode:
     def _new_incarnation(self) -> int:
         return int(self._ids.integers(1, 2**48))
 
-    def start(self, cluster: "VirtualCluster") -> None:
-        if cluster.checker:
-            cluster.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
+    def start(self, host: NodeHost) -> None:
+        if host.checker:
+            host.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
                                      self.core.versions(), None)
 
     # ---- events ------------------------------------------------------------------------
 
-    def on_request(self, cluster: "VirtualCluster", m: int, boot: int, call_id: int, request: Request) -> None:
+    def on_request(self, host: NodeHost, m: int, boot: int, call_id: int, request: Request) -> None:
         if not self.up:
             return  # nobody listening: the caller's deadline will tell it
-        self.execute(cluster, self.core.handle(request, cluster.queue.now), reply_to=(m, boot, call_id))
+        self.execute(host, self.core.handle(request, host.queue.now), reply_to=(m, boot, call_id))
 
-    def on_delivered(self, cluster: "VirtualCluster", incarnation: int, m: int, boot: int, admitted: Admitted,
+    def on_delivered(self, host: NodeHost, incarnation: int, m: int, boot: int, admitted: Admitted,
                      arrived: bool) -> None:
         """The state of ``admitted`` reached learner ``m`` (a live process of the same boot) or it did not."""
         if incarnation != self.incarnation or not self.up:
             return
-        ok = arrived and cluster.process_up(m, boot)
+        ok = arrived and host.process_up(m, boot)
         assert admitted.state.session is not None
-        self.execute(cluster, self.core.handle(StateDelivered(admitted.learner_id, admitted.state.session, ok),
-                                               cluster.queue.now))
+        self.execute(host, self.core.handle(StateDelivered(admitted.learner_id, admitted.state.session, ok),
+                                               host.queue.now))
 
-    def replay_to(self, cluster: "VirtualCluster", name: str, held: list[int]) -> None:
+    def replay_to(self, host: NodeHost, name: str, held: list[int]) -> None:
         """A learner's stream is back (its partition ended): send what it missed (``core/replay.py``)."""
         if self.up:
             for p, update in self.replay.since(held):
-                cluster.push_to(name, p, len(update.payload), update)
+                host.push_to(name, p, len(update.payload), update)
 
-    def on_tick(self, cluster: "VirtualCluster", incarnation: int) -> None:
+    def on_tick(self, host: NodeHost, incarnation: int) -> None:
         if incarnation != self.incarnation or not self.up:
             return
         self.tick_at = None
-        now = cluster.queue.now
+        now = host.queue.now
         actions = self.core.handle(Tick(), now)
         deadline = self.core.next_deadline()
         if deadline is not None and deadline <= now:
             raise InvariantViolation(f"the synchronizer asks to be woken at {deadline!r} after its tick at {now!r}: "
                                      "time would stand still")
-        self.execute(cluster, actions)
+        self.execute(host, actions)
 
-    def execute(self, cluster: "VirtualCluster", actions: list[SyncAction],
+    def execute(self, host: NodeHost, actions: list[SyncAction],
                 reply_to: tuple[int, int, int] | None = None) -> None:
-        now = cluster.queue.now
+        now = host.queue.now
         for action in actions:
             if isinstance(action, (Admitted, Accepted, Refused)):
                 assert reply_to is not None
                 m, boot, call_id = reply_to
                 size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
-                arrival = cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action, self.shard)
+                arrival = host.push(ReplyArrives(m, boot, call_id, action, self.shard), -1, size)
                 if isinstance(action, Admitted):
                     # The transfer ends when the state arrives, or fails when the caller gives up.
-                    at = arrival if arrival is not None else now + cluster.rpc_deadline_s(size)
-                    cluster.queue.at(at, Ev.DELIVERED, self.shard, self.incarnation, m, boot, action,
-                                     arrival is not None)
-                if isinstance(action, Accepted) and isinstance(action.request, Contribution) and cluster.checker:
-                    cluster.checker.on_accepted(action.request, self.incarnation)
+                    at = arrival if arrival is not None else now + host.rpc_deadline_s(size)
+                    host.queue.at(at, StateArrives(self.shard, self.incarnation, m, boot, action, arrival is not None))
+                if isinstance(action, Accepted) and isinstance(action.request, Contribution) and host.checker:
+                    host.checker.on_accepted(action.request, self.incarnation)
             elif isinstance(action, Broadcast):
                 update = action.update
                 self.replay.record(update.fragment, update.version, update, len(update.payload))
-                arrivals = [cluster.push_to(name, action.update.fragment, len(action.update.payload), action.update)
+                arrivals = [host.push_to(name, action.update.fragment, len(action.update.payload), action.update)
                             for name in action.recipients]
                 arrivals = [t for t in arrivals if t is not None]
                 if arrivals:
                     self.core.handle(SyncTimeObserved(max(arrivals) - now), now)
             elif isinstance(action, StopLearners):
                 for name in action.recipients:
-                    cluster.push_to(name, -1, 0, StopNotice())
+                    host.push_to(name, -1, 0, StopNotice())
             elif isinstance(action, RoundClosed):
-                cluster.on_round(action, self.core.value(action.fragment))
+                host.on_round(action, self.core.value(action.fragment))
             elif isinstance(action, Checkpoint):
                 self.checkpoint = action.state
             elif isinstance(action, Finished):
                 self.finished = True
-        self.schedule_tick(cluster)
+        self.schedule_tick(host)
 
-    def schedule_tick(self, cluster: "VirtualCluster") -> None:
+    def schedule_tick(self, host: NodeHost) -> None:
         deadline = self.core.next_deadline()
         if deadline is not None and (self.tick_at is None or deadline < self.tick_at):
             self.tick_at = deadline
-            cluster.queue.at(deadline, Ev.SYNC_TICK, self.shard, self.incarnation)
+            host.queue.at(deadline, SyncTick(self.shard, self.incarnation))
 
     # ---- crash and restart -------------------------------------------------------------
 
-    def crash(self, cluster: "VirtualCluster") -> None:
+    def crash(self, host: NodeHost) -> None:
         if not self.up or self.finished:
             return
         self.up = False
         self.crashes += 1
-        if cluster.checker:
-            cluster.checker.on_crash(self.incarnation, self.core.pending_tokens())
+        if host.checker:
+            host.checker.on_crash(self.incarnation, self.core.pending_tokens())
 
-    def restart(self, cluster: "VirtualCluster") -> None:
+    def restart(self, host: NodeHost) -> None:
         if self.up:
             return
         self.incarnation = self._new_incarnation()
@@ -155,9 +152,9 @@ class SyncNode:
             self.core.load_state_dict(self.checkpoint)
         self.up = True
         self.tick_at = None
-        if cluster.checker:
+        if host.checker:
             known = None if self.checkpoint is None else [f["version"] for f in self.checkpoint["fragments"]]
-            cluster.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
+            host.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
                                      self.core.versions(), known)
-        self.schedule_tick(cluster)
+        self.schedule_tick(host)
 
