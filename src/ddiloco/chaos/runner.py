@@ -23,7 +23,8 @@ from ddiloco.chaos.schedule import SYNC_TARGET, Fault, FaultKind, learner_name
 from ddiloco.config import Config
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import Refused, Unreachable
-from ddiloco.runtime.launcher import (GlobalEvaluator, Processes, RunFiles, free_port, learner_command,
+from ddiloco.runtime.processes import Processes
+from ddiloco.runtime.launcher import (GlobalEvaluator, RunFiles, free_port, learner_command,
                                       learner_threads, prepare_files, sync_command, wait_for_port)
 from ddiloco.runtime.sharded import ShardedClient
 

@@ -3,16 +3,21 @@
 The virtual cluster is the default runtime: it is deterministic (same seed, same weights),
 it expresses failures, mixed hardware and slow links, and it runs M learners on a laptop
 without M processes fighting over its cores. ``--runtime processes`` runs the same
-configuration as a real gRPC synchronizer and M learner processes on localhost.
+configuration as a real gRPC synchronizer and M learner processes on localhost (``--mode dp``:
+M data-parallel ranks), or with ``--hosts netns`` each in its own network namespace behind a
+capped link. SIGINT or SIGTERM stops a process run cleanly: its files are written and the
+exit code is 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 
 from ddiloco.commands.display import console, print_table, progress_bar, summary_table, what_happened
 from ddiloco.commands.live_view import live_view
-from ddiloco.commands.options import add_cluster_options, config_from_args
+from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
+from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual
 from ddiloco.reporting import prepare_out, write_run
 from ddiloco.workload.device import resolve_device
@@ -27,13 +32,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_cluster_options(parser)
     parser.add_argument("--runtime", choices=("virtual", "processes"), default="virtual",
-                        help="virtual cluster (default, deterministic) or real processes on localhost (gRPC)")
+                        help="virtual cluster (default, deterministic) or real processes on this host (gRPC)")
+    add_hosts_options(parser)
     parser.set_defaults(func=run, out=None)
 
 
 def run(args: argparse.Namespace) -> int:
     virtual = args.runtime == "virtual"
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
+    if virtual and args.hosts != "local":
+        raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")
+    topology = topology_from_args(args, config.run.learners)
     device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     label = f"{config.run.mode} M={config.run.learners}"
@@ -44,9 +53,13 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
 
         with progress_bar(label) as progress:
-            summary, rows = run_processes(config, out, progress, device=str(device))
+            summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
     write_run(out, config, summary, rows)
     print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"),
                 beside=what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
+    if summary.get("stopped"):
+        signum = signal.Signals[summary["stopped"]]
+        console.print(f"stopped by {signum.name}: the run was cut short (final checkpoint and files written)")
+        return 128 + int(signum)
     return 0
