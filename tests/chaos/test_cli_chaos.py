@@ -54,7 +54,7 @@ def test_an_unknown_fault_kind_is_one_line_and_exit_2_with_nothing_started(tmp_p
     ("[[fault]\n", (), "is not valid TOML"),
     ("", ("--time", "-5"), "--time must be a positive number"),
     ("", ("--learners", "1"), "needs at least 2 learners"),
-    ("", ("--set", "protocol.shards=2"), "protocol.shards=2 is not supported"),
+    ("", ("--link-rate", "5mbit"), "--link-rate needs --hosts netns"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, text, args, message) -> None:
     before = set(os.listdir("/proc"))

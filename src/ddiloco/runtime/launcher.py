@@ -38,7 +38,7 @@ from ddiloco.reporting import ProgressFn, summarize, write_config
 from ddiloco.runtime.client import Refused, Unreachable
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.netns import SYNC_HOST
-from ddiloco.runtime.placement import Placement, placed
+from ddiloco.runtime.placement import Placement, placed, sync_names
 from ddiloco.runtime.processes import Processes, StopSignals
 from ddiloco.runtime.run_log import RunTimeline
 from ddiloco.runtime.sharded import ShardedClient
@@ -65,24 +65,22 @@ class RunFiles:
     @property
     def sync_names(self) -> list[str]:
         """``sync``, or ``sync-<i>`` per shard: the children's and the logs' names."""
-        return [f"sync{_shard_suffix(i, len(self.port_files))}" for i in range(len(self.port_files))]
-
-
-def _shard_suffix(i: int, shards: int) -> str:
-    return "" if shards == 1 else f"-{i}"
+        return sync_names(len(self.port_files))
 
 
 def prepare_files(config: Config, out: Path) -> RunFiles:
-    """Create ``out`` and ``out/logs``, write the configuration; forget the ports and checkpoints of a previous run."""
+    """Create ``out`` and ``out/logs``, write the configuration; forget the logs, ports and checkpoints of a
+    previous run."""
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()
     config_file = out / "runtime-config.toml"
     write_config(config_file, config)
-    shards = config.protocol.shards
-    files = RunFiles(out, logs, config_file,
-                     [out / f"sync{_shard_suffix(i, shards)}.port" for i in range(shards)],
-                     [out / f"sync-state{_shard_suffix(i, shards)}" for i in range(shards)])
+    names = sync_names(config.protocol.shards)
+    files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
+                     [out / name.replace(SYNC_HOST, "sync-state", 1) for name in names])
     for port_file, state_dir in zip(files.port_files, files.state_dirs):
         port_file.unlink(missing_ok=True)
         (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)

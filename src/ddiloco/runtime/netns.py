@@ -96,7 +96,7 @@ def _owner_alive(tag: str) -> bool:
 def remove_stale() -> list[str]:
     """Remove the namespaces and links of runs whose launcher is gone; return their names."""
     removed = []
-    for name in _run("ip", "netns", "list").stdout.split():
+    for name in _namespaces():
         if name.startswith(NS_PREFIX) and not _owner_alive(name[len(NS_PREFIX):].split("-")[0]):
             _remove_namespace(name)
             removed.append(name)
@@ -106,6 +106,11 @@ def remove_stale() -> list[str]:
             _run("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed
+
+
+def _namespaces() -> list[str]:
+    """Every named network namespace (``ip netns list`` adds "(id: N)" after some)."""
+    return [line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()]
 
 
 def _root_links() -> list[str]:
@@ -126,7 +131,7 @@ def _remove_namespace(name: str) -> None:
 
 def leftovers(tag: str) -> list[str]:
     """Namespaces and links of run ``tag`` that still exist (empty once it is removed)."""
-    namespaces = [n for n in _run("ip", "netns", "list").stdout.split() if n.startswith(f"{NS_PREFIX}{tag}-")]
+    namespaces = [n for n in _namespaces() if n.startswith(f"{NS_PREFIX}{tag}-")]
     return namespaces + [n for n in _root_links() if n.startswith(f"dd{tag}-")]
 
 

@@ -25,6 +25,11 @@ SYNC_PORT = 7000
 LOOPBACK = "127.0.0.1"
 
 
+def sync_names(shards: int) -> list[str]:
+    """The launcher's names of the synchronizer's processes (and their logs): ``sync``, or ``sync-I`` per shard."""
+    return [SYNC_HOST] if shards == 1 else [f"{SYNC_HOST}-{i}" for i in range(shards)]
+
+
 class Hosts(enum.StrEnum):
     """``--hosts``: where the processes of a local run live."""
 
