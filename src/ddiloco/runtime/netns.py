@@ -50,6 +50,8 @@ MIN_BURST_BYTES = 3000
 """... and at least two full frames."""
 MAX_HOSTS = 240
 _LINK_NAME = re.compile(r"dd([0-9a-z]{1,6})-[a-z]\d*")
+_ACTIVE: set[str] = set()
+"""Tags whose hosts this process created and has not removed yet."""
 
 
 def tag_of(pid: int) -> str:
@@ -86,9 +88,13 @@ def check_available() -> None:
 
 
 def _owner_alive(tag: str) -> bool:
+    """Whether the run named ``tag`` may still be running (its launcher's pid runs Python; this process
+    only if it created them: an earlier process with the same pid left them)."""
     try:
         pid = int(tag, 36)
-        return pid == os.getpid() or b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        if pid == os.getpid():
+            return tag in _ACTIVE
+        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except (ValueError, OSError):
         return False
 
@@ -96,14 +102,14 @@ def _owner_alive(tag: str) -> bool:
 def remove_stale() -> list[str]:
     """Remove the namespaces and links of runs whose launcher is gone; return their names."""
     removed = []
-    for name in _namespaces():
-        if name.startswith(NS_PREFIX) and not _owner_alive(name[len(NS_PREFIX):].split("-")[0]):
-            _remove_namespace(name)
-            removed.append(name)
-    for name in _root_links():
+    for name in _root_links():  # links first: deleting one deletes its peer at once (a namespace goes lazily)
         match = _LINK_NAME.fullmatch(name)
         if match and not _owner_alive(match.group(1)):
             _run("ip", "link", "del", name, check=False)
+            removed.append(name)
+    for name in _namespaces():
+        if name.startswith(NS_PREFIX) and not _owner_alive(name[len(NS_PREFIX):].split("-")[0]):
+            _remove_namespace(name)
             removed.append(name)
     return removed
 
@@ -165,12 +171,13 @@ class NetnsHosts:
         check_available()
         remove_stale()
         tag = tag_of(os.getpid())
-        if leftovers(tag):
+        if tag in _ACTIVE:
             raise DdilocoError(f"this process already runs namespaces {leftovers(tag)}: one --hosts netns run at a time")
         LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
         with open(LOCK_FILE, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two runs starting at once must not take one subnet
             net = cls(tag, topology, _free_subnet(), hosts)
+            _ACTIVE.add(tag)
             try:
                 net._build()
             except BaseException:
@@ -247,6 +254,7 @@ class NetnsHosts:
             else:
                 _run("ip", "link", "del", name, check=False)
         self.created.clear()
+        _ACTIVE.discard(self.tag)
 
     # ---- faults and counters ---------------------------------------------------------------
 

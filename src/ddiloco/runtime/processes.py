@@ -3,11 +3,12 @@
 Every child of ``ddiloco run --runtime processes``, ``ddiloco chaos`` and the benchmarks
 that launch real runs is started here, so all of them share two guarantees:
 
-- **They die with their parent.** Each child asks the kernel (``prctl(PR_SET_PDEATHSIG)``)
-  for SIGKILL when the thread that started it ends, so ``kill -9`` of the launcher cannot
-  orphan a learner or a synchronizer, nor leave a frozen (SIGSTOP) one behind (SIGKILL
-  ends a stopped process; SIGTERM would wait for a SIGCONT that never comes). Children are
-  started from the launcher's main thread, which lives as long as the launcher does.
+- **They die with their parent.** Each child starts through :mod:`ddiloco.runtime.child`,
+  which asks the kernel (``prctl(PR_SET_PDEATHSIG)``) for SIGKILL when the thread that
+  started it ends, so ``kill -9`` of the launcher cannot orphan a learner or a
+  synchronizer, nor leave a frozen (SIGSTOP) one behind (SIGKILL ends a stopped process;
+  SIGTERM would wait for a SIGCONT that never comes). Children are started from the
+  launcher's main thread, which lives as long as the launcher does.
 - **They are stopped in order.** Each child leads its own process group, so Ctrl-C at a
   terminal (SIGINT to the foreground group) reaches only the launcher, which then stops
   learners first, reads the final model, and stops the synchronizer last (SIGTERM: its
@@ -17,7 +18,6 @@ that launch real runs is started here, so all of them share two guarantees:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -25,25 +25,9 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 from ddiloco.errors import DdilocoError
-
-PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PRCTL = _LIBC.prctl  # resolved now: the child of a fork must not load anything
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: SIGKILL this child when its parent's starting thread ends."""
-
-    def preexec() -> None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
 
 class Processes:
     """The children of one run; every one of them is killed on close, whatever happens.
@@ -68,9 +52,9 @@ class Processes:
             raise DdilocoError(f"{name} is still running (pid {previous.pid}): cannot start it again")
         log = open(self.logs / f"{name}.log", "ab")
         self._files.append(log)
-        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, *args], stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                process_group=0, preexec_fn=_die_with_parent(os.getpid()))
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ddiloco.runtime.child", str(os.getpid()),
+                                 module, *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, process_group=0)
         self.children[name] = proc
         return proc
 
