@@ -70,8 +70,8 @@ def format_rate(bps: float | None) -> str:
         return "uncapped"
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bps >= scale:
-            return f"{bps / scale:g} {unit}"
-    return f"{bps:g} bit/s"
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
 
 
 @dataclass(frozen=True, slots=True)
