@@ -19,10 +19,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ddiloco.core.config import Mode, ProtocolConfig
+from ddiloco.core.run import RunLimits
 from ddiloco.errors import ConfigError
 from ddiloco.workload.model import ModelConfig
+from ddiloco.workload.trainer import LrSchedule, Precision
 
 MODES = tuple(m.value for m in Mode)
+PRECISIONS = tuple(p.value for p in Precision)
+SCHEDULES = tuple(s.value for s in LrSchedule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,8 +52,24 @@ class TrainConfig:
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default. Small models run best on 1: a
     multi-threaded step slows down many times over when another process takes a core."""
+    precision: str = "fp32"
+    """Inner steps' arithmetic: fp32, or bf16 (autocast: matrix products in bfloat16; weights,
+    gradients, AdamW state, Δ and merges stay fp32). Evaluation is always fp32."""
+    schedule: str = "constant"
+    """Inner learning rate after warm-up: constant, or cosine / linear decay to lr × lr_min_ratio
+    over the run's budget. The position is the run's progress (all learners' tokens, or virtual
+    time), not the learner's own: one that joins late or restarts warms up, then takes the rate
+    the run has reached. Virtual cluster only (a learner process does not know the run's progress)."""
+    lr_min_ratio: float = 0.1
+    """Where a decaying schedule ends, as a share of lr."""
 
     def validate(self) -> None:
+        for key, value, valid in (("train.precision", self.precision, PRECISIONS),
+                                  ("train.schedule", self.schedule, SCHEDULES)):
+            if value not in valid:
+                raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(valid)})")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ConfigError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         for key in ("batch_size", "eval_batches", "evals", "corpus_max_bytes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
@@ -198,6 +218,26 @@ class Config:
         self.faults.validate()
         if self.run.tokens == 0 and self.run.time_s == 0:
             raise ConfigError("no budget: set run.tokens or run.time_s (or use a preset)")
+        return self
+
+    def run_limits(self, *, checkpoint_every_rounds: int, checkpoint_every_s: float,
+                   drain_timeout_s: float | None = None) -> RunLimits:
+        """When this run ends and how often its synchronizer checkpoints (every driver's, from one place)."""
+        protocol = self.protocol.for_mode(self.run.mode, self.run.learners)
+        return RunLimits(
+            tokens=0 if self.run.time_s else self.run.tokens,
+            time_s=self.run.time_s,
+            drain_timeout_s=2 * protocol.lease_s if drain_timeout_s is None else drain_timeout_s,
+            checkpoint_every_rounds=checkpoint_every_rounds,
+            checkpoint_every_s=checkpoint_every_s,
+            learners=self.run.learners,
+        )
+
+    def validate_for_processes(self) -> "Config":
+        """What learner processes cannot do that the virtual cluster can."""
+        if self.train.schedule != LrSchedule.CONSTANT:
+            raise ConfigError(f"train.schedule={self.train.schedule!r} runs on the virtual cluster only: a learner "
+                              "process does not know the run's progress (use train.schedule=constant)")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -20,7 +20,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from ddiloco import config as config_module
-from ddiloco.config import PRESETS, Config
+from ddiloco.config import PRECISIONS, PRESETS, SCHEDULES, Config
 from ddiloco.core.codecs import CODEC_NAMES
 from ddiloco.core.fragments import STRATEGIES
 from ddiloco.core.merge import MERGE_RULES
@@ -30,6 +30,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "protocol.downlink_codec": CODEC_NAMES,
     "protocol.merge": MERGE_RULES,
     "protocol.fragmentation": STRATEGIES,
+    "train.precision": PRECISIONS,
+    "train.schedule": SCHEDULES,
 }
 """Keys whose value is one of a fixed set of names (checked by ``validate``)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddiloco.core.actions import Admitted, Broadcast, Refused, SendJoin
+from ddiloco.core.actions import Admitted, Broadcast, Refused, SendHeartbeat, SendJoin, StateDelivered
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten, plan_fragments
 from ddiloco.core.learner import Learner
@@ -31,12 +31,17 @@ def make_sync(config: ProtocolConfig, **kwargs) -> tuple:
 
 
 def join(core: Learner, sync: Synchronizer, now: float = 0.0) -> list:
-    """Start a fresh learner: its join goes through the synchronizer and it adopts the reply."""
+    """Start a fresh learner: its join goes through the synchronizer, it adopts the reply (the
+    synchronizer hears that the state arrived) and sends its first heartbeat."""
     (send,) = [a for a in core.start(now) if isinstance(a, SendJoin)]
     actions = sync.handle(send.message, now)
     reply = actions[0]
     assert isinstance(reply, Admitted), reply
     core.on_admitted(reply.state, now, stop=reply.stop)
+    sync.handle(StateDelivered(core.learner_id, reply.state.session), now)
+    for beat in core.tick(now):
+        assert isinstance(beat, SendHeartbeat)
+        sync.handle(beat.message, now)
     return actions
 
 

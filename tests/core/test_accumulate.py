@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ddiloco.core import kernels
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import CODEC_NAMES, get_codec
-from ddiloco.core.merge import merge_mean, merge_rda
+from ddiloco.core.merge import MERGE_RULES, merge_mean, merge_rule
 from ddiloco.core.messages import Rejected
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.rounds import GlobalFragment
@@ -25,9 +25,9 @@ from ddiloco.core.rounds import GlobalFragment
 FAST = get_codec("int4", block_size=128)
 
 
-def reference(deltas: list[torch.Tensor], weights: list[float], rda: bool) -> torch.Tensor:
+def reference(deltas: list[torch.Tensor], weights: list[float], rule: str) -> torch.Tensor:
     w = torch.tensor(weights, dtype=torch.float64)
-    return (merge_rda if rda else merge_mean)(deltas, w / w.sum())
+    return merge_rule(rule).reference(deltas, w / w.sum())
 
 
 @settings(max_examples=60, deadline=None)
@@ -35,14 +35,15 @@ def reference(deltas: list[torch.Tensor], weights: list[float], rda: bool) -> to
     numel=st.integers(1, 3000),
     block=st.sampled_from([2, 8, 64, 128, 7, 33]),
     codec=st.sampled_from(CODEC_NAMES),
-    rda=st.booleans(),
+    rule=st.sampled_from(MERGE_RULES),
     count=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
-def test_accumulated_merge_equals_the_reference(numel, block, codec, rda, count, seed):
+def test_accumulated_merge_equals_the_reference(numel, block, codec, rule, count, seed):
+    """Every merge rule, on every codec's payloads: the fast path is the rule's float64 reference."""
     c = get_codec(codec, block_size=block)
     g = torch.Generator().manual_seed(seed)
-    acc = RoundAccumulator(numel, c, rda=rda)
+    acc = RoundAccumulator(numel, c, merge_rule(rule))
     deltas, weights = [], []
     for m in range(count):
         payload = c.encode(torch.randn(numel, generator=g) * float(torch.rand(1, generator=g)) * 0.1)
@@ -50,7 +51,7 @@ def test_accumulated_merge_equals_the_reference(numel, block, codec, rda, count,
         acc.add(m, payload, weight, acc.measure(payload, math.inf))
         deltas.append(c.decode(payload, numel))
         weights.append(weight)
-    want = reference(deltas, weights, rda)
+    want = reference(deltas, weights, rule)
     got = acc.merged()
     scale = max(float(want.abs().max()), 1e-12)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale)  # float32 accumulation
@@ -60,7 +61,7 @@ def test_accumulated_merge_equals_the_reference(numel, block, codec, rda, count,
 @given(numel=st.integers(2, 2000), seed=st.integers(0, 2**16), ops=st.lists(st.integers(0, 3), min_size=1, max_size=12))
 def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
     g = torch.Generator().manual_seed(seed)
-    acc = RoundAccumulator(numel, FAST, rda=True)
+    acc = RoundAccumulator(numel, FAST, merge_rule("rda"))
     held: dict[int, tuple[bytes, float]] = {}
     for key in ops:
         if key in held and bool(torch.rand(1, generator=g) < 0.3):
@@ -74,7 +75,7 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
     if not held:
         assert len(acc) == 0
         return
-    want = reference([FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()], True)
+    want = reference([FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()], "rda")
     assert torch.allclose(acc.merged(), want, rtol=1e-3, atol=1e-6)
 
 
@@ -82,7 +83,7 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
 def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(codec):
     c = get_codec(codec)
     numel = 300
-    acc = RoundAccumulator(numel, c, rda=True)
+    acc = RoundAccumulator(numel, c, merge_rule("rda"))
     good = c.encode(torch.full((numel,), 0.01))
     acc.add("a", good, 10.0, acc.measure(good, math.inf))
     before = acc.merged().clone()
@@ -100,7 +101,7 @@ def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(code
 
 def test_zero_deltas_count_in_the_magnitude_and_cancelling_directions_give_zero():
     numel = 256
-    acc = RoundAccumulator(numel, FAST, rda=True)
+    acc = RoundAccumulator(numel, FAST, merge_rule("rda"))
     zero = FAST.encode(torch.zeros(numel))
     acc.add("z", zero, 1.0, acc.measure(zero, math.inf))
     assert torch.equal(acc.merged(), torch.zeros(numel))
@@ -117,7 +118,7 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
                                                                                        seed):
     g = torch.Generator().manual_seed(seed)
     value = torch.randn(numel, generator=g)
-    fast = GlobalFragment(value=value.clone(), is_embedding=False, accumulator=RoundAccumulator(numel, FAST, rda=True))
+    fast = GlobalFragment(value=value.clone(), is_embedding=False, accumulator=RoundAccumulator(numel, FAST, merge_rule("rda")))
     ref = copy.deepcopy(fast)
     outer = NesterovSGD(lr=0.4, momentum=0.9)
     for r in range(rounds):
@@ -150,12 +151,13 @@ import math, threading, torch
 from ddiloco.core import kernels
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import get_codec
+from ddiloco.core.merge import merge_rule
 codec = get_codec("int4", block_size=128)
 numel = 1 << 20
 payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 0.01)
 results = []
 def shard():
-    acc = RoundAccumulator(numel, codec, rda=True)
+    acc = RoundAccumulator(numel, codec, merge_rule("rda"))
     for m in range(30):
         acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
     results.append(acc.merged())
@@ -184,7 +186,7 @@ def test_compiling_up_front_covers_the_types_a_round_uses():
     before = [len(k.signatures) for k in compiled]
     numel = 1000
     fragment = GlobalFragment(value=torch.randn(numel), is_embedding=False,
-                              accumulator=RoundAccumulator(numel, FAST, rda=True))
+                              accumulator=RoundAccumulator(numel, FAST, merge_rule("rda")))
     payload = FAST.encode(torch.randn(numel) * 0.01)
     fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload, math.inf))
     fragment.close(NesterovSGD(lr=0.7, momentum=0.9), FAST, plain=False)
@@ -195,8 +197,8 @@ def test_compiling_up_front_covers_the_types_a_round_uses():
 def test_coherence_is_one_for_aligned_and_one_over_root_m_for_orthogonal_gradients(rda: bool) -> None:
     """The round's coherence measures how much a plain average would shrink the step."""
     numel, m = 4096, 4
-    aligned = RoundAccumulator(numel, FAST, rda=rda)
-    orthogonal = RoundAccumulator(numel, FAST, rda=rda)
+    aligned = RoundAccumulator(numel, FAST, merge_rule("rda" if rda else "mean"))
+    orthogonal = RoundAccumulator(numel, FAST, merge_rule("rda" if rda else "mean"))
     direction = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     for k in range(m):
         same = FAST.encode(direction * (0.01 * (k + 1)))
@@ -212,7 +214,7 @@ def test_coherence_is_one_for_aligned_and_one_over_root_m_for_orthogonal_gradien
 def test_mean_coherence_is_the_merged_norm_over_the_mean_norm() -> None:
     numel = 2048
     g = torch.Generator().manual_seed(5)
-    acc = RoundAccumulator(numel, FAST, rda=False)
+    acc = RoundAccumulator(numel, FAST, merge_rule("mean"))
     deltas, weights = [], [3.0, 1.0, 2.0]
     for k, w in enumerate(weights):
         payload = FAST.encode(torch.randn(numel, generator=g) * 0.02 + 0.01)

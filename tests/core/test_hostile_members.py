@@ -9,10 +9,12 @@ import dataclasses
 
 import pytest
 
-from ddiloco.core.actions import Refused
+from ddiloco.core.actions import Admitted, LearnersForgotten, LinkStarved, Refused, StateDelivered, StopLearners, Tick
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.learner import Learner
 from ddiloco.core.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
-from protocol_helpers import local_step, make_cluster, step
+from ddiloco.core.run import RunLimits, RunPhase
+from protocol_helpers import join, local_step, make_cluster, make_params, make_sync, refused, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 
@@ -81,3 +83,202 @@ def test_honest_ids_and_counts_still_pass():
     Join("learner-0", "3f2a9c1e-boot")
     Join("host-17.rack:3/gpu@node", "b" * MAX_ID_CHARS)
     Progress("b", tokens=2**40, steps=2**20)
+
+
+# ---- issue 16: what a registered member could still do -------------------------------------
+
+STRICT = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9, min_step_s=0.01)
+
+
+def counters(sync, learner_id):
+    (learner,) = [s for s in sync.status().learners if s.learner_id == learner_id]
+    return learner.accepted, learner.rejected, learner.registrations
+
+
+def test_token_counts_are_held_to_the_message_bound():
+    """Finding 2: tokens were bounded only by steps x 2^24: 2^64 - 1 tokens in 2^40 steps passed."""
+    plan, sync, cores, params = make_cluster(BASE, learners=2)
+    c = a_contribution(cores, params)
+    with pytest.raises(ValueError, match="bad counters"):
+        dataclasses.replace(c, tokens=2**64 - 1, steps=2**40)
+    with pytest.raises(ValueError, match="bad counters"):
+        dataclasses.replace(c, tokens=2**48 + 1, steps=2**30)
+
+
+def test_a_contribution_claiming_more_work_than_fits_its_time_is_refused_and_changes_nothing():
+    """Finding 2: a member's claimed tokens become its merge weight. Steps beyond one per
+    protocol.min_step_s since its last accepted contribution, tokens beyond what it declared per
+    step, or a sequence number far ahead are implausible."""
+    plan, sync, cores, params = make_cluster(STRICT, learners=2)
+    c = a_contribution(cores, params)  # 3 steps of 100 tokens (the learners declared none: the cap is 2^24)
+    before = counters(sync, "l0")
+    for forged, now in ((dataclasses.replace(c, steps=10**6, tokens=10**6), 1.0),  # 1e6 steps in 1 s
+                        (dataclasses.replace(c, seq=2**62 - 1), 1.0)):  # would lock l0 out as duplicate
+        reply = refused(sync.handle(forged, now))
+        assert reply.reason == "implausible", reply.detail
+    assert counters(sync, "l0") == (before[0], before[1] + 2, before[2])
+    assert sync.pending_tokens() == 0
+    accepted = sync.handle(c, 1.0)[0]
+    assert not isinstance(accepted, Refused), accepted  # the real one still goes through
+
+
+def test_declared_tokens_per_step_bound_what_a_learner_may_claim():
+    plan, sync = make_sync(STRICT)
+    params = make_params()
+    core = Learner("small", STRICT, plan, params, boot="b-small", tokens_per_step=100)
+    join(core, sync)
+    with pytest.raises(ValueError, match="declared"):
+        core.record_step(101, 1.0, 1.0)  # a bug in the caller, named at once
+    c = a_contribution([core], [params])
+    reply = refused(sync.handle(dataclasses.replace(c, tokens=c.steps * 100 + 1), 50.0))
+    assert reply.reason == "implausible" and "at most 100 per step" in reply.detail
+
+
+def test_one_heartbeat_claiming_2_to_the_48_tokens_does_not_end_the_run():
+    """Finding 3: a registered member's heartbeat claimed 2^48 tokens of progress, the budget
+    counted them and the run went to stopping. Claims are counted only as far as time allows."""
+    config = dataclasses.replace(STRICT, max_tokens_per_step=100)  # the run's batch: no claim counts more per step
+    plan, sync, cores, params = make_cluster(config, learners=2, limits=RunLimits(tokens=10**6))
+    greedy = Progress("b0", tokens=2**48, steps=2**24)
+    actions = sync.handle(Heartbeat("l0", cores[0].session, greedy), 10.0)
+    assert not any(isinstance(a, StopLearners) for a in actions)
+    status = sync.status()
+    assert status.phase is RunPhase.RUNNING and status.progress_clipped == 1
+    assert status.tokens == (int(10.0 / config.min_step_s) + 1) * 100  # what 10 s can hold: one 100-token step per 10 ms
+    # The same claim again adds nothing; an honest report of what followed still counts.
+    sync.handle(Heartbeat("l0", cores[0].session, greedy), 10.5)
+    assert sync.status().tokens == status.tokens
+
+
+def test_the_budget_counts_honest_progress_in_full():
+    plan, sync, cores, params = make_cluster(STRICT, learners=1, limits=RunLimits(tokens=1000))
+    for t, tokens in ((1.0, 300), (2.0, 600), (3.0, 1000)):
+        actions = sync.handle(Heartbeat("l0", cores[0].session, Progress("b0", tokens, tokens // 100)), t)
+    assert sync.status().tokens == 1000 and sync.status().progress_clipped == 0
+    assert any(isinstance(a, StopLearners) for a in actions)
+
+
+def test_a_replacing_contribution_whose_sums_leave_the_bounds_is_refused_before_anything_changes():
+    """Finding 4: the replacement's counters were added, and only then validated: the ValueError
+    escaped after last_seq and the accepted count had moved."""
+    config = dataclasses.replace(BASE, quorum=2, min_step_s=1e-9, space_rounds=False)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    c = a_contribution(cores, params)
+    big = dataclasses.replace(c, steps=2**47, tokens=2**47)
+    assert not isinstance(sync.handle(big, 1e6)[0], Refused)  # pending: the quorum is 2
+    before = counters(sync, "l0")
+    again = dataclasses.replace(big, seq=c.seq + 1, steps=2**47 + 1, tokens=2**47 + 1)
+    reply = refused(sync.handle(again, 2e6))
+    assert reply.reason == "implausible" and "replaces" in reply.detail
+    assert counters(sync, "l0") == (before[0], before[1] + 1, before[2])
+    assert sync.pending_tokens() == big.tokens
+    assert not isinstance(sync.handle(dataclasses.replace(c, seq=c.seq + 1), 2e6)[0], Refused)  # seq not consumed
+
+
+def test_refusals_never_name_another_session():
+    """Finding 5: ``superseded`` answered "replaced by INC/N": the victim's session, for the asking."""
+    plan, sync, cores, params = make_cluster(BASE, learners=1)
+    old = cores[0].session
+    new = sync.handle(Join("l0", "b0"), 1.0)[0].state.session
+    reply = refused(sync.handle(Heartbeat("l0", old, Progress("b0")), 1.0))
+    assert reply.reason == "superseded" and str(new) not in reply.detail and str(new.number) not in reply.detail
+
+
+def test_session_numbers_grow_but_cannot_be_guessed_from_the_previous_one():
+    plan, sync = make_sync(BASE, session_salt=12345)
+    sessions = [sync.handle(Join(f"x{i}", "b"), 0.0)[0].state.session for i in range(50)]
+    numbers = [s.number for s in sessions]
+    assert numbers == sorted(numbers) and len(set(numbers)) == 50
+    steps = {b - a for a, b in zip(numbers, numbers[1:])}
+    assert len(steps) > 40  # not a counter: the next number is not the last one plus a constant
+    _, other = make_sync(BASE, session_salt=54321)
+    assert other.handle(Join("x0", "b"), 0.0)[0].state.session.number != numbers[0]
+
+
+def test_a_later_process_of_the_same_id_replaces_the_earlier_for_good():
+    """Finding 7: an orphaned worker and its restart took one id back from each other about 104
+    times in 11 s. The later boot keeps the id; the earlier is refused as replaced, its joins too,
+    also after a restart of the synchronizer from a checkpoint."""
+    plan, sync, cores, params = make_cluster(STRICT, learners=1)
+    orphan = cores[0]
+    c = a_contribution(cores, params)
+    restart = Learner("l0", STRICT, plan, make_params(), boot="b0-restarted")
+    join(restart, sync, now=1.0)
+    assert refused(sync.handle(c, 2.0)).reason == "replaced"
+    assert refused(sync.handle(Heartbeat("l0", orphan.session, orphan.progress), 2.0)).reason == "replaced"
+    assert refused(sync.handle(Join("l0", "b0"), 3.0)).reason == "replaced"
+    assert sync.holds_session("l0", restart.session)
+    _, resumed = make_sync(STRICT, incarnation=7)
+    resumed.load_state_dict(sync.state_dict(4.0))
+    assert refused(resumed.handle(Join("l0", "b0"), 0.0)).reason == "replaced"
+    assert isinstance(resumed.handle(Join("l0", "b0-restarted"), 0.0)[0], Admitted)
+
+
+def test_a_leave_in_another_session_changes_nothing_of_the_learner():
+    """Finding 5: twenty Leave calls under learner-0's id raised its registrations from 1 to 21."""
+    plan, sync, cores, params = make_cluster(STRICT, learners=1)
+    before = counters(sync, "l0")
+    for n in range(20):
+        reply = refused(sync.handle(Leave("l0", Session(sync.incarnation, n), Progress("forged")), 1.0))
+        assert reply.reason in ("superseded", "unknown_learner", "replaced")
+    assert counters(sync, "l0")[2] == before[2] and sync.holds_session("l0", cores[0].session)
+
+
+def test_registrations_beyond_the_cap_are_refused_and_dead_learners_are_forgotten():
+    config = dataclasses.replace(BASE, forget_after_s=100.0, lease_s=10.0)
+    plan, sync = make_sync(config, limits=RunLimits(learners=1))  # four leases at most
+    for i in range(4):
+        assert isinstance(sync.handle(Join(f"x{i}", "b"), 0.0)[0], Admitted)
+    assert refused(sync.handle(Join("x4", "b"), 0.0)).reason == "registry_full"
+    assert isinstance(sync.handle(Join("x0", "b"), 0.0)[0], Admitted)  # a member again: always
+    sync.handle(Tick(), 1000.0)  # every lease ran out (nobody heard the state arrive: it waited, then ran)
+    assert sync.status().learners and not any(s.alive for s in sync.status().learners)
+    actions = sync.handle(Tick(), 1200.0)
+    assert any(isinstance(a, LearnersForgotten) and set(a.learner_ids) == {"x0", "x1", "x2", "x3"} for a in actions)
+    status = sync.status()
+    assert status.learners == () and status.learners_forgotten == 4
+    assert isinstance(sync.handle(Join("x4", "b"), 1200.0)[0], Admitted)
+
+
+def test_data_shards_are_the_cores_decision_and_stay_with_the_id():
+    plan, sync = make_sync(BASE, limits=RunLimits(learners=3))
+    shards = {name: sync.handle(Join(name, "b"), 0.0)[0].data_shard for name in ("learner-2", "island", "learner-7")}
+    assert shards == {"learner-2": 2, "island": 0, "learner-7": 1}  # its number, else the first free
+    assert sync.data_shard("learner-2") == 2 and sync.handle(Join("learner-2", "b2"), 1.0)[0].data_shard == 2
+
+
+def test_the_lease_waits_while_the_state_is_on_its_way_and_runs_from_its_arrival():
+    """Issue 20, item 0: at 2 and 1 Mbit/s the full state took longer than the lease; the lease
+    ran out during the join, the learner registered again, for ever."""
+    config = dataclasses.replace(BASE, min_link_bytes_per_s=1.0)  # the state may take minutes to arrive
+    plan, sync = make_sync(config)
+    admitted = sync.handle(Join("slow", "b"), 0.0)[0]
+    assert sync.admission_s() > 100 and sync.status().learners[0].joining
+    sync.handle(Tick(), 3 * BASE.lease_s)  # longer than a lease: still admitted
+    assert sync.holds_session("slow", admitted.state.session)
+    sync.handle(StateDelivered("slow", admitted.state.session), 40.0)
+    sync.handle(Tick(), 40.0 + BASE.lease_s - 0.5)
+    assert sync.holds_session("slow", admitted.state.session)
+    sync.handle(Tick(), 40.0 + BASE.lease_s)
+    assert not sync.holds_session("slow", admitted.state.session)
+    failed = sync.handle(Join("lost", "b"), 50.0)[0]
+    sync.handle(StateDelivered("lost", failed.state.session, ok=False), 51.0)
+    sync.handle(Tick(), 51.0)
+    assert not sync.holds_session("lost", failed.state.session)  # the transfer broke: no lease to wait out
+
+
+def test_a_live_learner_whose_work_never_arrives_is_reported_link_starved():
+    config = dataclasses.replace(BASE, lease_s=10.0, space_rounds=False)
+    plan, sync, cores, params = make_cluster(config, learners=1)
+    t, starved = 0.0, []
+    while t < 100.0 and not starved:
+        t += 1.0
+        actions = sync.handle(Heartbeat("l0", cores[0].session, Progress("b0")), t)  # alive, nothing accepted
+        starved += [a for a in actions + sync.handle(Tick(), t) if isinstance(a, LinkStarved)]
+    (report,) = starved
+    assert report.learner_id == "l0" and t >= 2 * config.lease_s
+    status = sync.status(t)
+    assert status.learners[0].link_starved and status.link_starved_episodes == 1
+    c = a_contribution(cores, params)
+    assert not isinstance(sync.handle(c, t + 1)[0], Refused)
+    assert not sync.status(t + 1).learners[0].link_starved and sync.status(t + 1).learners[0].accepted_per_min == 1

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
@@ -129,13 +129,38 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
 
 
-@pytest.mark.parametrize("reason", ["duplicate", "non_finite", "norm_bound", "bad_size"])
+@pytest.mark.parametrize("reason", ["duplicate", "non_finite", "norm_bound", "bad_size", "implausible"])
 def test_refusals_of_one_contribution_drop_it_and_training_goes_on(reason):
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     local_step(params, seed=1)
     sent = step(core, 10, 1.0)
+    while not any(c.fragment == sent[0].fragment for c in step(core, 10, 1.0)):
+        pass  # the fragment's next contribution went out: ``sent[0]`` is no longer the newest
     assert core.on_refused(sent[0], RejectReason(reason), 1.0) == []
     assert core.phase is LearnerPhase.TRAINING and core.can_step(1.0)
+
+
+def test_a_duplicate_of_the_newest_contribution_means_someone_spoke_for_us_and_the_learner_joins_again():
+    """Issue 16, finding 5: a contribution with a far sequence number under a learner's id locked
+    it out of the fragment as ``duplicate`` for the rest of the run. A refusal of our newest
+    sequence number as already received is impossible unless someone else sent it: a new session
+    (numbers from 0, unknown to them) shuts them out."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    local_step(params, seed=1)
+    (newest, *_) = step(core, 10, 1.0)
+    (join,) = core.on_refused(newest, RejectReason.DUPLICATE, 1.0)
+    assert isinstance(join, SendJoin) and core.rejoining() and core.can_step(1.0)
+
+
+def test_replaced_by_a_later_process_of_the_same_id_the_learner_stops_for_good():
+    """Issue 16, finding 7: an orphaned worker and its restart took one id back from each other
+    about 104 times in 11 s. The earlier process must stop, not register again."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    local_step(params, seed=1)
+    (sent, *_) = step(core, 10, 1.0)
+    (fail,) = core.on_refused(sent, RejectReason.REPLACED, 1.0)
+    assert isinstance(fail, Fail) and fail.reason is RejectReason.REPLACED
+    assert core.phase is LearnerPhase.FAILED and core.should_stop and core.tick(100.0) == []
 
 
 def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
@@ -147,9 +172,21 @@ def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
     assert other.phase is LearnerPhase.STOPPED and other.should_stop
 
 
+def test_the_first_heartbeat_goes_as_soon_as_the_state_is_adopted():
+    """On a slow link the last of the state arrives long after the synchronizer sent it: the
+    learner says at once that it holds it, rather than a heartbeat interval later."""
+    plan, sync, _, (params,) = make_cluster(BASE, learners=1)
+    core = Learner("late", BASE, plan, params, boot="b-late")
+    (join,) = core.start(0.0)
+    admitted = sync.handle(join.message, 0.0)[0]
+    core.on_admitted(admitted.state, 40.0)
+    (beat,) = core.tick(40.0)
+    assert isinstance(beat, SendHeartbeat) and beat.message.session == admitted.state.session
+
+
 def test_heartbeats_come_every_interval_and_a_lost_lease_means_joining_again():
     config = dataclasses.replace(BASE, lease_s=9.0, heartbeat_s=5.0)  # interval: min(5, 9/3) = 3
-    plan, sync, (core,), _ = make_cluster(config, learners=1)
+    plan, sync, (core,), _ = make_cluster(config, learners=1)  # its first heartbeat went at once (the helper)
     assert core.next_deadline() == 3.0
     assert core.tick(2.9) == []
     (beat,) = core.tick(3.0)
@@ -225,3 +262,21 @@ def test_stepping_before_joining_is_an_error():
     with pytest.raises(RuntimeError):
         fresh.record_step(1, 1.0, 0.0)
     assert not fresh.can_step(0.0)
+
+
+def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
+    """Issue 20, item 0: the learners trained at full speed while nothing merged, and nothing told the user."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    said = []
+    for s in range(1, 3 * BASE.period + 2):
+        local_step(params, seed=s)
+        for c in step(core, 10, 1.0, float(s)):
+            core.on_undelivered(c, float(s))  # the link carries nothing
+        said += [a for a in core.tick(float(s)) if isinstance(a, Starved)]
+    (notice,) = said
+    assert notice.steps == 3 * BASE.period and core.starved
+    local_step(params, seed=99)
+    while not (due := step(core, 10, 1.0, 50.0)):
+        pass
+    core.on_accepted(due[0], 50.0)
+    assert not core.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]

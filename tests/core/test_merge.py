@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.merge import merge_mean, merge_rda, token_weights
+from ddiloco.core.merge import merge_mean, merge_rda, merge_rule, token_weights
 
 
 def _deltas(m: int, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -112,3 +112,18 @@ def test_merges_reject_mismatched_inputs(merge) -> None:  # type: ignore[no-unty
         merge([torch.zeros(3)], w)
     with pytest.raises(ValueError, match="no deltas"):
         merge([], w[:0])
+
+
+def test_rda_median_takes_the_median_norm_so_one_stretched_outer_gradient_cannot_stretch_the_step() -> None:
+    """The rule added by the recipe in docs/design.md ("How to add a merge rule")."""
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(50, generator=g) for _ in range(4)]
+    deltas[3] = deltas[3] * 100.0  # one learner's outer gradient 100x the others'
+    w = token_weights([1, 1, 1, 1], [1, 1, 1, 1])
+    norms = sorted(float(d.norm()) for d in deltas)
+    median = merge_rule("rda-median").reference(deltas, w)
+    mean = merge_rda(deltas, w)
+    assert float(median.norm()) == pytest.approx(norms[1], rel=1e-5)  # the lower of the two middle norms
+    assert float(mean.norm()) > 20 * float(median.norm())  # RDA's weighted mean follows the outlier
+    direction = lambda x: x / x.norm()  # noqa: E731
+    assert torch.allclose(direction(median), direction(mean), atol=1e-6)  # the same direction

@@ -16,6 +16,7 @@ from ddiloco.core.actions import (
     Finished,
     LeaseExpired,
     RoundClosed,
+    StateDelivered,
     StopLearners,
     Tick,
 )
@@ -228,7 +229,8 @@ def test_strict_quorum_waits_for_everyone_even_when_leases_expire():
     sync.handle(Tick(), 50.0)  # every lease expired: still no merge
     assert sync.versions()[0] == 0
     session = sync.handle(Join("l2", "b2"), 51.0)[0].state.session
-    actions = sync.handle(dataclasses.replace(c2, session=session), 51.0)
+    sync.handle(StateDelivered("l2", session), 51.0)
+    actions = sync.handle(dataclasses.replace(c2, session=session), 60.0)  # after steps that fit its new session
     assert [a.reason for a in closed(actions)] == ["quorum"]
 
 
@@ -292,7 +294,7 @@ def test_checkpoints_are_asked_for_every_n_rounds():
     checkpoints = []
     for rnd in range(4):
         for c in contributions_for(cores, params, fragment=rnd % 3, seed=rnd):
-            actions = sync.handle(c, float(rnd))
+            actions = sync.handle(c, 10.0 * (rnd + 1))
             deliver(actions, cores)
             checkpoints += [a for a in actions if isinstance(a, Checkpoint)]
     assert len(checkpoints) == 2

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +54,17 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLIN
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(poll_s)
+
+
+def train_steps(runtime: Any, workload: Any, model: Any, index: int, steps: int) -> Any:
+    """``steps`` inner steps of ``model`` on learner ``index``'s shard, each handed to ``runtime``;
+    returns the trainer (its optimizer state is the learner's)."""
+    trainer, sampler = workload.new_trainer(model), workload.sampler(index)
+    for _ in range(steps):
+        x, y = sampler.next_batch()
+        trainer.step(x, y)
+        runtime.step(tokens=x.numel())
+    return trainer
 
 
 def status_of(port: int, token: str | None = None) -> dict | None:
@@ -145,6 +157,45 @@ class InProcessSync:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.server.closing.set)
         self.thread.join(30)
+
+
+class Honest:
+    """A learner training the reference workload in a thread, as a user's loop would."""
+
+    def __init__(self, config: Any, port: int, name: str, index: int, **credentials: str) -> None:
+        from ddiloco.runtime.learner_runtime import LearnerRuntime
+        from ddiloco.workload.workload import Workload
+
+        self.workload = Workload.build(config)
+        self.model = self.workload.new_model()
+        self.runtime = LearnerRuntime(self.model, f"127.0.0.1:{port}", name,
+                                      tokens_per_step=self.workload.tokens_per_step, **credentials)
+        self.index = index
+        self.error: Exception | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.thread.start()
+
+    def _train(self) -> None:
+        trainer = self.workload.new_trainer(self.model)
+        sampler = self.workload.sampler(self.index)
+        try:
+            while not self.stop.is_set() and not self.runtime.should_stop:
+                x, y = sampler.next_batch()
+                trainer.step(x, y)
+                self.runtime.step(tokens=x.numel())
+        except Exception as err:  # what a user's loop would see: the test reads it from ``error``
+            self.error = err
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.runtime.close()
+
+
+def versions(client: SyncClient) -> list[int]:
+    """Every fragment's version, as the synchronizer's status says."""
+    return [f["version"] for f in client.status_dict()["fragments"]]
 
 
 def session_pids(session: int) -> set[int]:

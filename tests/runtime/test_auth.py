@@ -8,11 +8,13 @@ from ddiloco import cli
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import (
     TOKEN_ENV,
+    Authenticator,
+    Identity,
     client_metadata,
+    load_credentials,
     load_token,
     parse_address,
     require_token_beyond_loopback,
-    token_matches,
 )
 
 
@@ -44,10 +46,49 @@ def test_token_from_file_then_environment(tmp_path, monkeypatch) -> None:
 
 
 def test_token_matching() -> None:
-    assert token_matches((), None)
-    assert token_matches(client_metadata("t"), "t")
-    assert not token_matches(client_metadata("u"), "t")
-    assert not token_matches(client_metadata(None), "t")
+    assert Authenticator().identify(()) == Identity()
+    assert Authenticator("t").identify(client_metadata("t")) == Identity()
+    assert Authenticator("t").identify(client_metadata("u")) is None
+    assert Authenticator("t").identify(client_metadata(None)) is None
+
+
+def test_per_learner_credentials_identify_one_learner_and_the_token_only_an_operator() -> None:
+    auth = Authenticator("shared", {"learner-0": "s0", "learner-1": "s1"})
+    assert auth.identify(client_metadata("s0", "learner-0")) == Identity("learner-0")
+    assert auth.identify(client_metadata("s1", "learner-0")) is None  # another learner's secret
+    assert auth.identify(client_metadata("s0", "learner-9")) is None  # an id without credentials
+    assert auth.identify(client_metadata("shared", "learner-0")) is None  # the token is no learner's secret
+    assert auth.identify(client_metadata("shared")) == Identity(operator=True)
+    assert Authenticator(None, {"learner-0": "s0"}).identify(client_metadata("s0")) is None
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("learner-0 s0\n", "line 1: expected 'learner-id: secret'"),
+    ("learner-0:\n", "line 1: expected"),
+    ("# the run's learners\nlearner-0: a\nlearner-0: b\n", "line 3: learner 'learner-0' is listed twice"),
+    ("has space: a\n", "line 1: learner id must be"),
+    ("# nobody\n", "lists no learner"),
+    ("", "is empty"),
+])
+def test_a_bad_credentials_file_is_one_line_naming_it(tmp_path, text, problem) -> None:
+    f = tmp_path / "creds"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
+        load_credentials(str(f))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_credentials(str(tmp_path / "missing"))
+    assert load_credentials(None) is None
+
+
+def test_a_bad_credentials_file_stops_ddiloco_sync_with_exit_2_and_nothing_created(tmp_path, capsys) -> None:
+    f = tmp_path / "creds"
+    f.write_text("learner-0: a\nlearner-0: b\n")
+    state = tmp_path / "state"
+    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--credentials", str(f),
+                     "--state-dir", str(state)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "listed twice" in err and str(f) in err
+    assert not state.exists()
 
 
 def test_listening_beyond_loopback_without_token_is_refused(monkeypatch, capsys) -> None:

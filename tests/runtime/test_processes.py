@@ -14,8 +14,8 @@ from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Leave, Progress
-from ddiloco.runtime.auth import AuthenticationError, client_metadata
-from ddiloco.runtime.client import Refused, SyncClient
+from ddiloco.runtime.auth import client_metadata
+from ddiloco.runtime.client import AuthenticationError, Refused, SyncClient
 
 pytestmark = pytest.mark.slow
 
@@ -164,3 +164,25 @@ def test_hostile_messages_are_rejected_by_reason_and_the_run_goes_on(procs, tmp_
     bad = procs.start("bad", *learner_args(port, "learner-1", "--token-file", str(bad_token)))
     assert bad.wait(60) != 0
     assert "ddiloco: error:" in procs.log("bad") and "token" in procs.log("bad")
+
+
+def test_per_learner_credentials_a_wrong_secret_is_one_line_and_exit_2_never_retried(procs, tmp_path) -> None:
+    """Issue 16: with ``--credentials`` a learner holds its own secret; one whose secret is wrong is
+    refused as unauthenticated, counted, and gives up at once with one line and exit code 2."""
+    port = free_port()
+    (tmp_path / "credentials").write_text("# id: secret\nlearner-0: zero-secret\nlearner-1: one-secret\n")
+    (tmp_path / "token").write_text("operators\n")
+    (tmp_path / "s0").write_text("zero-secret\n")
+    (tmp_path / "wrong").write_text("not-my-secret\n")
+    procs.start("sync", *sync_args(port, "--tokens", str(10**9), "--credentials", str(tmp_path / "credentials"),
+                                   "--token-file", str(tmp_path / "token")))
+    procs.start("a", *learner_args(port, "learner-0", "--secret-file", str(tmp_path / "s0"), *PACE))
+    wait_for(lambda: (s := status_of(port, "operators")) and learner(s, "learner-0").get("accepted", 0) >= 3,
+             "the learner with its own secret contributing")
+    bad = procs.start("bad", *learner_args(port, "learner-1", "--secret-file", str(tmp_path / "wrong")))
+    assert bad.wait(60) == 2
+    lines = [line for line in procs.log("bad").splitlines() if line.startswith("ddiloco:")]
+    assert len(lines) == 1 and "refused our credentials" in lines[0] and "Traceback" not in procs.log("bad")
+    status = status_of(port, "operators")
+    assert status["rejections"].get("unauthenticated", 0) >= 1 and not learner(status, "learner-1")
+    assert procs.procs["a"].poll() is None

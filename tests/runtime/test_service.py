@@ -14,8 +14,8 @@ from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import AuthenticationError, client_metadata
-from ddiloco.runtime.client import Refused, SyncClient
+from ddiloco.runtime.auth import client_metadata
+from ddiloco.runtime.client import AuthenticationError, Refused, SyncClient
 from ddiloco.runtime.learner_runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.service import ServiceOptions, SyncService

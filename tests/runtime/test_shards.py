@@ -7,7 +7,7 @@ two with kill -9 and restarts it with --resume.
 from __future__ import annotations
 
 import pytest
-from runtime_helpers import InProcessSync, free_port, status_of, sync_args, wait_for
+from runtime_helpers import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 
 from ddiloco import cli
 from ddiloco.config import build_config
@@ -40,11 +40,7 @@ def test_each_shard_owns_its_fragments_and_a_learner_trains_against_both(two_sha
     model = workload.new_model()
     addresses = ",".join(f"127.0.0.1:{s.port}" for s in reversed(shards))  # any order
     runtime = LearnerRuntime(model, addresses, "learner-0")
-    trainer, sampler = workload.new_trainer(model), workload.sampler(0)
-    for _ in range(3 * config.protocol.period):
-        x, y = sampler.next_batch()
-        trainer.step(x, y)
-        runtime.step(tokens=x.numel())
+    train_steps(runtime, workload, model, 0, 3 * config.protocol.period)
     runtime.close()
     for s in shards:
         status = s.call(lambda s=s: s.service.status_reply())

@@ -6,12 +6,9 @@ docs/goodput.md and docs/bandwidth.md and these tests come from one code path.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from bench_loader import load_benchmark
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.errors import ConfigError
@@ -20,16 +17,7 @@ from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import HEADER_BYTES
 
 
-def _load_bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_crosscheck.py"
-    spec = importlib.util.spec_from_file_location("bench_crosscheck", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_benchmark("bench_crosscheck")
 
 # ~85 % regime of the benchmark on M = 4 learners: 22 failures expected in 240 virtual seconds.
 LEARNERS, MTBF_S, DOWNTIME_S, TIME_S = 4, 40.0, 3.0, 240.0

@@ -39,23 +39,20 @@ def test_each_seed_draws_its_own_world_and_the_same_seed_the_same_one():
 
 
 def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):
-    original = Synchronizer._validate
-    monkeypatch.setattr(Synchronizer, "_validate", lambda self, c, last_seq: original(self, c, {}))
+    import ddiloco.core.synchronizer as sync_module
+
+    original = sync_module.check_contribution
+    monkeypatch.setattr(sync_module, "check_contribution", lambda c, limits, **kw: original(c, limits, **{**kw, "last_seq": -1}))
     found = first_failure()
     assert "accepted twice" in found.violation and f"seed {found.seed}" in found.violation
 
 
 def test_a_planted_bug_merging_stale_work_is_found(monkeypatch):
-    original = Synchronizer._validate
+    from ddiloco.core.rounds import GlobalFragment
 
-    def without_staleness(self, c, last_seq):
-        """Every check but the staleness bound (a stale contribution passes as if it were current)."""
-        current = self.versions()[c.fragment] if 0 <= c.fragment < self.num_fragments else c.base_version
-        if 0 <= current - c.base_version and current - c.base_version > self.config.staleness_max:
-            return original(self, dataclasses.replace(c, base_version=current), last_seq)
-        return original(self, c, last_seq)
-
-    monkeypatch.setattr(Synchronizer, "_validate", without_staleness)
+    original = GlobalFragment.check
+    # Every check but the staleness bound: a stale contribution passes as if it were current.
+    monkeypatch.setattr(GlobalFragment, "check", lambda self, c, uplink, staleness_max: original(self, c, uplink, 2**62))
     found = first_failure()
     assert "staleness bound" in found.violation and f"seed {found.seed}" in found.violation
 

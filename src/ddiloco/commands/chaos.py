@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                                  shards=shards)
     topology = topology_from_args(args, config.run.learners)
     device = str(resolve_device(args.device))
+    config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")
     return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline, topology)
 

@@ -23,13 +23,11 @@ import torch.distributed as dist
 from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
 from ddiloco.config import Config, apply_section
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import load_token, parse_address
+from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
-from ddiloco.core.messages import Join
-from ddiloco.runtime.learner_runtime import LearnerRuntime, join_with_backoff
+from ddiloco.runtime.learner_runtime import LearnerRuntime, probe_with_backoff
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.workload.workload import Workload, weights_sha256
-from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
 
 log = logging.getLogger("ddiloco.learner")
@@ -55,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if action.dest == "preset":
             action.help = "size preset: tiny, default (default: the synchronizer's whole configuration)"
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
+    parser.add_argument("--secret-file", metavar="FILE",
+                        help="this learner's own secret, when the synchronizer has --credentials (else $DDILOCO_SECRET)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads (default: train.threads)")
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: the run's budget)")
@@ -111,18 +111,17 @@ def run(args: argparse.Namespace) -> int:
     clients: list[SyncClient] = []
     if rank == 0:
         # Probe first (no lease yet): building the workload may take longer than a lease.
-        token = load_token(args.token_file)
-        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca) for a in addresses]
-        probe = join_with_backoff(clients[0], Join(args.id, "probe"), timeout_s=args.join_timeout, probe=True)
-        if probe.header.finished:
-            log.info("the run is already finished")
-            return 0
+        secret = load_secret(args.secret_file)
+        token = secret or load_token(args.token_file)
+        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
+                   for a in addresses]
+        probe = probe_with_backoff(clients[0], args.id, timeout_s=args.join_timeout)
         box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
     else:
         box = [None, None]
     if world > 1:
         dist.broadcast_object_list(box, src=0)
-    config = _resolve_config(args, box[0])
+    config = _resolve_config(args, box[0]).validate_for_processes()
     if not args.threads and config.train.threads:
         torch.set_num_threads(config.train.threads)
     index = int(box[1])
@@ -134,13 +133,10 @@ def run(args: argparse.Namespace) -> int:
     if world > 1:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
-    if rank == 0:
-        sampler = workload.sampler(index)
-    else:  # the other ranks of this learner draw other batches from the same shard
-        sampler = BatchSampler(workload.corpus.train_shards[index], batch_size=config.train.batch_size,
-                               seq_len=config.model.seq_len, seed=(config.run.seed * 1_000_003 + index) * 7919 + rank)
-    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout)
-    if runtime.should_stop:
+    sampler = workload.sampler(index, rank)
+    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
+                             tokens_per_step=workload.tokens_per_step)
+    if runtime.should_stop:  # the synchronizer refused our join: the run is over
         log.info("the run is already finished")
         runtime.close(flush=False)
         return 0
@@ -169,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
                 progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
                                updates_applied=runtime.stats.updates_applied)
             if rank == 0 and steps % 50 == 0:
+                loss_value = float(loss)  # waits for this step: only when it is logged
                 st = runtime.stats
                 log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
-                         "unreachable %d", steps, loss, runtime.versions, st.contributions_sent, st.updates_applied,
-                         runtime.backlog, st.contributions_dropped, st.unreachable)
+                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
+                         st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
                 if events is not None:
-                    events.add(steps, {"train_loss": loss, "fragment_versions": runtime.versions,
+                    events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
                                        "contributions_sent": st.contributions_sent,
                                        "updates_applied": st.updates_applied, "backlog": runtime.backlog,
                                        "contributions_dropped": st.contributions_dropped,

@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if virtual and args.hosts != "local":
         raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")
     topology = topology_from_args(args, config.run.learners)
+    if not virtual:
+        config.validate_for_processes()
     device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     label = f"{config.run.mode} M={config.run.learners}"

@@ -14,6 +14,7 @@ from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import Refused, Unreachable
 from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.runtime.status_reply import LEARNERS_PAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,14 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument("--page", type=int, default=0, metavar="K",
+                        help="which page of learners to show (%d a page, in id order; default 0)" % LEARNERS_PAGE)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.page < 0:
+        raise DdilocoError(f"--page {args.page}: must be >= 0")
     addresses = [str(parse_address(a.strip(), option="address")) for a in args.address.split(",") if a.strip()]
     with ShardedClient(addresses, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
         try:
-            status = client.status_dict(timeout_s=args.timeout)
+            status = client.status_dict(timeout_s=args.timeout, learner_offset=args.page * LEARNERS_PAGE,
+                                        learner_limit=LEARNERS_PAGE)
         except Unreachable as err:
             raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
         except Refused as err:
@@ -64,12 +70,17 @@ def print_status(s: dict) -> None:
               f"sync {g['sync_s'] * 1e3:.0f} ms)  longest pause between merges {s['longest_pause_s']:.2f}s")
     if s["rejections"]:
         out.print("rejections: " + ", ".join(f"{k} {v}" for k, v in s["rejections"].items()))
-    learners = Table(title="learners")
-    for col in ("id", "alive", "last seen", "accepted", "rejected", "joins", "tokens", "step ms", "MB up", "MB down"):
+    if s.get("checkpoint_failures"):
+        out.print(f"[red]failed checkpoint writes: {s['checkpoint_failures']}[/red] (last: {s['last_checkpoint_error']})")
+    learners = Table(title=f"learners ({len(s['learners'])} of {s.get('learners_total', len(s['learners']))}; "
+                           f"{s.get('learners_forgotten', 0)} forgotten)")
+    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "joins", "tokens", "step ms", "MB up",
+                "MB down"):
         learners.add_column(col, justify="left" if col == "id" else "right")
     for lr in s["learners"]:
         seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
-        learners.add_row(lr["id"], "yes" if lr["alive"] else "no", seen, str(lr["accepted"]), str(lr["rejected"]),
+        state = "no" if not lr["alive"] else "joining" if lr["joining"] else "starved" if lr["link_starved"] else "yes"
+        learners.add_row(lr["id"], state, seen, str(lr["accepted"]), str(lr["accepted_per_min"]), str(lr["rejected"]),
                          str(lr["registrations"]), f"{lr['tokens']:,}", f"{lr['step_time_s'] * 1e3:.0f}",
                          f"{lr['bytes_up'] / 1e6:.2f}", f"{lr['bytes_down'] / 1e6:.2f}")
     print_table(learners)

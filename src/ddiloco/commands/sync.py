@@ -13,7 +13,14 @@ from pathlib import Path
 
 from ddiloco.commands.options import add_workload_options, config_from_args
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import Address, load_token, parse_address, require_token_beyond_loopback, server_credentials
+from ddiloco.runtime.auth import (
+    Address,
+    load_credentials,
+    load_token,
+    parse_address,
+    require_token_beyond_loopback,
+    server_credentials,
+)
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.server import serve
 from ddiloco.runtime.service import ServiceOptions, SyncService
@@ -48,7 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
                         help="... or after this many seconds with merges, whichever first (default 30)")
     parser.add_argument("--token-file", metavar="FILE",
-                        help="shared auth token (else $DDILOCO_TOKEN); required beyond loopback")
+                        help="shared auth token (else $DDILOCO_TOKEN); beyond loopback it or --credentials is required")
+    parser.add_argument("--credentials", metavar="FILE",
+                        help="per-learner credentials, one 'learner-id: secret' line each: every learner speaks only "
+                        "for itself (with --token-file too, the token admits operators: status, state fetches)")
     parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate chain (PEM)")
     parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert (PEM)")
     parser.add_argument("--init", metavar="FILE",
@@ -77,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, protocol=replace(config.protocol, shards=shards)).validate()
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
-    require_token_beyond_loopback(listen, token)
+    secrets = load_credentials(args.credentials)
+    require_token_beyond_loopback(listen, token, secrets)
     credentials = server_credentials(args.tls_cert, args.tls_key)
     options = ServiceOptions(
         state_dir=Path(args.state_dir) if args.state_dir else None,
         resume=args.resume,
         token=token,
+        credentials=secrets,
         checkpoint_every_rounds=max(1, args.checkpoint_every_rounds),
         checkpoint_every_s=args.checkpoint_every,
         shard=shard,
@@ -91,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.init:
         layout = layout_from_file(args.init, config.protocol.for_mode(config.run.mode, config.run.learners))
     service = SyncService(config, options, layout=layout)
-    if args.metrics_port is not None:
-        service.metrics.serve(args.metrics_port, host=listen.host if listen.is_loopback else "0.0.0.0")
+    metrics_server = None
+    if args.metrics_port is not None:  # on the service's own interface, behind its token beyond loopback
+        metrics_server = service.metrics.serve(Address(listen.host, args.metrics_port), token)
     page = None
     if args.http_port is not None:  # bound now: a port in use fails before anything else runs
         page = StatusPage(Address(listen.host if listen.is_loopback else "0.0.0.0", args.http_port), token)
@@ -110,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if page is not None:
             page.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
     return 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +24,7 @@ from ddiloco.core.messages import (
     Leave,
     RejectReason,
     Request,
+    Session,
 )
 
 # ---- synchronizer: events that are not messages ------------------------------------------
@@ -41,7 +42,17 @@ class SyncTimeObserved:
     seconds: float
 
 
-SyncEvent = Join | Heartbeat | Contribution | Leave | Tick | SyncTimeObserved
+@dataclass(frozen=True, slots=True)
+class StateDelivered:
+    """The global state an ``Admitted`` reply carried reached its learner (``ok``), or its transfer
+    failed: the learner's lease, which waited while the state was on its way, runs from now."""
+
+    learner_id: str
+    session: Session
+    ok: bool = True
+
+
+SyncEvent = Join | Heartbeat | Contribution | Leave | Tick | SyncTimeObserved | StateDelivered
 
 # ---- synchronizer: actions ---------------------------------------------------------------
 
@@ -53,6 +64,8 @@ class Admitted:
     learner_id: str
     state: GlobalState
     stop: bool = False
+    data_shard: int = 0
+    """The part of the training data this learner id trains on (kept while the registry knows it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +157,21 @@ class LeaseExpired:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkStarved:
+    """A live learner's work has not reached the synchronizer for ``for_s``: its link cannot carry it."""
+
+    learner_id: str
+    for_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LearnersForgotten:
+    """Dead long enough to be dropped from the registry: drivers drop what they keep per learner."""
+
+    learner_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StopLearners:
     """The budget is spent: tell these learners to flush and leave."""
 
@@ -164,7 +192,8 @@ class Checkpoint:
     state: dict[str, Any]
 
 
-SyncAction = Reply | Broadcast | RoundClosed | LeaseExpired | StopLearners | Finished | Checkpoint
+SyncAction = (Reply | Broadcast | RoundClosed | LeaseExpired | LinkStarved | LearnersForgotten | StopLearners | Finished
+              | Checkpoint)
 
 # ---- learner: actions ----------------------------------------------------------------------
 
@@ -184,14 +213,19 @@ class Send:
     codec: Codec
     shard: int = 0
     """The synchronizer shard that owns the fragment."""
+    ready: Callable[[], object] | None = None
+    """Waits until ``delta`` holds its values, when a driver copies it from an accelerator
+    asynchronously (``runtime/staging.py``); None: it already does."""
 
     @property
     def fragment(self) -> int:
         return self.header.fragment
 
     def encode(self) -> Contribution:
-        """Compress Δ on the host: a Δ taken on an accelerator is copied here, by the thread
+        """Compress Δ on the host: a Δ still on an accelerator is copied here, by the thread
         that encodes (a real learner's sender thread, never its training loop)."""
+        if self.ready is not None:
+            self.ready()
         return dataclasses.replace(self.header, payload=self.codec.encode(self.delta.cpu()))
 
 
@@ -221,4 +255,12 @@ class Fail:
     detail: str
 
 
-LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail
+@dataclass(frozen=True, slots=True)
+class Starved:
+    """None of this learner's work has reached the synchronizer for ``steps`` steps while it trained
+    (its link cannot carry its contributions, or the synchronizer is unreachable): say so, once."""
+
+    steps: int
+
+
+LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved

@@ -155,6 +155,19 @@ class _BlockCodec(Codec):
         return values.reshape(-1)[:numel]
 
 
+def fused_int4(codec: Codec) -> bool:
+    """Does ``codec`` use the int4 layout the synchronizer's compiled kernels work on
+    (``core/kernels.py``): one float32 scale per block, two codes per byte, even blocks?"""
+    return isinstance(codec, AbsmaxCodec) and codec.bits == 4 and codec.block_size % 2 == 0
+
+
+def int4_parts(payload: bytes, numel: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """An int4 payload's scales and packed codes, as numpy views of it (no copy)."""
+    blocks = -(-numel // block_size)
+    return (np.frombuffer(payload, dtype="<f4", count=blocks),
+            np.frombuffer(payload, dtype=np.uint8, offset=4 * blocks))
+
+
 class AbsmaxCodec(_BlockCodec):
     """Blockwise symmetric absmax quantization to ``bits`` bits (int8, int4, int2)."""
 

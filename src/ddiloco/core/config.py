@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ddiloco.core.codecs import CODEC_NAMES
 from ddiloco.core.fragments import STRATEGIES
-from ddiloco.core.merge import MERGE_RULES
+from ddiloco.core.merge import MERGE_RULES, MergeRuleName
 from ddiloco.errors import ConfigError
 
 
@@ -63,8 +63,8 @@ class ProtocolConfig:
     """Codec for the outer updates the synchronizer sends back (with error feedback)."""
     block_size: int = 128
     """Elements per quantization block (one float32 scale each)."""
-    merge: str = "rda"
-    """Merge rule for non-embedding fragments: rda or mean (the embedding always uses mean)."""
+    merge: str = MergeRuleName.RDA
+    """Merge rule for non-embedding fragments: rda, mean or rda-median (the embedding always uses mean)."""
     outer_lr: float = 0.4
     """Outer SGD learning rate. DiLoCo's 0.7 was tuned for H≈500 and synchronous rounds; with
     H = 12 and partial rounds 0.4 gave the lowest eval loss here (docs/results.md)."""
@@ -92,7 +92,26 @@ class ProtocolConfig:
     heartbeat_s: float = 2.0
     """Interval between a learner's heartbeats (never more than a third of the lease)."""
     delta_norm_ratio_max: float = 10.0
-    """Reject an outer gradient whose norm exceeds this multiple of max(‖Θ_p‖, 1): absurd updates."""
+    """Reject an outer gradient whose norm exceeds this multiple of the fragment's recent accepted
+    norms (the lower median of the last 32; before 8 are known, of max(‖Θ_p‖ at the start, 1)).
+    Measured against what most learners sent, so no one member can raise its own bound."""
+    max_weight_ratio: float = 4.0
+    """In a merge, no learner's token weight counts for more than this multiple of the round's
+    lower-median weight (0 = no cap): a member claiming far more work than the others cannot
+    steer the round, while honest differences (slower hardware, a folded period) keep their weight."""
+    min_step_s: float = 0.001
+    """The fastest inner step the synchronizer believes: a learner's claimed steps (progress,
+    contributions, sequence numbers) beyond one per this many seconds since its last counted
+    report are not counted (progress) or refused as implausible (contributions)."""
+    max_tokens_per_step: int = 0
+    """Most tokens one inner step of a learner may claim (its whole batch, all its ranks); 0 = what
+    each learner declares when it joins (at most 2^24). Set it to bound a member's claims."""
+    forget_after_s: float = 600.0
+    """A learner dead (lease expired) this long is dropped from the registry and status
+    (its counts are kept as totals); 0 = never by age."""
+    min_link_bytes_per_s: float = 32_000.0
+    """The slowest link a (re)join is allowed for: the lease of a joining learner waits for its
+    global state for up to lease_s + state bytes / this rate (the state sends as fast as the link allows)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""
@@ -127,6 +146,8 @@ class ProtocolConfig:
             ("protocol.lease_s", self.lease_s),
             ("protocol.heartbeat_s", self.heartbeat_s),
             ("protocol.delta_norm_ratio_max", self.delta_norm_ratio_max),
+            ("protocol.min_step_s", self.min_step_s),
+            ("protocol.min_link_bytes_per_s", self.min_link_bytes_per_s),
         ):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
@@ -134,6 +155,14 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+        for key, value in (("protocol.max_weight_ratio", self.max_weight_ratio),
+                           ("protocol.forget_after_s", self.forget_after_s)):
+            if not value >= 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if 0 < self.max_weight_ratio < 1:
+            raise ConfigError(f"protocol.max_weight_ratio must be 0 (no cap) or >= 1, got {self.max_weight_ratio}")
+        if not 0 <= self.max_tokens_per_step <= 2**24:
+            raise ConfigError(f"protocol.max_tokens_per_step must be in [0, 2^24], got {self.max_tokens_per_step}")
 
     def shard_of(self, fragment: int) -> int:
         """The synchronizer shard that owns ``fragment``."""
@@ -149,7 +178,7 @@ class ProtocolConfig:
         K = M strict, blocking learners that adopt the global value (α = 0) merged by a plain
         mean, as in DiLoCo."""
         if Mode(mode) is Mode.DILOCO:
-            return replace(self, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge="mean")
+            return replace(self, quorum=learners, strict_quorum=True, blocking=True, alpha=0.0, merge=MergeRuleName.MEAN)
         return self
 
     def validate_for(self, learners: int) -> None:

@@ -27,7 +27,7 @@ from typing import Mapping
 
 import torch
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
@@ -74,8 +74,13 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
-FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH})
-"""Refusals no retry can fix."""
+STARVED_PERIODS = 3
+"""Periods of training without an accepted contribution after which a learner says its work is not
+getting through (the synchronizer applies the same rule to it, ``core/registry.py``)."""
+FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
+                   RejectReason.REPLACED})
+"""Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes
+taking it back from each other would fight for ever, so the earlier one stops)."""
 
 
 @dataclass(slots=True)
@@ -112,12 +117,17 @@ class Learner:
         named_parameters: Mapping[str, torch.Tensor],
         *,
         boot: str = "boot",
+        tokens_per_step: int = 0,
     ) -> None:
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
+        if not 0 <= tokens_per_step <= MAX_TOKENS_PER_STEP:
+            raise ValueError(f"tokens_per_step must be in [0, {MAX_TOKENS_PER_STEP}], got {tokens_per_step}")
         self.learner_id = learner_id
         self.boot = boot
+        self.tokens_per_step = tokens_per_step
+        """What one inner step trains at most (all ranks), declared when joining; 0 = not declared."""
         self.config = config
         self.plan = plan
         self.phase = LearnerPhase.IDLE
@@ -140,6 +150,10 @@ class Learner:
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
+        self._accepted_at_step = 0
+        """The step at which a contribution was last accepted, or a state adopted."""
+        self.starved = False
+        """None of its work has reached the synchronizer for ``STARVED_PERIODS`` periods."""
         self.failure: Fail | None = None
 
     # ---- queries -------------------------------------------------------------------------
@@ -184,6 +198,15 @@ class Learner:
         shard = self._shard_of(request)
         return shard is not None and self._session_of_request(request) == self.links[shard].session
 
+    def still_to_send(self, send: Send) -> bool:
+        """A queued contribution is about to go out: is it still of the current session? If not
+        (the learner joined again meanwhile) it is dropped, and counted: it was measured from a
+        state the learner no longer holds."""
+        if self.is_current(send):
+            return True
+        self.dropped += 1
+        return False
+
     def _session_of_request(self, request: Request | Send) -> Session | None:
         return request.header.session if isinstance(request, Send) else getattr(request, "session", None)
 
@@ -217,7 +240,7 @@ class Learner:
 
     def _join(self, shard: int) -> list[LearnerAction]:
         self.links[shard].start_join()
-        return [SendJoin(Join(self.learner_id, self.boot), shard)]
+        return [SendJoin(Join(self.learner_id, self.boot, self.tokens_per_step), shard)]
 
     def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         """A synchronizer shard registered us: adopt the fragments it sent (a new session there)."""
@@ -227,7 +250,7 @@ class Learner:
         if not link.joining and not link.newer(state.session):
             return []  # an answer to an older (duplicated or retried) join
         self._adopt(state, shard)
-        link.admitted(state.session, now, self.config.heartbeat_interval_s)
+        link.admitted(state.session, now)
         if self.phase is LearnerPhase.JOINING and all(lk.session is not None for lk in self.links):
             self.phase = LearnerPhase.TRAINING
         return self.on_stop(now) if stop else []
@@ -245,6 +268,7 @@ class Learner:
             unflatten_into(values, self._tensors[p])
             self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
             self.versions[p] = frag.version
+            self._accepted_at_step = self.step
             self._counters[p] = _Counters(first_step=self.step + 1)
             self._seq[p] = 0
             self._in_flight.pop(p, None)
@@ -255,8 +279,9 @@ class Learner:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
         if not self.joined or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED, LearnerPhase.IDLE):
             raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")
-        if not 1 <= tokens <= MAX_TOKENS_PER_STEP:
-            raise ValueError(f"a step trains 1..{MAX_TOKENS_PER_STEP} tokens, got {tokens}")
+        if not 1 <= tokens <= (self.tokens_per_step or MAX_TOKENS_PER_STEP):
+            raise ValueError(f"a step trains 1..{self.tokens_per_step or MAX_TOKENS_PER_STEP} tokens, got {tokens}"
+                             + (" (the tokens per step this learner declared)" if self.tokens_per_step else ""))
         self.step += 1
         self._tokens_total += tokens
         self.step_time.add(duration_s)
@@ -346,16 +371,21 @@ class Learner:
 
     # ---- what comes back -----------------------------------------------------------------
 
-    def on_update(self, update: FragmentUpdate, now: float) -> list[LearnerAction]:
-        """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ."""
-        result = self._apply(update)
+    def on_update(self, update: FragmentUpdate, now: float, *,
+                  values: torch.Tensor | None = None) -> list[LearnerAction]:
+        """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ.
+
+        ``values``: the update's payload already decoded by the driver (off the training
+        thread, into memory an accelerator copies from without waiting); decoded here if None.
+        """
+        result = self._apply(update, values)
         self.updates[result] += 1
         shard = self.config.shard_of(update.fragment)
         if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING and not self.links[shard].joining:
             return self._join(shard)  # missed a version: fetch that shard's state again
         return []
 
-    def _apply(self, update: FragmentUpdate) -> UpdateResult:
+    def _apply(self, update: FragmentUpdate, values: torch.Tensor | None) -> UpdateResult:
         p = update.fragment
         if not 0 <= p < len(self._tensors) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
@@ -367,7 +397,11 @@ class Learner:
         if update.version != self.versions[p] + 1:
             return UpdateResult.GAP
         anchor = self._anchors[p]
-        anchor += self._downlink.decode(update.payload, anchor.numel()).to(anchor.device)
+        if values is None:
+            values = self._downlink.decode(update.payload, anchor.numel())
+        elif values.shape != anchor.shape:
+            raise ValueError(f"update for fragment {p}: {values.numel()} decoded values, expected {anchor.numel()}")
+        anchor += values.to(anchor.device, non_blocking=True)  # from pinned memory: no wait for the device
         self.versions[p] = update.version
         alpha = self.config.alpha
         local = flatten(self._tensors[p])
@@ -383,6 +417,9 @@ class Learner:
         return UpdateResult.APPLIED
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
+        if isinstance(request, Contribution):
+            self._accepted_at_step = self.step
+            self.starved = False
         return self.on_stop(now) if stop else []
 
     def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:
@@ -390,7 +427,10 @@ class Learner:
         reason = RejectReason(reason)
         if reason in FATAL:
             self.phase = LearnerPhase.FAILED
-            self.failure = Fail(reason, f"the synchronizer refused {type(request).__name__}: {reason}")
+            why = (f"another process registered as learner {self.learner_id!r} after this one, which stops "
+                   "(is an older copy of it still running?)" if reason is RejectReason.REPLACED else
+                   f"the synchronizer refused {type(request).__name__}: {reason}")
+            self.failure = Fail(reason, why)
             for link in self.links:
                 link.quiet()
             return [self.failure]
@@ -408,10 +448,17 @@ class Learner:
         if isinstance(request, Contribution):
             self._in_flight.pop(request.fragment, None)
         target = self._shard_of(request)
-        if (reason in REJOIN_ON and target is not None and self.phase is LearnerPhase.TRAINING
-                and not self.links[target].joining):
+        if ((reason in REJOIN_ON or self._impossible_duplicate(request, reason)) and target is not None
+                and self.phase is LearnerPhase.TRAINING and not self.links[target].joining):
             return self._join(target)
-        return []  # duplicate, or a contribution the synchronizer found unusable: dropped
+        return []  # an old duplicate, or a contribution the synchronizer found unusable: dropped
+
+    def _impossible_duplicate(self, request: Request, reason: RejectReason) -> bool:
+        """The synchronizer holds our newest sequence number for a fragment, or a later one: a
+        contribution we never had accepted, sent by someone speaking for us. A new session
+        (sequence numbers from 0, a number they do not know) shuts them out."""
+        return (reason is RejectReason.DUPLICATE and isinstance(request, Contribution)
+                and request.seq == self._seq[request.fragment] - 1)
 
     def on_undelivered(self, request: Request, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """A call got no answer (synchronizer down, network): retry, fold or drop."""
@@ -451,6 +498,11 @@ class Learner:
         """
         self._expire_waits(now)
         actions: list[LearnerAction] = []
+        unaccepted = self.step - self._accepted_at_step
+        if (self.phase is LearnerPhase.TRAINING and not self.starved and not self.rejoining()
+                and unaccepted >= STARVED_PERIODS * self.plan.period):
+            self.starved = True
+            actions.append(Starved(unaccepted))
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:

@@ -62,12 +62,32 @@ class RejectReason(enum.StrEnum):
     DUPLICATE = "duplicate"
     FINISHED = "finished"
     """The run's budget is spent and its last merge done."""
+    REPLACED = "replaced"
+    """Another process (a later boot) registered under this learner id: this one must stop."""
+    IMPLAUSIBLE = "implausible"
+    """Claims more work than the run's configuration makes possible since the learner's last report."""
+    REGISTRY_FULL = "registry_full"
+    """As many learners hold a lease as the synchronizer admits: try again later."""
     # Decided at the wire, before a message reaches the core:
     UNAUTHENTICATED = "unauthenticated"
     BAD_PROTOCOL_VERSION = "bad_protocol_version"
     CHUNK_ASSEMBLY = "chunk_assembly"
     TOO_LARGE = "too_large"
     LAYOUT_MISMATCH = "layout_mismatch"
+    TIMED_OUT = "timed_out"
+    """A stream that stalled past its deadline (an upload or a download), or too many at once."""
+    BUSY = "busy"
+    """Too many calls at once from this peer or in all: try again later."""
+    UNRECOGNIZED = "unrecognized"
+    """A code this learner does not know (a newer synchronizer's): the refused message is dropped."""
+
+    @classmethod
+    def parse(cls, text: str) -> "RejectReason":
+        """The reason a code on the wire names (``UNRECOGNIZED`` for one this version does not know)."""
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.UNRECOGNIZED
 
 
 class Rejected(Exception):
@@ -126,10 +146,15 @@ class Join:
 
     learner_id: str
     boot: str
+    tokens_per_step: int = 0
+    """The most tokens one of its inner steps trains (its whole data-parallel batch); 0 = not
+    declared. The synchronizer never counts more per step than this (nor than its own cap)."""
 
     def __post_init__(self) -> None:
         check_id(self.learner_id, "learner id")
         check_id(self.boot, "boot id")
+        if not 0 <= self.tokens_per_step <= MAX_TOKENS_PER_STEP:
+            raise ValueError(f"tokens per step {self.tokens_per_step} not in [0, {MAX_TOKENS_PER_STEP}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +212,7 @@ class Contribution:
             raise ValueError("fragment, version, seq or first step out of range")
         # A contribution without tokens would have no weight in the merge: refuse it here,
         # before it can be accepted into a round that then has nothing to weigh.
-        if not (1 <= self.steps <= MAX_COUNT and 1 <= self.tokens <= self.steps * MAX_TOKENS_PER_STEP):
+        if not (1 <= self.steps <= MAX_COUNT and 1 <= self.tokens <= min(MAX_COUNT, self.steps * MAX_TOKENS_PER_STEP)):
             raise ValueError(f"bad counters: tokens={self.tokens} steps={self.steps}")
         if not (0.0 <= self.compute_s <= MAX_COMPUTE_S and 0.0 <= self.step_time_s <= MAX_STEP_TIME_S):
             raise ValueError(f"timing out of range: compute_s={self.compute_s} step_time_s={self.step_time_s}")

@@ -7,17 +7,19 @@ quantization residual, the version V_p, and the round that will produce V_p + 1.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import AbsmaxCodec, Codec
+from ddiloco.core.codecs import Codec, fused_int4
 from ddiloco.core.kernels import outer_step_int4
-from ddiloco.core.messages import Contribution, FragmentUpdate, Session
+from ddiloco.core.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
 from ddiloco.core.outer import NesterovSGD
 
 
@@ -29,6 +31,12 @@ class RoundPhase(enum.StrEnum):
     GRACE = "grace"
     """Quorum reached: stragglers are admitted until the window's deadline."""
 
+
+NORMS_KEPT = 32
+NORMS_NEEDED = 8
+NORM_FLOOR = 1e-3
+"""A fragment's norm bound never falls below this share of its initial scale (a run whose
+updates shrink toward zero must still accept an honest contribution a little above the median)."""
 
 PendingKey = tuple[str, Session]
 """(learner id, session): a learner that registered again measures Δ from a new anchor, so
@@ -64,6 +72,21 @@ class Round:
             self.opened_at_s = pending.arrived_s
         self.pending[key] = pending
 
+    def merged(self, c: Contribution, now: float) -> Pending:
+        """What the round will hold for ``c``: itself, or — when the same learner and session sent to
+        this round before and no version came out in between — its new Δ, which is measured from the
+        same anchor and already contains the older progress, with the older token and step counts.
+        Changes nothing (the caller adds it once every check has passed)."""
+        previous = self.pending.get((c.learner_id, c.session))
+        if previous is None:
+            return Pending(c, now)
+        old = previous.contribution
+        try:
+            return Pending(replace(c, tokens=old.tokens + c.tokens, steps=old.steps + c.steps,
+                                   compute_s=old.compute_s + c.compute_s, first_step=old.first_step), now)
+        except ValueError as err:  # the sums leave the message bounds
+            raise Rejected(RejectReason.IMPLAUSIBLE, f"with the pending contribution it replaces: {err}") from None
+
     def open_grace(self, now: float, length_s: float, quorum: int, alive: int) -> None:
         self.phase = RoundPhase.GRACE
         self.quorum_at_s = now
@@ -97,11 +120,6 @@ class Round:
         self.quorum_required = self.alive_at_quorum = 0
 
 
-def token_weight(c: Contribution) -> float:
-    """w = tokens · tokens/steps: quantity times efficiency (DESIGN.md section 2, step 3)."""
-    return c.tokens * (c.tokens / c.steps)
-
-
 @dataclass(slots=True)
 class GlobalFragment:
     """Θ_p with its version and outer-optimizer state, and the round that will move it."""
@@ -116,7 +134,22 @@ class GlobalFragment:
     round: Round = field(default_factory=Round)
     ready_at_s: float = 0.0
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
+    initial_norm: float = 1.0
+    """‖Θ_p‖ when the run began: the norm bound's scale until enough contributions are known."""
+    norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORMS_KEPT))
+    """‖Δ‖ of the latest accepted contributions."""
     _value_norm: float | None = None
+
+    def norm_bound(self, ratio: float) -> float:
+        """The largest ‖Δ‖ accepted: ``ratio`` times the lower median of recent accepted norms
+        (the fragment's initial scale before ``NORMS_NEEDED`` are known). A member's own accepted
+        contributions move a lower median only if they are most of the recent ones, and the
+        bound never follows Θ itself, so it cannot be made to grow by merging large updates."""
+        scale = max(self.initial_norm, 1.0)
+        if len(self.norms) < NORMS_NEEDED:
+            return ratio * scale
+        recent = sorted(self.norms)
+        return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
 
     @property
     def value_norm(self) -> float:
@@ -124,6 +157,20 @@ class GlobalFragment:
         if self._value_norm is None:
             self._value_norm = float(torch.linalg.vector_norm(self.value))
         return self._value_norm
+
+    def check(self, c: Contribution, uplink: Codec, staleness_max: int) -> None:
+        """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured from."""
+        if c.codec != uplink.name:
+            raise Rejected(RejectReason.BAD_CODEC, f"codec {c.codec!r}, expected {uplink.name!r}")
+        expected = uplink.encoded_size(self.value.numel())
+        if len(c.payload) != expected:
+            raise Rejected(RejectReason.BAD_SIZE, f"{len(c.payload)} payload bytes, expected {expected} for "
+                                                  f"{self.value.numel()} values")
+        if c.base_version > self.version:
+            raise Rejected(RejectReason.FUTURE_VERSION, f"base version {c.base_version} > current {self.version}")
+        if self.version - c.base_version > staleness_max:
+            raise Rejected(RejectReason.STALE, f"base version {c.base_version} lags {self.version} by more "
+                                               f"than {staleness_max}")
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
         """Merge the round, apply the outer step to Θ, return the compressed update and the
@@ -136,7 +183,7 @@ class GlobalFragment:
         """
         acc, factor, coherence = self.accumulator.accumulated()
         self._value_norm = None
-        if not (isinstance(downlink, AbsmaxCodec) and downlink.bits == 4 and downlink.block_size % 2 == 0):
+        if not fused_int4(downlink):
             merged = torch.from_numpy(acc * np.float32(factor))
             self.accumulator.clear()
             return self.step(merged, outer, downlink, plain=plain), coherence
@@ -173,6 +220,30 @@ class GlobalFragment:
         self._value_norm = None
         self.version += 1
         return payload
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "value": self.value.clone(),
+            "version": self.version,
+            "momentum": None if self.momentum is None else self.momentum.clone(),
+            "residual": None if self.residual is None else self.residual.clone(),
+            "initial_norm": self.initial_norm,
+            "norms": list(self.norms),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if saved["value"].numel() != self.value.numel():
+            raise ValueError("checkpoint fragment size mismatch")
+        self.value = saved["value"].to(torch.float32).clone()
+        self._value_norm = None
+        self.version = int(saved["version"])
+        self.momentum = None if saved["momentum"] is None else saved["momentum"].clone()
+        self.residual = None if saved["residual"] is None else saved["residual"].clone()
+        self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
+        self.norms.clear()
+        self.norms.extend(float(n) for n in saved.get("norms", ()))
+        self.round.clear()
+        self.accumulator.clear()
 
     def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int,
                        round_age_s: float) -> FragmentUpdate:

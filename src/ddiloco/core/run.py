@@ -8,10 +8,10 @@ run is over, instead of each keeping its own count.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.core.messages import Progress
+from ddiloco.core.claims import ClaimLimits, ProgressLedger
 from ddiloco.errors import ConfigError
 
 
@@ -39,12 +39,20 @@ class RunLimits:
     """Checkpoint after this many merged rounds (0 = never by count)..."""
     checkpoint_every_s: float = 0.0
     """... or this many seconds after the previous checkpoint, if rounds were merged (0 = never)."""
+    learners: int = 0
+    """M, the run's learners: their data shards, and four times as many may hold a lease at once
+    (0: no cap; a data shard is then a learner's trailing number, else 0)."""
 
     def validate(self) -> None:
-        if self.tokens < 0 or self.time_s < 0 or self.checkpoint_every_rounds < 0 or self.checkpoint_every_s < 0:
+        if min(self.tokens, self.time_s, self.checkpoint_every_rounds, self.checkpoint_every_s, self.learners) < 0:
             raise ConfigError(f"run limits must be >= 0: {self}")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain timeout must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def max_learners(self) -> int:
+        """Leases held at once: four times M (a cluster re-registering after a blip, restarts)."""
+        return 4 * self.learners
 
     @property
     def checkpoints(self) -> bool:
@@ -53,38 +61,32 @@ class RunLimits:
 
 @dataclass(slots=True)
 class RunState:
-    """Phase, reported progress and checkpoint schedule of one run (part of the checkpoint)."""
+    """Phase, counted progress and checkpoint schedule of one run (part of the checkpoint)."""
 
     limits: RunLimits
+    progress: ProgressLedger
+    """Counted tokens per learner (only what its claims could plausibly hold)."""
     phase: RunPhase = RunPhase.WAITING
     started_at_s: float | None = None
     stopped_at_s: float | None = None
-    progress: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
-    """Largest (tokens, steps) reported per (learner, boot)."""
     earlier_elapsed_s: float = 0.0
     """Seconds the run ran in previous incarnations (a time budget spans restarts)."""
     rounds_since_checkpoint: int = 0
     last_checkpoint_s: float | None = None
 
+    @classmethod
+    def new(cls, limits: RunLimits, claims: ClaimLimits) -> "RunState":
+        return cls(limits, ProgressLedger(claims))
+
     @property
     def tokens(self) -> int:
-        return sum(t for t, _ in self.progress.values())
-
-    def tokens_of(self, learner_id: str) -> int:
-        return sum(t for (name, _), (t, _) in self.progress.items() if name == learner_id)
+        return self.progress.tokens
 
     def start(self, now: float) -> None:
         if self.phase is RunPhase.WAITING:
             self.phase = RunPhase.RUNNING
             self.started_at_s = now - self.earlier_elapsed_s
             self.last_checkpoint_s = now
-
-    def report(self, learner_id: str, progress: Progress | None) -> None:
-        if progress is None:
-            return
-        key = (learner_id, progress.boot)
-        tokens, steps = self.progress.get(key, (0, 0))
-        self.progress[key] = (max(tokens, progress.tokens), max(steps, progress.steps))
 
     def budget_spent(self, now: float) -> bool:
         if self.phase is not RunPhase.RUNNING:
@@ -126,7 +128,7 @@ class RunState:
             "elapsed_s": self.elapsed_s(now),
             # Per (learner, boot): reports are cumulative, so after a restart the learners'
             # next reports continue these totals instead of adding to them.
-            "progress": [[learner, boot, tokens, steps] for (learner, boot), (tokens, steps) in self.progress.items()],
+            "progress": self.progress.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,6 +136,6 @@ class RunState:
         if self.phase in (RunPhase.RUNNING, RunPhase.STOPPING):
             self.phase = RunPhase.WAITING  # the clock goes on when learners come back
         self.earlier_elapsed_s = float(state["elapsed_s"])
-        self.progress = {(str(a), str(b)): (int(t), int(s)) for a, b, t, s in state["progress"]}
+        self.progress.load_state_dict(state["progress"])
         self.started_at_s = self.stopped_at_s = None
         self.rounds_since_checkpoint = 0

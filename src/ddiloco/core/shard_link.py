@@ -14,8 +14,14 @@ from dataclasses import dataclass
 
 from ddiloco.core.messages import Session
 
-JOIN_BACKOFF_START_S = 0.2
-JOIN_BACKOFF_MAX_S = 2.0
+BACKOFF_START_S = 0.2
+"""First wait before calling a synchronizer again that did not answer (or refused a join for now)."""
+BACKOFF_MAX_S = 2.0
+
+
+def backoff_after(delay_s: float) -> float:
+    """The next wait: twice the last, at most ``BACKOFF_MAX_S`` (drivers may add jitter)."""
+    return min(BACKOFF_MAX_S, delay_s * 2)
 
 
 @dataclass(slots=True)
@@ -25,18 +31,20 @@ class ShardLink:
     """A join is on its way (or will be retried); the shard's fragments are not sent meanwhile."""
     heartbeat_due_s: float | None = None
     join_retry_s: float | None = None
-    backoff_s: float = JOIN_BACKOFF_START_S
+    backoff_s: float = BACKOFF_START_S
 
     def start_join(self) -> None:
         self.joining = True
         self.heartbeat_due_s = self.join_retry_s = None
 
-    def admitted(self, session: Session, now: float, heartbeat_interval_s: float) -> None:
+    def admitted(self, session: Session, now: float) -> None:
         self.session = session
         self.joining = False
         self.join_retry_s = None
-        self.backoff_s = JOIN_BACKOFF_START_S
-        self.heartbeat_due_s = now + heartbeat_interval_s
+        self.backoff_s = BACKOFF_START_S
+        # At once: the lease began when the state was delivered, and on a slow link the last of
+        # it reached us only now; the heartbeat also tells the synchronizer we hold the state.
+        self.heartbeat_due_s = now
 
     def newer(self, session: Session) -> bool:
         """A later registration at the same incarnation (incarnations are ids: they have no order)."""
@@ -45,7 +53,7 @@ class ShardLink:
 
     def retry_later(self, now: float) -> None:
         self.join_retry_s = now + self.backoff_s
-        self.backoff_s = min(JOIN_BACKOFF_MAX_S, self.backoff_s * 2)
+        self.backoff_s = backoff_after(self.backoff_s)
 
     def heartbeat_due(self, now: float, interval_s: float) -> bool:
         """Is a heartbeat due now? (Moves the next one past ``now`` either way.)"""

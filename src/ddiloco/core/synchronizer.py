@@ -10,13 +10,15 @@ socket, and it reports what it knows through :meth:`Synchronizer.status`.
 
 Everything that is a protocol decision lives here: validation and refusals, leases and
 sessions, quorum and grace window, merge and outer step, the budget, the stop and the
-final drain, and when to checkpoint.
+final drain, and when to checkpoint. A request is validated whole before anything changes:
+a refused one leaves every counter, lease and round as it was (only the refusal is counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -28,16 +30,20 @@ from ddiloco.core.actions import (
     Checkpoint,
     CloseReason,
     Finished,
+    LearnersForgotten,
     LeaseExpired,
+    LinkStarved,
     MergedContribution,
     Refused,
     RoundClosed,
     StopLearners,
     SyncAction,
     SyncEvent,
+    StateDelivered,
     SyncTimeObserved,
     Tick,
 )
+from ddiloco.core.claims import ClaimLimits, check_contribution
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
@@ -54,48 +60,12 @@ from ddiloco.core.messages import (
     Session,
 )
 from ddiloco.core.outer import NesterovSGD
-from ddiloco.core.registry import Registry
+from ddiloco.core.registry import Forgotten, LearnerRecord, Registry
 from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase, token_weight
+from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
+from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
-
-
-@dataclass(frozen=True, slots=True)
-class LearnerStatus:
-    learner_id: str
-    alive: bool
-    last_seen_s: float
-    accepted: int
-    rejected: int
-    registrations: int
-    step_time_s: float | None
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStatus:
-    """A snapshot of what the synchronizer knows, for status pages, metrics and tests."""
-
-    incarnation: int
-    phase: RunPhase
-    fragments: tuple[int, ...]
-    """The fragments this synchronizer (shard) owns; ``versions`` and ``round_phases`` follow them."""
-    versions: tuple[int, ...]
-    round_phases: tuple[RoundPhase, ...]
-    learners: tuple[LearnerStatus, ...]
-    quorum: int
-    effective_quorum: int
-    grace_window_s: float
-    grace_quorum_s: float
-    grace_sync_s: float
-    rounds_closed: dict[str, int]
-    rejections: dict[str, int]
-    tokens: int
-    token_budget: int
-    pending_tokens: int
-    longest_pause_s: float
-    started_at_s: float | None
-    """When the run's first learner joined (this incarnation's clock), None before."""
+from ddiloco.core.sync_status import CoreView, SyncStatus
 
 
 class Synchronizer:
@@ -110,6 +80,7 @@ class Synchronizer:
         limits: RunLimits = RunLimits(),
         incarnation: int = 0,
         shard: int = 0,
+        session_salt: int = 0,
     ) -> None:
         config.validate()
         limits.validate()
@@ -124,19 +95,26 @@ class Synchronizer:
         self.shard = shard
         embeds = set(embedding_fragments)
         # A shard holds only the fragments it owns (p mod shards = shard), by their global index.
-        self._fragments = {
-            i: GlobalFragment(
-                value=v.detach().to(torch.float32).flatten().clone(), is_embedding=i in embeds,
-                accumulator=RoundAccumulator(v.numel(), self._uplink, rda=config.merge == "rda" and i not in embeds),
-            )
-            for i, v in enumerate(initial_values) if config.shard_of(i) == shard
-        }
-        self._registry = Registry(incarnation, config.lease_s)
-        self._run = RunState(limits)
+        self._fragments: dict[int, GlobalFragment] = {}
+        for i, v in enumerate(initial_values):
+            if config.shard_of(i) == shard:
+                value = v.detach().to(torch.float32).flatten().clone()
+                self._fragments[i] = GlobalFragment(
+                    value=value, is_embedding=i in embeds, initial_norm=float(torch.linalg.vector_norm(value)),
+                    accumulator=RoundAccumulator(v.numel(), self._uplink,
+                                                 merge_rule(MergeRuleName.MEAN if i in embeds else config.merge)),
+                )
+        self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
+        self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
+                                  max_learners=limits.max_learners, data_shards=limits.learners,
+                                  forget_after_s=config.forget_after_s)
+        self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
+        self._run = RunState.new(limits, self._claims)
         self._rejections: Counter[str] = Counter()
         self._rounds_closed: Counter[str] = Counter()
         self._last_merge_s: float | None = None
         self._longest_pause_s = 0.0
+        self._weights_capped = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -181,6 +159,15 @@ class Synchronizer:
         """The grace window a round reaching its quorum now would get."""
         return self._grace.length_s(self._registry.fastest_step_s())
 
+    def admission_s(self) -> float:
+        """How long a joining learner's lease waits for its global state: the transfer at
+        ``protocol.min_link_bytes_per_s`` (drivers give the transfer the same deadline)."""
+        return self._state_bytes / self.config.min_link_bytes_per_s
+
+    def data_shard(self, learner_id: str) -> int:
+        """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""
+        return self._registry.data_shard(learner_id)
+
     def holds_session(self, learner_id: str, session: Session) -> bool:
         """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
         try:
@@ -194,12 +181,16 @@ class Synchronizer:
         frags = self._fragments.values()
         times = [f.round.deadline_s for f in frags if f.round.phase is RoundPhase.GRACE]
         times += [f.ready_at_s for f in frags if f.round.phase is RoundPhase.COLLECTING and f.ready_at_s]
-        for t in (self._registry.next_expiry(), self._run.deadline()):
+        for t in (self._registry.next_expiry(), self._registry.next_starvation(), self._run.deadline()):
             if t is not None:
                 times.append(t)
         return min(times) if times else None
 
-    def status(self) -> SyncStatus:
+    def view(self) -> CoreView:
+        return CoreView(self._run.phase, self.versions(), self._registry.alive_count(), self._run.tokens)
+
+    def status(self, now: float | None = None) -> SyncStatus:
+        """A snapshot; per-learner rates are as of ``now`` (of each learner's last message without it)."""
         run = self._run
         return SyncStatus(
             incarnation=self.incarnation,
@@ -207,11 +198,7 @@ class Synchronizer:
             fragments=self.owned,
             versions=self.versions(),
             round_phases=tuple(f.round.phase for f in self._fragments.values()),
-            learners=tuple(
-                LearnerStatus(name, r.alive, r.last_seen_s, r.accepted, r.rejected, r.registrations, r.step_time_s,
-                              run.tokens_of(name))
-                for name, r in sorted(self._registry.records.items())
-            ),
+            learners=self._registry.statuses(now, self._run.progress.tokens_of),
             quorum=self.config.quorum,
             effective_quorum=self.effective_quorum(),
             grace_window_s=self.grace_length_s(),
@@ -224,6 +211,10 @@ class Synchronizer:
             pending_tokens=self.pending_tokens(),
             longest_pause_s=self._longest_pause_s,
             started_at_s=run.started_at_s,
+            learners_forgotten=self._registry.forgotten.learners,
+            progress_clipped=run.progress.clipped,
+            weights_capped=self._weights_capped,
+            link_starved_episodes=self._registry.starved_episodes,
         )
 
     # ---- the one entry point ---------------------------------------------------------------
@@ -235,6 +226,9 @@ class Synchronizer:
         elif isinstance(event, SyncTimeObserved):
             self._grace.observe_sync(event.seconds)
             return []
+        elif isinstance(event, StateDelivered):
+            self._registry.delivered(event.learner_id, event.session, event.ok, now)
+            return []
         else:
             actions = self._request(event, now)
         after = self._after(now)
@@ -243,102 +237,87 @@ class Synchronizer:
         return actions + after
 
     def _request(self, request: Request, now: float) -> list[SyncAction]:
+        handlers = {Join: self._join, Heartbeat: self._heartbeat, Contribution: self._contribute, Leave: self._leave}
+        handler = handlers.get(type(request))
+        if handler is None:
+            raise TypeError(f"not a synchronizer event: {request!r}")
         try:
-            if isinstance(request, Join):
-                return self._join(request, now)
-            if isinstance(request, Heartbeat):
-                return self._heartbeat(request, now)
-            if isinstance(request, Contribution):
-                return self._contribute(request, now)
-            if isinstance(request, Leave):
-                return self._leave(request, now)
+            return handler(request, now)  # type: ignore[operator]
         except Rejected as err:
             self._rejections[str(err.reason)] += 1
             rec = self._registry.records.get(request.learner_id)
             if rec is not None:
                 rec.rejected += 1
             return [Refused(request.learner_id, request, err.reason, err.detail)]
-        raise TypeError(f"not a synchronizer event: {request!r}")
 
     # ---- requests ------------------------------------------------------------------------
 
     def _join(self, join: Join, now: float) -> list[SyncAction]:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
-        rec = self._registry.register(join.learner_id, now)
+        rec = self._registry.register(join, now, admission_s=self.admission_s(),
+                                      tokens_per_step=self._claims.tokens_per_step(join.tokens_per_step))
         self._run.start(now)
         state = GlobalState(
             tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in self._fragments.items()),
             incarnation=self.incarnation,
             session=rec.session,
         )
-        return [Admitted(join.learner_id, state, stop=self._stopping)]
+        return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:
     # a refused one's tokens come again with the learner's next accepted message, and a
     # message from no registered session can never move the budget.
 
+    def _report(self, rec: LearnerRecord, learner_id: str, request: Heartbeat | Leave | Contribution,
+                now: float) -> None:
+        if request.progress is not None:
+            self._run.progress.report(learner_id, request.progress, now=now, since_s=rec.session_started_s,
+                                      tokens_per_step=rec.tokens_per_step)
+
     def _heartbeat(self, beat: Heartbeat, now: float) -> list[SyncAction]:
-        rec = self._registry.check(beat.learner_id, beat.session)
-        self._run.report(beat.learner_id, beat.progress)
+        rec = self._registry.check(beat.learner_id, beat.session, beat.progress.boot)
+        self._report(rec, beat.learner_id, beat, now)
         self._registry.renew(rec, now)
         return [Accepted(beat.learner_id, beat, stop=self._stopping)]
 
     def _leave(self, leave: Leave, now: float) -> list[SyncAction]:
-        rec = self._registry.check(leave.learner_id, leave.session)
-        self._run.report(leave.learner_id, leave.progress)
+        rec = self._registry.check(leave.learner_id, leave.session, leave.progress.boot)
+        self._report(rec, leave.learner_id, leave, now)
         rec.lease_until_s = now  # stop waiting for it now rather than when its lease runs out
         return [Accepted(leave.learner_id, leave, stop=self._stopping), *self._tick(now)]
 
     def _contribute(self, c: Contribution, now: float) -> list[SyncAction]:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
-        rec = self._registry.check(c.learner_id, c.session)
-        norm = self._validate(c, rec.last_seq)
-        self._run.report(c.learner_id, c.progress)
-        rec.last_seq[c.fragment] = c.seq
-        rec.accepted += 1
+        rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
+        norm, pending = self._validate(c, rec, now)
+        # Valid whole: from here on nothing refuses it.
+        self._report(rec, c.learner_id, c, now)
+        self._registry.accepted(rec, c.fragment, c.seq, now)
         rec.step_time_s = c.step_time_s
         self._registry.renew(rec, now)
         frag = self._fragments[c.fragment]
+        frag.norms.append(norm)
         key = (c.learner_id, c.session)
-        previous = frag.round.pending.get(key)
-        merged_c = c
-        if previous is not None:
-            # Same learner and session again before the round closed: no version came out in
-            # between, so its new Δ is measured from the same anchor and already contains the
-            # older progress. It supersedes the old one and inherits its token and step counts.
-            merged_c = replace(c, tokens=previous.contribution.tokens + c.tokens,
-                               steps=previous.contribution.steps + c.steps,
-                               compute_s=previous.contribution.compute_s + c.compute_s,
-                               first_step=previous.contribution.first_step)
-        frag.accumulator.add(key, c.payload, token_weight(merged_c), norm)
-        frag.round.add(key, Pending(merged_c, now))
+        merged = pending.contribution
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
+        frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _validate(self, c: Contribution, last_seq: dict[int, int]) -> float:
-        """Every check a contribution must pass; returns ‖Δ‖ (measured from the payload as is)."""
-        if c.fragment not in self._fragments:
+    def _validate(self, c: Contribution, rec: LearnerRecord, now: float) -> tuple[float, Pending]:
+        """Every check a contribution must pass, changing nothing: returns ‖Δ‖ and what the round will hold."""
+        frag = self._fragments.get(c.fragment)
+        if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
-        frag = self._fragments[c.fragment]
-        if c.codec != self._uplink.name:
-            raise Rejected(RejectReason.BAD_CODEC, f"codec {c.codec!r}, expected {self._uplink.name!r}")
-        numel = frag.value.numel()
-        expected = self._uplink.encoded_size(numel)
-        if len(c.payload) != expected:
-            raise Rejected(RejectReason.BAD_SIZE,
-                           f"{len(c.payload)} payload bytes, expected {expected} for {numel} values")
-        if c.base_version > frag.version:
-            raise Rejected(RejectReason.FUTURE_VERSION, f"base version {c.base_version} > current {frag.version}")
-        if frag.version - c.base_version > self.config.staleness_max:
-            raise Rejected(RejectReason.STALE, f"base version {c.base_version} lags {frag.version} by more "
-                                               f"than {self.config.staleness_max}")
-        if c.seq <= last_seq.get(c.fragment, -1):
-            raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-        bound = self.config.delta_norm_ratio_max * max(frag.value_norm, 1.0)
-        return frag.accumulator.measure(c.payload, bound)
+        frag.check(c, self._uplink, self.config.staleness_max)
+        check_contribution(c, self._claims, since_s=rec.accepted_at.get(c.fragment, rec.session_started_s), now=now,
+                           tokens_per_step=rec.tokens_per_step, last_seq=rec.last_seq.get(c.fragment, -1),
+                           period=self.config.period)
+        pending = frag.round.merged(c, now)
+        return frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max)), pending
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 
@@ -349,6 +328,9 @@ class Synchronizer:
     def _tick(self, now: float) -> list[SyncAction]:
         actions: list[SyncAction] = [LeaseExpired(name, now) for name in self._registry.expire(now)]
         expired = bool(actions)
+        actions += [LinkStarved(name, for_s) for name, for_s in self._registry.newly_starved(now)]
+        forgotten = self._registry.forget(now, also=self._run.progress.forget)
+        actions += [LearnersForgotten(forgotten)] if forgotten else []
         for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
                 actions += self._close(index, now, CloseReason.GRACE)
@@ -412,6 +394,7 @@ class Synchronizer:
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         first_fresh = rnd.first_fresh_arrival_s(frag.version)
         round_age_s = 0.0 if first_fresh is None else now - first_fresh
+        self._weights_capped += frag.accumulator.cap_weights(self.config.max_weight_ratio)
         payload, coherence = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
@@ -449,21 +432,16 @@ class Synchronizer:
     def state_dict(self, now: float = 0.0) -> dict[str, Any]:
         """Everything needed to resume: values, optimizer state, residuals, versions, counters, run."""
         return {
-            "fragments": [
-                {
-                    "value": f.value.clone(),
-                    "version": f.version,
-                    "momentum": None if f.momentum is None else f.momentum.clone(),
-                    "residual": None if f.residual is None else f.residual.clone(),
-                }
-                for f in self._fragments.values()
-            ],
+            "fragments": [f.state_dict() for f in self._fragments.values()],
             "owned": list(self._fragments),
             "learners": self._registry.state_dict(),
             "rejections": dict(self._rejections),
             "rounds_closed": dict(self._rounds_closed),
             "run": self._run.state_dict(now),
             "longest_pause_s": self._longest_pause_s,
+            "forgotten": dataclasses.asdict(self._registry.forgotten),
+            "weights_capped": self._weights_capped,
+            "starved_episodes": self._registry.starved_episodes,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -473,19 +451,14 @@ class Synchronizer:
             raise ValueError(f"checkpoint holds fragments {list(state.get('owned', range(len(frags))))}, "
                              f"this synchronizer owns {list(self._fragments)}")
         for f, saved in zip(self._fragments.values(), frags):
-            if saved["value"].numel() != f.value.numel():
-                raise ValueError("checkpoint fragment size mismatch")
-            f.value = saved["value"].to(torch.float32).clone()
-            f._value_norm = None
-            f.version = int(saved["version"])
-            f.momentum = None if saved["momentum"] is None else saved["momentum"].clone()
-            f.residual = None if saved["residual"] is None else saved["residual"].clone()
-            f.round.clear()
-            f.accumulator.clear()
+            f.load_state_dict(saved)
         self._registry.load_state_dict(state["learners"])
         self._rejections = Counter(state["rejections"])
         self._rounds_closed = Counter(state["rounds_closed"])
         self._run.load_state_dict(state["run"])
         self._longest_pause_s = float(state.get("longest_pause_s", 0.0))
+        self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})
+        self._weights_capped = int(state.get("weights_capped", 0))
+        self._registry.starved_episodes = int(state.get("starved_episodes", 0))
         self._last_merge_s = None
 

@@ -1,9 +1,11 @@
 """The synchronizer's boundary: what is checked and counted before a message reaches the core.
 
-The auth token, the protocol version, protobuf syntax, chunk assembly and the size of an
+Who is calling (the shared token or a learner's own credentials, and that a learner speaks
+only for itself), the protocol version, protobuf syntax, chunk assembly and the size of an
 upload are the wire's business (rejections counted here, answered with a named reason);
 every other decision is the core's. Bytes are counted per learner, fragment and direction
-as they cross the socket.
+as they cross the socket — per learner only for learners the core registered (``known``);
+everything else is counted under one key, so ids made up by a caller never grow the ledger.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from ddiloco.core.actions import Refused
 from ddiloco.core.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, token_matches
+from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
 from ddiloco.runtime.metrics import ByteLedger, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
@@ -35,10 +37,16 @@ STATUS_CODES = {
     RejectReason.FINISHED: grpc.StatusCode.FAILED_PRECONDITION,
     RejectReason.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
     RejectReason.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.REGISTRY_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RejectReason.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RejectReason.REPLACED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 """gRPC status per rejection reason; everything else is INVALID_ARGUMENT."""
 
 M = TypeVar("M", bound=Message)
+UNREGISTERED = "(unregistered)"
+"""The ledger's key for traffic of ids the core has not registered (or has forgotten)."""
 
 
 def _check_learner(learner_id: str) -> None:
@@ -60,22 +68,39 @@ class Abort(Exception):
 
 
 class Boundary:
-    def __init__(self, token: str | None, max_payload: int, metrics: ServiceMetrics, ledger: ByteLedger) -> None:
-        self.token = token
+    def __init__(self, auth: Authenticator, max_payload: int, fragments: int, metrics: ServiceMetrics,
+                 ledger: ByteLedger) -> None:
+        self.auth = auth
         self.max_payload = max_payload
+        self.fragments = fragments
         self.metrics = metrics
         self.ledger = ledger
+        self.known: set[str] = set()
+        """Learner ids the core registered and has not forgotten (the service keeps this up to date)."""
         self.rejections: collections.Counter[str] = collections.Counter()
         self.learner_rejected: collections.Counter[str] = collections.Counter()
 
-    def admit(self, context: grpc.aio.ServicerContext) -> None:
+    def key(self, learner: str) -> str:
+        return learner if learner in self.known else UNREGISTERED
+
+    def admit(self, context: grpc.aio.ServicerContext) -> Identity:
+        """Who is calling (:class:`Abort` ``unauthenticated`` when nobody we know)."""
         metadata = context.invocation_metadata()
-        if not token_matches(metadata, self.token):
-            raise Abort(RejectReason.UNAUTHENTICATED, "missing or wrong auth token")
+        identity = self.auth.identify(metadata)
+        if identity is None:
+            raise Abort(RejectReason.UNAUTHENTICATED, "missing or wrong auth token or learner secret")
         for key, value in metadata or ():
             if key == PROTOCOL_HEADER and str(value) != str(PROTOCOL_VERSION):
                 raise Abort(RejectReason.BAD_PROTOCOL_VERSION,
                              f"client speaks protocol {value}, this synchronizer speaks {PROTOCOL_VERSION}")
+        return identity
+
+    @staticmethod
+    def speaks_for(identity: Identity, learner_id: str) -> None:
+        """A learner's credentials speak for that learner only; an operator's for none."""
+        if identity.operator or (identity.learner is not None and identity.learner != learner_id):
+            who = "the shared token" if identity.operator else f"the credentials of {identity.learner!r}"
+            raise Abort(RejectReason.UNAUTHENTICATED, f"{who} cannot speak for learner {learner_id!r}")
 
     @staticmethod
     def parse(message_type: type[M], raw: bytes) -> M:
@@ -85,12 +110,18 @@ class Boundary:
             raise Abort(RejectReason.MALFORMED, f"cannot parse {message_type.__name__}: {err}") from None
 
     def receive(self, context: grpc.aio.ServicerContext, message_type: type[M], raw: bytes) -> M:
-        """Admit the caller, parse its request and count its bytes (raises :class:`Abort`)."""
-        self.admit(context)
+        """Admit the caller, parse its request, check it speaks for itself, count its bytes
+        (raises :class:`Abort`)."""
+        identity = self.admit(context)
         request = self.parse(message_type, raw)
         if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
             _check_learner(request.learner_id)
             self.count_in(request.learner_id, -1, len(raw))
+            try:
+                self.speaks_for(identity, request.learner_id)
+            except Abort as err:
+                err.learner = request.learner_id
+                raise
         return request
 
     async def reject(self, context: grpc.aio.ServicerContext, reason: RejectReason, detail: str,
@@ -99,7 +130,7 @@ class Boundary:
         if not counted:
             self.rejections[str(reason)] += 1
             if learner:
-                self.learner_rejected[learner] += 1
+                self.learner_rejected[self.key(learner)] += 1
         self.metrics.rejections.labels(str(reason)).inc()
         code = STATUS_CODES.get(reason, grpc.StatusCode.INVALID_ARGUMENT)
         log.info("rejected %s%s: %s", reason, f" from {learner}" if learner else "", detail)
@@ -110,13 +141,19 @@ class Boundary:
 
     def out(self, learner: str, fragment: int, message: Message) -> bytes:
         data = message.SerializeToString()
-        self.ledger.add(learner, fragment, "down", len(data))
-        self.metrics.bytes.labels("down").inc(len(data))
+        self.count_out(learner, fragment, len(data))
         return data
 
+    def count_out(self, learner: str, fragment: int, size: int) -> None:
+        self.ledger.add(self.key(learner), self._fragment_key(fragment), "down", size)
+        self.metrics.bytes.labels("down").inc(size)
+
     def count_in(self, learner: str, fragment: int, size: int) -> None:
-        self.ledger.add(learner, fragment, "up", size)
+        self.ledger.add(self.key(learner), self._fragment_key(fragment), "up", size)
         self.metrics.bytes.labels("up").inc(size)
+
+    def _fragment_key(self, fragment: int) -> int:
+        return fragment if 0 <= fragment < self.fragments else -1  # a made-up index is control traffic
 
     async def assemble(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Contribution:
         """Chunks into one contribution; wire-level problems raise :class:`Abort`."""
@@ -124,7 +161,7 @@ class Boundary:
         header: pb.ContributionHeader | None = None
         payload = bytearray()
         try:
-            self.admit(context)
+            identity = self.admit(context)
             async for raw in requests:
                 chunk = self.parse(pb.ContributionChunk, raw)
                 if header is None:
@@ -132,6 +169,7 @@ class Boundary:
                         raise Abort(RejectReason.CHUNK_ASSEMBLY, "the first chunk carries no header")
                     header = chunk.header
                     _check_learner(header.learner_id)
+                    self.speaks_for(identity, header.learner_id)
                     learner, fragment = header.learner_id, int(header.fragment)
                     if header.payload_bytes > self.max_payload:
                         raise Abort(RejectReason.TOO_LARGE, f"{header.payload_bytes} payload bytes, at most "

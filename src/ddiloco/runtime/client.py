@@ -3,10 +3,15 @@
 Every call has a deadline. Failures come back as three kinds of exception, because a
 learner reacts to each differently:
 
-- :class:`~ddiloco.runtime.auth.AuthenticationError`: the token was refused — permanent;
-- :class:`Refused`: the synchronizer answered and rejected the message, with the reason
-  code (what it means for a learner is the core's decision: ``core/learner.py``);
+- :class:`Refused`: the synchronizer answered and rejected the message, with the core's
+  :class:`~ddiloco.core.messages.RejectReason` (what it means for a learner is the learner
+  core's decision, ``core/learner.py``, a refused secret included);
+- :class:`AuthenticationError`, a :class:`Refused` (``unauthenticated``) that command-line
+  callers print as one line;
 - :class:`Unreachable`: no answer (down, restarting, network) — retry later.
+
+The reason travels in the ``ddiloco-reason`` trailing metadata; a status without one is a
+transport failure (unreachable), never a refusal with a reason made up here.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from typing import Any, Iterator
 
 import grpc
 
-from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Heartbeat, Join, Leave, Session
+from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Heartbeat, Join, Leave, RejectReason, Session
+from ddiloco.errors import DdilocoError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import (
     REASON_HEADER,
     Address,
-    AuthenticationError,
     channel_credentials,
     client_metadata,
 )
@@ -47,13 +52,17 @@ class Unreachable(Exception):
 
 
 class Refused(Exception):
-    """The synchronizer rejected the message; ``reason`` is the stable code."""
+    """The synchronizer rejected the message, for ``reason``."""
 
-    def __init__(self, reason: str, detail: str, code: grpc.StatusCode) -> None:
+    def __init__(self, reason: RejectReason, detail: str, code: grpc.StatusCode) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.code = code
+
+
+class AuthenticationError(Refused, DdilocoError):
+    """Refused as ``unauthenticated``: a wrong token or secret; retrying cannot help."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,25 +83,24 @@ class JoinResult:
 
 def _translate(err: grpc.RpcError, address: str) -> Exception:
     code = err.code()
-    reason = ""
-    for key, value in err.trailing_metadata() or ():
-        if key == REASON_HEADER:
-            reason = value.decode() if isinstance(value, bytes) else value
+    text = next(((v.decode() if isinstance(v, bytes) else v) for k, v in err.trailing_metadata() or ()
+                 if k == REASON_HEADER), None)
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthenticationError(f"the synchronizer at {address} refused our auth token "
-                                   "(check --token-file / $DDILOCO_TOKEN on both sides)")
-    if reason:
-        return Refused(reason, err.details() or reason, code)
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return Refused(code.name.lower(), err.details() or code.name, code)
-    return Unreachable(f"{address}: {code.name}: {err.details()}")
+        return AuthenticationError(
+            RejectReason.UNAUTHENTICATED,
+            f"the synchronizer at {address} refused our credentials ({err.details()}; check --token-file / "
+            "$DDILOCO_TOKEN, or --secret-file / $DDILOCO_SECRET, on both sides)", code)
+    if text is None:
+        return Unreachable(f"{address}: {code.name}: {err.details()}")
+    return Refused(RejectReason.parse(text), err.details() or text, code)
 
 
 class SyncClient:
     """One channel to a synchronizer; thread-safe (gRPC channels are)."""
 
-    def __init__(self, address: Address | str, *, token: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, address: Address | str, *, token: str | None = None, tls_ca: str | None = None,
+                 learner_id: str | None = None) -> None:
+        """``token``: the shared token, or with ``learner_id`` that learner's own secret (per-learner credentials)."""
         self.address = str(address)
         credentials = channel_credentials(tls_ca)
         if credentials is None:
@@ -100,7 +108,7 @@ class SyncClient:
         else:
             self.channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
-        self.metadata = client_metadata(token)
+        self.metadata = client_metadata(token, learner_id)
 
     def close(self) -> None:
         self.channel.close()
@@ -179,11 +187,15 @@ class SyncClient:
     def leave(self, leave: Leave) -> None:
         self._call(self.stub.Leave, wire.leave_to_pb(leave))
 
-    def status(self, timeout_s: float = CALL_TIMEOUT_S) -> pb.StatusReply:
-        return self._call(self.stub.Status, pb.StatusRequest(), timeout_s)
+    def status(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+               learner_limit: int = 0) -> pb.StatusReply:
+        """The synchronizer's status, with one page of its learners (in id order)."""
+        request = pb.StatusRequest(learner_offset=learner_offset, learner_limit=learner_limit)
+        return self._call(self.stub.Status, request, timeout_s)
 
-    def status_dict(self, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        return status_to_dict(self.status(timeout_s))
+    def status_dict(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+                    learner_limit: int = 0) -> dict[str, Any]:
+        return status_to_dict(self.status(timeout_s, learner_offset=learner_offset, learner_limit=learner_limit))
 
 
 class UpdateStream:

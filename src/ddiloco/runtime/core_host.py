@@ -1,13 +1,22 @@
 """The thread that runs the synchronizer's core, and the carrying-out of its actions.
 
-Every call into the core runs on one dedicated worker thread, so its calls are serialized
+The core is touched by that one thread only: every call into it (events, questions, the
+checkpoint's snapshot) runs on one dedicated worker thread, so its calls are serialized
 without locks and a long merge never stalls the sockets (which the asyncio event loop
-serves). ``handle`` feeds it one event with the host's clock and carries out what comes
+serves). After every event the thread publishes :attr:`SyncHost.view`, an immutable
+:class:`~ddiloco.core.sync_status.CoreView` (phase, versions, learners alive, tokens) that the
+event loop, metrics and logs read instead of the core; whatever else they need (status) is
+asked through :meth:`SyncHost.query`, which runs on the core's thread too. (Reading the core
+from the event loop while its thread registered a burst of learners once raised "dictionary
+changed size during iteration" inside the timer and killed the service.)
+
+``handle`` feeds the core one event with the host's clock and carries out what comes
 back — except the reply, which it returns to the gRPC handler that asked:
 
 - ``Broadcast`` → every recipient's update stream (and the measured merge-and-send time
   back to the core, which sizes its grace window);
 - ``StopLearners`` → a stop notice on those streams; ``LeaseExpired`` → close that stream;
+- ``LinkStarved`` → a warning in the log;
 - ``RoundClosed`` and ``Checkpoint`` → the service's observer (metrics, goodput, the
   state directory); ``Finished`` → :attr:`finished`.
 
@@ -31,6 +40,7 @@ from ddiloco.core.actions import (
     Checkpoint,
     Finished,
     LeaseExpired,
+    LinkStarved,
     Refused,
     Reply,
     RoundClosed,
@@ -40,6 +50,7 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
+from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.streams import UpdateStreams
 
@@ -70,6 +81,7 @@ class SyncHost:
         self.finished = asyncio.Event()
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
+        self.view: CoreView = core.view()  # before the thread starts: nobody else holds the core yet
         self._timer: asyncio.Task | None = None
         self._stopped = False
         self.failure: BaseException | None = None
@@ -77,18 +89,18 @@ class SyncHost:
         self.crashed = asyncio.Event()
 
     async def query(self, fn: Callable[[Synchronizer], T]) -> T:
-        """Run a read-only question to the core on its thread."""
+        """Run a read-only question to the core on its thread (its answer must not share the core's state)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.core)
 
     async def handle(self, event: SyncEvent) -> Reply | None:
         """Feed one event; carry out the actions; return the reply to the request, if any."""
 
-        def run() -> tuple[list[SyncAction], float]:
+        def run() -> tuple[list[SyncAction], float, CoreView]:
             started = time.perf_counter()
             actions = self.core.handle(event, self.clock())
-            return actions, time.perf_counter() - started
+            return actions, time.perf_counter() - started, self.core.view()
 
-        actions, compute_s = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        actions, compute_s, self.view = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         reply = actions[0] if actions and isinstance(actions[0], (Admitted, Accepted, Refused)) else None
         self._execute(actions, compute_s)
         return reply
@@ -103,6 +115,9 @@ class SyncHost:
                 self.streams.stop(action.recipients)
             elif isinstance(action, LeaseExpired):
                 self.streams.close(action.learner_id)
+            elif isinstance(action, LinkStarved):
+                log.warning("learner %s: none of its work has reached the synchronizer for %.0fs while it holds "
+                            "a lease: its link is too slow for the protocol", action.learner_id, action.for_s)
             elif isinstance(action, RoundClosed):
                 merged.append(action)
             elif isinstance(action, Checkpoint):

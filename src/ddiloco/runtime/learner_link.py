@@ -16,7 +16,9 @@ of a wait). A shard that is slow or unreachable holds up only its own threads: t
 keeps exchanging the fragments of the others. Every call into the core is made under one lock.
 Whatever changes the model's parameters — adopting a joined state, applying an update — is
 queued for the training thread, which hands it to the core between two steps
-(:attr:`LearnerLink.inbox`).
+(:attr:`LearnerLink.inbox`); an update goes there already decoded by the receiver. Copies
+between host and accelerator are staged so the training stream never waits
+(:mod:`ddiloco.runtime.staging`).
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.learner import Learner
-from ddiloco.core.messages import RejectReason, Request, Session
-from ddiloco.runtime.auth import AuthenticationError
+from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
+from ddiloco.core.messages import Request, Session
+from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
+from ddiloco.runtime.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 
-BACKOFF_START_S = 0.2
-BACKOFF_MAX_S = 2.0
 CONTROL_MAX_WAIT_S = 1.0
 
 
@@ -64,15 +66,17 @@ class LinkStats:
 
 
 def next_delay(delay: float) -> float:
-    return min(BACKOFF_MAX_S, delay * 2) * random.uniform(0.8, 1.2)
+    """The core's backoff with ±20% jitter, so that many learners do not call back in step."""
+    return backoff_after(delay) * random.uniform(0.8, 1.2)
 
 
 class LearnerLink:
     """Every shard's channel, one shared core, lock and inbox."""
 
-    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock,
+    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock, staging: HostStaging,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.staging = staging
         self.lock = lock
         self.clock = clock
         self.stats = LinkStats()
@@ -84,9 +88,10 @@ class LearnerLink:
         self._tick_wake = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{core.learner_id}", daemon=True)
 
-    def start(self, sessions: list[Session | None]) -> None:
-        for channel, session in zip(self.channels, sessions):
-            channel.start(session)
+    def start(self) -> None:
+        """Start every thread; the core's first joins follow (``Learner.start``)."""
+        for channel in self.channels:
+            channel.start()
         self._ticker.start()
 
     def _tick_loop(self) -> None:
@@ -104,15 +109,19 @@ class LearnerLink:
         return sum(c.outbox.qsize() for c in self.channels)
 
     def dispatch(self, actions: list[LearnerAction]) -> None:
-        for action in actions:
+        for action in self.staging.stage(actions):
             if isinstance(action, Send):
                 self.channels[action.shard].outbox.put(action)
             elif isinstance(action, (SendJoin, SendHeartbeat)):
                 self.channels[action.shard].control(action)
             elif isinstance(action, Fail):
-                self.fail(RuntimeError(action.detail))
+                self.fail(DdilocoError(action.detail))  # one line for the user, never retried
             elif isinstance(action, SendLeave):
                 self._leaves.append(action)  # once the senders have delivered what is queued
+            elif isinstance(action, Starved):
+                log.warning("none of this learner's work has reached the synchronizer in its last %d steps: its link "
+                            "is too slow for the protocol, or the synchronizer is unreachable (%d contributions "
+                            "waiting)", action.steps, self.backlog)
 
     def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
@@ -168,8 +177,7 @@ class ShardChannel:
             threading.Thread(target=self._receiver, name=f"ddiloco-recv-{name}", daemon=True),
         ]
 
-    def start(self, session: Session | None) -> None:
-        self._session = session
+    def start(self) -> None:
         for t in self._threads:
             t.start()
 
@@ -191,17 +199,10 @@ class ShardChannel:
             log.info("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
             link.tell_core(lambda core: core.on_undelivered(request, link.clock(), shard=shard))
             return None
-        except Refused as err:
+        except Refused as err:  # a wrong secret too: whether to go on is the core's decision
             link.stats.rejected[err.reason] += 1
             log.info("%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
-            try:
-                reason = RejectReason(err.reason)
-            except ValueError:
-                reason = RejectReason.MALFORMED
-            link.tell_core(lambda core: core.on_refused(request, reason, link.clock(), shard=shard))
-            return None
-        except AuthenticationError as err:
-            link.fail(err)
+            link.tell_core(lambda core: core.on_refused(request, err.reason, link.clock(), shard=shard))
             return None
         return reply
 
@@ -216,10 +217,8 @@ class ShardChannel:
             if link.fatal is not None:
                 continue
             with link.lock:
-                current = link.core.is_current(send)
-                if not current:
-                    link.core.dropped += 1  # measured from a state the learner no longer holds
-            if not current:
+                deliver = link.core.still_to_send(send)
+            if not deliver:
                 continue
             contribution = send.encode()
             reply = self._outcome(contribution, lambda: self.client.contribute(contribution))
@@ -271,7 +270,7 @@ class ShardChannel:
     def leave(self, action: SendLeave) -> None:
         try:
             self.client.leave(action.message)
-        except (Unreachable, Refused, AuthenticationError) as err:
+        except (Unreachable, Refused) as err:
             log.info("leave of shard %d failed: %s", self.shard, err)
 
     # ---- receiver --------------------------------------------------------------------------
@@ -296,18 +295,15 @@ class ShardChannel:
                         link.tell_core(lambda core: core.on_stop(link.clock()))
                         link.inbox.put((Inbox.WAKE, None))
                     else:
-                        link.inbox.put((Inbox.UPDATE, update))
+                        link.inbox.put((Inbox.UPDATE, (update, link.staging.decode(update))))
                 self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
             except (Unreachable, Refused):
                 # Not a decision: a broken stream is re-made; whether the session is still ours
-                # the core learns from its heartbeats.
+                # (or our secret still good) the core learns from its heartbeats.
                 if self._session_changed.wait(delay):
                     delay = BACKOFF_START_S
                 else:
                     delay = next_delay(delay)
-            except AuthenticationError as err:
-                link.fail(err)
-                return
             finally:
                 self._stream = None
 

@@ -15,7 +15,9 @@ training loop's steps and carries out its actions through
 upload, heartbeat, rejoin and receive). ``step`` never waits for the network: it takes the
 outer gradients that fell due (a memory copy), hands them to the sender thread, and applies
 the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
-waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``.
+waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU
+it does not wait for the device either: Δ leaves and updates arrive through pinned memory
+on asynchronous copies (:mod:`ddiloco.runtime.staging`).
 
 Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runtime is
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
@@ -40,18 +42,19 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ddiloco.core.actions import SendJoin
+from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
-from ddiloco.core.messages import Join, RejectReason
+from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import ConfigError, DdilocoError
-from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
-from ddiloco.runtime.learner_link import BACKOFF_START_S, Inbox, LearnerLink, next_delay
+from ddiloco.runtime.learner_link import Inbox, LearnerLink, next_delay
+from ddiloco.runtime.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 
-__all__ = ["LayoutMismatch", "LearnerRuntime", "RuntimeStats", "join_with_backoff", "save_initial_state"]
+__all__ = ["LayoutMismatch", "LearnerRuntime", "RuntimeStats", "probe_with_backoff", "save_initial_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +91,16 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     save_file(tensors, str(path), metadata=metadata)
 
 
-def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None = None,
-                      probe: bool = False) -> JoinResult:
-    """Join (or ``probe``), retrying while the synchronizer is unreachable (forever unless ``timeout_s``)."""
+def probe_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float | None = None) -> JoinResult:
+    """The run's layout and configuration (a join that registers nothing), waiting while the
+    synchronizer is unreachable (for ever unless ``timeout_s``): a learner that starts before
+    its synchronizer waits for it. Whatever follows — the join, its retries and refusals — is
+    the learner core's."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     delay = BACKOFF_START_S
     while True:
         try:
-            return client.join(join, probe=probe)
+            return client.probe(learner_id)
         except Unreachable as err:
             if deadline is not None and time.monotonic() + delay > deadline:
                 raise DdilocoError(f"synchronizer at {client.address} unreachable: {err}") from None
@@ -105,7 +110,7 @@ def join_with_backoff(client: SyncClient, join: Join, *, timeout_s: float | None
 
 
 def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token: str | None = None,
-                tls_ca: str | None = None) -> list[SyncClient]:
+                tls_ca: str | None = None, learner_id: str | None = None) -> list[SyncClient]:
     """Clients for one address, ``"A,B,..."`` (a synchronizer sharded by fragment), or a list."""
     items: Sequence[str | SyncClient]
     if isinstance(connect, SyncClient):
@@ -116,7 +121,8 @@ def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token
         items = list(connect)
     if not items:
         raise ConfigError("no synchronizer address given")
-    return [c if isinstance(c, SyncClient) else SyncClient(c, token=token, tls_ca=tls_ca) for c in items]
+    return [c if isinstance(c, SyncClient) else SyncClient(c, token=token, tls_ca=tls_ca, learner_id=learner_id)
+            for c in items]
 
 
 def one_run(clients: list[SyncClient], probes: list[JoinResult]) -> list[SyncClient]:
@@ -149,69 +155,73 @@ class LearnerRuntime:
         learner_id: str,
         *,
         token: str | None = None,
+        secret: str | None = None,
         tls_ca: str | None = None,
         join_timeout_s: float | None = None,
+        tokens_per_step: int = 0,
     ) -> None:
+        """``token``: the run's shared token; ``secret``: this learner's own (per-learner credentials).
+        ``tokens_per_step``: the most tokens one call of :meth:`step` reports (this rank's batch), so
+        the synchronizer can bound what this learner claims; 0 leaves it to the run's configuration."""
         if not learner_id:
             raise ConfigError("a learner needs a non-empty id")
+        if token is not None and secret is not None:
+            raise ConfigError("give a learner the run's shared token or its own secret, not both")
         self.model = model
         self.learner_id = learner_id
         self.boot = uuid.uuid4().hex[:12]
         self._params = dict(model.named_parameters())
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.tokens_per_step = tokens_per_step * self.world
         self.is_leader = self.rank == 0
         self._lock = threading.RLock()
         self._last_step_end = time.perf_counter()
         self._steps = 0
         self._overhead_s = 0.0
         self._closed = False
-        self._finished_before_start = False
         self.core: Learner | None = None
         self.link: LearnerLink | None = None
         self.plan = None
         if self.is_leader:
             if connect is None:
                 raise ConfigError("the leading rank needs a synchronizer address")
-            self.clients = connect_all(connect, token=token, tls_ca=tls_ca)
+            self.clients = connect_all(connect, token=secret or token, tls_ca=tls_ca,
+                                       learner_id=learner_id if secret is not None else None)
             self._setup(join_timeout_s)
         if self.world > 1:
             self._share_layout()
+        # The first step is timed from here: the join (the whole state's download, 40 s on a
+        # 1 Mbit/s link) is not a step, and the synchronizer spaces rounds by the step time.
+        self._last_step_end = time.perf_counter()
 
     # ---- setup -----------------------------------------------------------------------------
 
     def _setup(self, join_timeout_s: float | None) -> None:
-        # Check the model against the served layout before registering: a learner refused for
-        # its model must not hold a lease (and count toward the quorum) until it expires.
-        probes = [join_with_backoff(c, Join(self.learner_id, self.boot), timeout_s=join_timeout_s, probe=True)
-                  for c in self.clients]
+        # Probe before registering: the served layout to check the model against (a learner
+        # refused for its model must not hold a lease, and count toward the quorum, until it
+        # expires) and the run's protocol.
+        probes = [probe_with_backoff(c, self.learner_id, timeout_s=join_timeout_s) for c in self.clients]
         self.clients = one_run(self.clients, probes)
         probes.sort(key=lambda probe: probe.header.shard)
         self.plan = plan_from_layout(probes[0].header, self._params)
-        if any(probe.header.finished for probe in probes):
-            self._finished_before_start = True
-            return
-        results = []
-        for client in self.clients:
-            try:
-                results.append(join_with_backoff(client, Join(self.learner_id, self.boot), timeout_s=join_timeout_s))
-            except Refused as err:
-                if err.reason != RejectReason.FINISHED:
-                    raise DdilocoError(f"the synchronizer at {client.address} refused to admit "
-                                       f"{self.learner_id!r}: {err.detail}") from None
-                self._finished_before_start = True
-                return
-        protocol = ProtocolConfig(**results[0].protocol)
-        self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot)
-        now = time.monotonic()
-        # The joins went out above (they also told us the layout): hand the core their answers.
-        assert all(isinstance(a, SendJoin) for a in core.start(now))
-        actions = []
-        for shard, result in enumerate(results):
-            actions += core.on_admitted(result.state, now, stop=result.header.stop, shard=shard)
-        self.link = LearnerLink(core, self.clients, self._lock)
-        self.link.stats.joins += len(results)
-        self.link.start([result.state.session for result in results])
-        self.link.dispatch(actions)
+        protocol = ProtocolConfig(**probes[0].protocol)
+        self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot,
+                                   tokens_per_step=self.tokens_per_step)
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments])
+        self.link = link = LearnerLink(core, self.clients, self._lock, staging)
+        link.start()
+        # The first join is the core's like every other: retried while unreachable or refused
+        # for now, given up on for good (a wrong secret, another process with this id), or the
+        # end of a run that is already finished.
+        link.tell_core(lambda c: c.start(time.monotonic()))
+        deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+        while not (core.joined or core.should_stop or link.fatal is not None):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DdilocoError(f"{self.learner_id!r} could not join the synchronizer in {join_timeout_s:g}s")
+            self._drain_inbox(block=True)
+        self._raise_if_failed()
 
     def _share_layout(self) -> None:
         """Rank 0 tells the other ranks the fragments, then everyone takes rank 0's weights."""
@@ -239,8 +249,6 @@ class LearnerRuntime:
         return self._leader_should_stop()
 
     def _leader_should_stop(self) -> bool:
-        if self._finished_before_start:
-            return True
         return self.core is not None and self.core.should_stop
 
     @property
@@ -360,11 +368,12 @@ class LearnerRuntime:
                         log.info("adopted the global state at versions %s", list(core.versions))
                 link.dispatch(actions)
             elif kind is Inbox.UPDATE:
+                update, values = item
                 with self._lock:
-                    before = core.versions[item.fragment]
-                    actions = core.on_update(item, now)
-                    if core.versions[item.fragment] != before:
-                        changed.add(item.fragment)
+                    before = core.versions[update.fragment]
+                    actions = core.on_update(update, now, values=values)
+                    if core.versions[update.fragment] != before:
+                        changed.add(update.fragment)
                 link.dispatch(actions)
 
     def _sync_ranks(self, changed: set[int]) -> set[int]:

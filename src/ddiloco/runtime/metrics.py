@@ -10,7 +10,15 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram, start_http_server
+import threading
+from http.server import ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
+
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.auth import Address, http_authorized
 
 GRPC_FRAME_BYTES = 5
 """Every gRPC message is prefixed by 1 compression flag byte and a 4-byte length."""
@@ -31,6 +39,11 @@ class ByteLedger:
 
     def total(self, direction: str) -> int:
         return sum(n for (_, _, d), n in self.counts.items() if d == direction)
+
+    def rename(self, learner: str, to: str) -> None:
+        """Fold a learner's counts into another key (a learner the registry forgot)."""
+        for key in [k for k in self.counts if k[0] == learner]:
+            self.counts[(to, *key[1:])] += self.counts.pop(key)
 
     def by(self, index: int, direction: str) -> dict[Any, int]:
         out: dict[Any, int] = defaultdict(int)
@@ -133,5 +146,31 @@ class ServiceMetrics:
         self.checkpoint_seconds = Histogram(
             "ddiloco_checkpoint_seconds", "Time to write a checkpoint", registry=self.registry)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, bind: Address, token: str | None) -> ThreadingHTTPServer:
+        """Expose the metrics at ``http://HOST:PORT/metrics`` on the service's own interface;
+        beyond loopback only to requests carrying the run's token (as the status page)."""
+        if not bind.is_loopback and token is None:
+            raise ConfigError(f"--metrics-port on {bind.host} is reachable beyond this machine: give a shared token "
+                              "with --token-file FILE (or $DDILOCO_TOKEN), or listen on 127.0.0.1")
+        required = None if bind.is_loopback else token
+
+        class Handler(MetricsHandler.factory(self.registry)):  # type: ignore[misc]
+            def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+                query = parse_qs(urlsplit(self.path).query).get("token", [""])[0]
+                if not http_authorized(required, self.headers.get("Authorization", ""), query):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", "Bearer")
+                    self.end_headers()
+                    return
+                super().do_GET()
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the http.server API)
+                pass
+
+        try:
+            httpd = ThreadingHTTPServer((bind.host, bind.port), Handler)
+        except OSError as err:
+            raise ConfigError(f"--metrics-port {bind.port}: cannot listen on {bind} ({err.strerror or err})") from None
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+        return httpd

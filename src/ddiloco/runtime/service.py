@@ -1,16 +1,18 @@
 """The synchronizer as a gRPC service: the handlers, and what the service itself counts.
 
 The protocol is the core's (:class:`~ddiloco.core.synchronizer.Synchronizer`, run by
-:class:`~ddiloco.runtime.core_host.SyncHost` on its own thread); this module only moves
-bytes in and out of it:
+:class:`~ddiloco.runtime.core_host.SyncHost` on its own thread, the only one that touches
+it); this module only moves bytes in and out of it:
 
-- it checks what the core cannot see: the auth token, the protocol version, protobuf
-  syntax, chunk assembly and the size of an upload (wire-level rejections, counted here);
-  everything else is the core's decision, answered with the reason the core gave;
+- it checks what the core cannot see (:mod:`ddiloco.runtime.boundary`): who is calling and
+  that a learner speaks only for itself, the protocol version, protobuf syntax, chunk
+  assembly and the size of an upload; everything else is the core's decision, answered with
+  the reason the core gave;
+- it bounds what callers may hold (:mod:`ddiloco.runtime.call_limits`): calls per peer and
+  in all, uploads and state transfers at once, a deadline on every stream;
 - it converts messages with :mod:`ddiloco.runtime.wire`, serves update streams
-  (:mod:`ddiloco.runtime.streams`) and writes the checkpoints the core asks for
-  (:mod:`ddiloco.runtime.state_dir`);
-- it counts bytes per learner, fragment and direction, goodput, and Prometheus metrics.
+  (:mod:`ddiloco.runtime.streams`), writes the checkpoints the core asks for
+  (:mod:`ddiloco.runtime.checkpoint_writer`) and counts bytes, goodput and Prometheus metrics.
 
 Requests are parsed by the service itself (the handlers receive raw bytes), so that a
 malformed message is counted and answered with a named reason instead of a generic error.
@@ -23,26 +25,36 @@ import collections
 import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from ddiloco.config import Config
-from ddiloco.core.actions import Admitted, Finished, LeaseExpired, Refused, RoundClosed, StopLearners, SyncAction
+from ddiloco.core.actions import (
+    Admitted,
+    Finished,
+    LearnersForgotten,
+    LeaseExpired,
+    Refused,
+    RoundClosed,
+    StateDelivered,
+    StopLearners,
+    SyncAction,
+)
 from ddiloco.core.config import Mode
 from ddiloco.core.messages import RejectReason
-from ddiloco.core.run import RunLimits, RunPhase
+from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import REASON_HEADER
-from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.runtime.auth import REASON_HEADER, Authenticator
 from ddiloco.runtime.boundary import Abort, Boundary
+from ddiloco.runtime.call_limits import CallLimits
+from ddiloco.runtime.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.runtime.metrics import ByteLedger, GoodputMeter, ServiceMetrics
@@ -54,7 +66,8 @@ from ddiloco.runtime.streams import StreamItem, UpdateStreams
 log = logging.getLogger("ddiloco.sync")
 
 SERVICE_NAME = "ddiloco.v2.Synchronizer"
-
+FORGOTTEN = "(forgotten)"
+"""The byte ledger's key for the traffic of learners the registry forgot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +77,8 @@ class ServiceOptions:
     state_dir: Path | None = None
     resume: bool = False
     token: str | None = None
+    credentials: dict[str, str] | None = None
+    """Per-learner secrets (``--credentials``): each learner may speak only for itself."""
     checkpoint_every_rounds: int = 20
     checkpoint_every_s: float = 30.0
     drain_timeout_s: float | None = None
@@ -94,116 +109,79 @@ class SyncService:
                                          .encode()).hexdigest()
         self.incarnation = secrets.randbits(48)
         checkpoints = options.state_dir is not None
-        limits = RunLimits(
-            tokens=0 if config.run.time_s else config.run.tokens,
-            time_s=config.run.time_s,
-            drain_timeout_s=2 * self.protocol.lease_s if options.drain_timeout_s is None else options.drain_timeout_s,
-            checkpoint_every_rounds=options.checkpoint_every_rounds if checkpoints else 0,
-            checkpoint_every_s=options.checkpoint_every_s if checkpoints else 0.0,
-        )
+        limits = config.run_limits(checkpoint_every_rounds=options.checkpoint_every_rounds if checkpoints else 0,
+                                   checkpoint_every_s=options.checkpoint_every_s if checkpoints else 0.0,
+                                   drain_timeout_s=options.drain_timeout_s)
         self.core = Synchronizer(
             self.protocol, self.layout.initial_values,
             embedding_fragments=[f.index for f in self.layout.plan.fragments if f.is_embedding],
-            limits=limits, incarnation=self.incarnation, shard=self.shard,
+            limits=limits, incarnation=self.incarnation, shard=self.shard, session_salt=secrets.randbits(64),
         )
         owned = [self.layout.plan.fragments[p] for p in self.core.owned]
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
         total = sum(f.numel for f in self.layout.plan.fragments)
         self._share = [f.numel / total for f in self.layout.plan.fragments]
+        self.state_bytes = 4 * sum(f.numel for f in owned)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
-        self.boundary = Boundary(options.token, max(4 * f.numel for f in owned), self.metrics, self.ledger)
+        self.boundary = Boundary(Authenticator(options.token, options.credentials), max(4 * f.numel for f in owned),
+                                 len(self.layout.plan.fragments), self.metrics, self.ledger)
+        self.calls = CallLimits(self.protocol.min_link_bytes_per_s, limits.max_learners, self.protocol.lease_s)
         self.goodput = GoodputMeter(learners=config.run.learners)
-        self.learner_index: dict[str, int] = {}
-        self.checkpoints = 0
         self.port: int | None = None
         self.process_start_s = time.monotonic()
         self.first_join_s: float | None = None
-        self.last_checkpoint_s: float | None = None
-        self._writes: set[asyncio.Task] = set()
-        self._write_lock: asyncio.Lock | None = None
-        self.state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
-        if self.state_dir is not None:
-            try:
-                saved = self.state_dir.load()
-                if saved is not None:
-                    self._restore(saved)
-                    log.info("resumed from %s: fragment versions %s", self.state_dir.checkpoint_path,
-                             list(self.core.versions()))
-                elif options.resume:
-                    log.info("no checkpoint in %s: starting a new run", options.state_dir)
-            except BaseException:
-                self.state_dir.close()
-                raise
+        self._pending: set[asyncio.Future] = set()
+        state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
+        self.writer = CheckpointWriter(state_dir, self.metrics)
+        self.writer.restore(self)
         self.streams = UpdateStreams(len(self.layout.plan.fragments))
         self.host: SyncHost | None = None
 
     @property
+    def view(self) -> CoreView:
+        """What the core's thread published after its latest event (the core itself before the host starts)."""
+        return self.host.view if self.host is not None else self.core.view()
+
+    @property
     def finished(self) -> bool:
-        return self.core.phase is RunPhase.FINISHED
+        return self.view.finished
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        service = state["service"]
-        if service["layout_sha256"] != self.layout_sha256:
-            raise CheckpointError(
-                "the checkpoint belongs to a run with another model, fragmentation or codec: "
-                "start with the same --preset/--config/--set as the run that wrote it"
-            )
-        try:
-            self.core.load_state_dict(state["core"])
-        except (KeyError, ValueError) as err:
-            raise CheckpointError(f"checkpoint does not fit this synchronizer: {err}") from None
-        self.learner_index = {k: int(v) for k, v in service["learner_index"].items()}
+    def load_service_state(self, service: dict[str, Any]) -> None:
+        """What a checkpoint holds of the service (the core restores itself)."""
+        self.boundary.known = {rec.learner_id for rec in self.core.status().learners}
         self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
         self.boundary.learner_rejected = collections.Counter(
             {k: int(v) for k, v in service["learner_wire_rejected"].items()})
         self.ledger.load_state_dict(service["bytes"])
         self.goodput.load_state_dict(service["goodput"])
-        self.checkpoints = int(service["checkpoints"])
 
-    def _service_state(self) -> dict[str, Any]:
+    def service_state(self) -> dict[str, Any]:
         now = time.monotonic()
         wall = 0.0 if self.first_join_s is None else now - self.first_join_s
         uptime = 0.0 if self.first_join_s is None else self.goodput.uptime(self.first_join_s, now)
         return {
             "layout_sha256": self.layout_sha256,
-            "learner_index": dict(self.learner_index),
             "wire_rejections": dict(self.boundary.rejections),
             "learner_wire_rejected": dict(self.boundary.learner_rejected),
             "bytes": self.ledger.state_dict(),
             "goodput": self.goodput.state_dict(wall, uptime),
-            "checkpoints": self.checkpoints + 1,
             "config": self.config.to_dict(),
         }
 
     def on_checkpoint(self, core_state: dict[str, Any]) -> None:
         """The core asks for a checkpoint: write it in the background (one write at a time)."""
-        if self.state_dir is None:
-            return
-        state = {"core": core_state, "service": self._service_state()}
-        task = asyncio.ensure_future(self._write(state))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-
-    async def _write(self, state: dict[str, Any]) -> None:
-        assert self.state_dir is not None and self._write_lock is not None
-        async with self._write_lock:
-            started = time.perf_counter()
-            size = await asyncio.to_thread(self.state_dir.save, state)
-            self.checkpoints += 1
-            self.last_checkpoint_s = time.monotonic()
-            self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
-            log.debug("checkpoint %d written (%d bytes)", self.checkpoints, size)
+        self.writer.submit(core_state, self.service_state())
 
     async def checkpoint(self) -> None:
         """Snapshot now and write it (after any write already under way)."""
-        if self.state_dir is None or self.host is None:
+        if self.writer.state_dir is None or self.host is None:
             return
         core_state = await self.host.query(lambda core: core.state_dict(self.options.clock()))
         self.on_checkpoint(core_state)
-        await asyncio.gather(*list(self._writes))
+        await self.writer.drain()
 
     # ---- what the host reports -------------------------------------------------------------
 
@@ -219,19 +197,27 @@ class SyncService:
                   len(record.merged))
 
     def on_event(self, actions: list[SyncAction]) -> None:
-        self.metrics.alive.set(len(self.core.alive()))
+        """Runs on the event loop after every event: reads only the actions and the published view."""
+        view = self.view
+        self.metrics.alive.set(view.alive)
         for action in actions:
-            if isinstance(action, Admitted) and self.first_join_s is None:
-                self.first_join_s = time.monotonic()
+            if isinstance(action, Admitted):
+                self.boundary.known.add(action.learner_id)
+                if self.first_join_s is None:
+                    self.first_join_s = time.monotonic()
+            elif isinstance(action, LearnersForgotten):
+                for name in action.learner_ids:
+                    self.boundary.known.discard(name)
+                    self.ledger.rename(name, FORGOTTEN)
+                    self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
                 log.info("budget spent: asking learners %s to flush and leave", ", ".join(action.recipients) or "-")
             elif isinstance(action, LeaseExpired):
                 log.info("learner %s: lease expired", action.learner_id)
             elif isinstance(action, Finished):
-                log.info("run finished: %d tokens, fragment versions %s", self.core.status().tokens,
-                         list(self.core.versions()))
+                log.info("run finished: %d tokens, fragment versions %s", view.tokens, list(view.versions))
 
-    def _header(self, learner: str) -> pb.JoinHeader:
+    def _header(self, data_shard: int) -> pb.JoinHeader:
         return pb.JoinHeader(
             incarnation=self.incarnation,
             protocol_json=json.dumps(asdict(self.protocol)),
@@ -243,159 +229,183 @@ class SyncService:
             shard=self.shard,
             shards=self.protocol.shards,
             run_sha256=self.run_sha256,
-            learner_index=self._assign_index(learner) if learner else 0,
+            learner_index=data_shard,
         )
-
-    def _assign_index(self, learner: str) -> int:
-        """The learner's data shard: its trailing number if it has one, else the next free index."""
-        if learner not in self.learner_index:
-            m = self.config.run.learners
-            match = re.search(r"(\d+)$", learner)
-            used = set(self.learner_index.values())
-            if match and int(match.group(1)) < m:
-                index = int(match.group(1))
-            else:
-                free = [i for i in range(m) if i not in used]
-                index = free[0] if free else len(self.learner_index) % m
-            self.learner_index[learner] = index
-        return self.learner_index[learner]
 
     # ---- RPC handlers ----------------------------------------------------------------------
 
-    async def join(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        learner = ""
+    async def _guarded(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a handler's work in a call slot; a wire-level problem ends the call with its reason."""
         try:
-            req = self.boundary.receive(context, pb.JoinRequest, raw)
-            learner = req.learner_id
-            if req.probe:
-                header = self._header(learner)
-                header.versions.extend(self.core.versions())
-                yield self.boundary.out(learner, -1, pb.JoinReply(header=header))
-                return
-            try:
-                join = wire.join_from_pb(req)
-            except wire.WireError as err:
-                raise Abort(RejectReason.MALFORMED, str(err)) from None
-        except Abort as err:
-            await self.boundary.reject(context, err.reason, err.detail, learner or None)
-            return
-        reply = await self._host.handle(join)
-        if isinstance(reply, Refused):
-            await self.boundary.refused(context, reply)
-            return
-        assert isinstance(reply, Admitted) and reply.state.session is not None
-        header = self._header(learner)
-        header.session.CopyFrom(wire.session_to_pb(reply.state.session))
-        header.stop = reply.stop
-        header.versions.extend(reply.state.versions())
-        log.info("learner %s joined (index %d, session %s) at versions %s", learner, header.learner_index,
-                 reply.state.session, list(header.versions))
-        yield self.boundary.out(learner, -1, pb.JoinReply(header=header))
-        for chunk in wire.state_chunks(reply.state):
-            yield self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk))
-
-    async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            req = self.boundary.receive(context, pb.HeartbeatRequest, raw)
-            beat = wire.heartbeat_from_pb(req)
-        except (Abort, wire.WireError) as err:
-            await self.boundary.wire_error(context, err)
-            return b""
-        reply = await self._host.handle(beat)
-        if isinstance(reply, Refused):
-            await self.boundary.refused(context, reply)
-            return b""
-        return self.boundary.out(beat.learner_id, -1, pb.HeartbeatReply(stop=reply.stop))
-
-    async def contribute(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
-        learner = ""
-        try:
-            contribution = await self.boundary.assemble(requests, context)
-            learner = contribution.learner_id
+            async with self.calls.call(context):
+                return await work()
+        except wire.WireError as err:
+            await self.boundary.reject(context, RejectReason.MALFORMED, str(err))
         except Abort as err:
             await self.boundary.reject(context, err.reason, err.detail, err.learner)
-            return b""
-        reply = await self._host.handle(contribution)
-        if isinstance(reply, Refused):
-            self.metrics.contributions.labels(str(reply.reason)).inc()
-            await self.boundary.refused(context, reply)
-            return b""
-        self.metrics.contributions.labels("accepted").inc()
-        return self.boundary.out(learner, -1, pb.ContributeReply(stop=reply.stop))
+        return None
 
-    async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        learner = ""
-        try:
-            req = self.boundary.receive(context, pb.UpdatesRequest, raw)
-            learner = req.learner_id
-            session = wire.session_from_pb(req.session)
-        except (Abort, ValueError) as err:
-            await self.boundary.wire_error(context, err, learner)
-            return
-        if not await self._host.query(lambda core: core.holds_session(learner, session)):
-            # Not counted: joining again is the normal way back after a lease expiry or a restart.
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"unknown_learner: no live session {session} for {learner!r}: join again",
-                                trailing_metadata=((REASON_HEADER, str(RejectReason.UNKNOWN_LEARNER)),))
-            return
-        sub = self.streams.subscribe(learner)
-        try:
-            for p, chunks in self.streams.replay(list(req.have_versions)):
-                for data in chunks:
-                    self.ledger.add(learner, p, "down", len(data))
-                    yield data
-            if self.core.phase in (RunPhase.STOPPING, RunPhase.FINISHED):
-                yield self.boundary.out(learner, -1, pb.Update(stop=True))
-            while True:
-                item = await sub.queue.get()
-                if item is StreamItem.CLOSE:
+    async def join(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        async def work() -> None:
+            req = self.boundary.receive(context, pb.JoinRequest, raw)
+            if req.probe:
+                name = req.learner_id
+                header = self._header(await self._host.query(lambda core: core.data_shard(name)))
+                header.versions.extend(self.view.versions)
+                await self.calls.write(context, self.boundary.out(req.learner_id, -1, pb.JoinReply(header=header)),
+                                       "join")
+                return
+            join = wire.join_from_pb(req)
+            async with self.calls.transfer():
+                reply = await self._host.handle(join)
+                if isinstance(reply, Refused):
+                    await self.boundary.refused(context, reply)
                     return
-                if item is StreamItem.STOP:
-                    yield self.boundary.out(learner, -1, pb.Update(stop=True))
-                    continue
-                sub.backlog -= 1
-                p, chunks = item
-                for data in chunks:
-                    self.ledger.add(learner, p, "down", len(data))
-                    self.metrics.bytes.labels("down").inc(len(data))
-                    yield data
-        finally:
-            self.streams.unsubscribe(learner, sub)
+                assert isinstance(reply, Admitted)
+                await self._send_state(context, reply)
 
-    async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        await self._guarded(context, work)
+
+    async def _send_state(self, context: grpc.aio.ServicerContext, reply: Admitted) -> None:
+        """The header and the global state; the core hears whether it all went out (the lease waits till then)."""
+        learner, session = reply.learner_id, reply.state.session
+        assert session is not None
+        header = self._header(reply.data_shard)
+        header.session.CopyFrom(wire.session_to_pb(session))
+        header.stop = reply.stop
+        header.versions.extend(reply.state.versions())
+        log.info("learner %s joined (index %d, session %s) at versions %s", learner, header.learner_index, session,
+                 list(header.versions))
+
+        async def send() -> None:
+            await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
+            for chunk in wire.state_chunks(reply.state):
+                await self.calls.write(context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)),
+                                       "join")
+
+        delivered = False
+        deadline = self.calls.deadline_s(self.state_bytes)
         try:
+            await asyncio.wait_for(send(), deadline)
+            delivered = True
+        except asyncio.TimeoutError:
+            raise self.calls.timed_out("the global state's transfer", deadline) from None
+        finally:  # also when the client went away (the task is cancelled): never await here
+            self._spawn(self._host.handle(StateDelivered(learner, session, delivered)))
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            beat = wire.heartbeat_from_pb(self.boundary.receive(context, pb.HeartbeatRequest, raw))
+            reply = await self._host.handle(beat)
+            if isinstance(reply, Refused):
+                await self.boundary.refused(context, reply)
+                return b""
+            return self.boundary.out(beat.learner_id, -1, pb.HeartbeatReply(stop=reply.stop))
+
+        return await self._guarded(context, work) or b""
+
+    async def contribute(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            async with self.calls.upload():
+                deadline = self.calls.deadline_s(self.boundary.max_payload)
+                try:
+                    contribution = await asyncio.wait_for(self.boundary.assemble(requests, context), deadline)
+                except asyncio.TimeoutError:
+                    raise self.calls.timed_out("the upload", deadline) from None
+            reply = await self._host.handle(contribution)
+            if isinstance(reply, Refused):
+                self.metrics.contributions.labels(str(reply.reason)).inc()
+                await self.boundary.refused(context, reply)
+                return b""
+            self.metrics.contributions.labels("accepted").inc()
+            return self.boundary.out(contribution.learner_id, -1, pb.ContributeReply(stop=reply.stop))
+
+        return await self._guarded(context, work) or b""
+
+    async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        async def work() -> None:
+            req = self.boundary.receive(context, pb.UpdatesRequest, raw)
+            name = req.learner_id
+            session = wire.session_from_pb(req.session)
+            if not await self._host.query(lambda core: core.holds_session(name, session)):
+                # Not counted: joining again is the normal way back after a lease expiry or a restart.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"unknown_learner: no live session {session} for {name!r}: join again",
+                                    trailing_metadata=((REASON_HEADER, str(RejectReason.UNKNOWN_LEARNER)),))
+                return
+            sub = self.streams.subscribe(name)
+            try:
+                for p, chunks in self.streams.replay(list(req.have_versions)):
+                    for data in chunks:
+                        self.boundary.count_out(name, p, len(data))
+                        await self.calls.write(context, data, "the update stream")
+                if self.view.stopping:
+                    await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)), "the update stream")
+                while True:
+                    item = await sub.queue.get()
+                    if item is StreamItem.CLOSE:
+                        return
+                    if item is StreamItem.STOP:
+                        await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)),
+                                               "the update stream")
+                        continue
+                    sub.backlog -= 1
+                    p, chunks = item
+                    for data in chunks:
+                        self.boundary.count_out(name, p, len(data))
+                        await self.calls.write(context, data, "the update stream")
+            finally:
+                self.streams.unsubscribe(name, sub)
+
+        await self._guarded(context, work)
+
+    async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        async def work() -> None:
             self.boundary.receive(context, pb.FetchStateRequest, raw)
-        except Abort as err:
-            await self.boundary.reject(context, err.reason, err.detail)
-            return
-        state = await self._host.query(lambda core: core.global_state())
-        for chunk in wire.state_chunks(state):
-            yield chunk.SerializeToString()
+            async with self.calls.transfer():
+                state = await self._host.query(lambda core: core.global_state())
+                deadline = self.calls.deadline_s(self.state_bytes)
+
+                async def send() -> None:
+                    for chunk in wire.state_chunks(state):
+                        await self.calls.write(context, chunk.SerializeToString(), "the state fetch")
+
+                try:
+                    await asyncio.wait_for(send(), deadline)
+                except asyncio.TimeoutError:
+                    raise self.calls.timed_out("the state fetch", deadline) from None
+
+        await self._guarded(context, work)
 
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            req = self.boundary.receive(context, pb.LeaveRequest, raw)
-            leave = wire.leave_from_pb(req)
-        except (Abort, wire.WireError) as err:
-            await self.boundary.wire_error(context, err)
-            return b""
-        await self._host.handle(leave)  # a refusal means the session had ended already: leaving is idempotent
-        log.info("learner %s left", leave.learner_id)
-        self.streams.close(leave.learner_id)
-        return self.boundary.out(leave.learner_id, -1, pb.LeaveReply())
+        async def work() -> bytes:
+            leave = wire.leave_from_pb(self.boundary.receive(context, pb.LeaveRequest, raw))
+            reply = await self._host.handle(leave)
+            if isinstance(reply, Refused):  # not its current session: nothing of the learner's is touched
+                await self.boundary.refused(context, reply)
+                return b""
+            log.info("learner %s left", leave.learner_id)
+            self.streams.close(leave.learner_id)
+            return self.boundary.out(leave.learner_id, -1, pb.LeaveReply())
+
+        return await self._guarded(context, work) or b""
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            self.boundary.receive(context, pb.StatusRequest, raw)
-        except Abort as err:
-            await self.boundary.reject(context, err.reason, err.detail)
-            return b""
-        return (await self.status_reply()).SerializeToString()
+        async def work() -> bytes:
+            req = self.boundary.receive(context, pb.StatusRequest, raw)
+            return (await self.status_reply(req.learner_offset, req.learner_limit)).SerializeToString()
 
-    async def status_reply(self) -> pb.StatusReply:
+        return await self._guarded(context, work) or b""
+
+    async def status_reply(self, learner_offset: int = 0, learner_limit: int = 0) -> pb.StatusReply:
         now = self.options.clock()
-        core = await self._host.query(lambda c: c.status())
-        return status_reply(self, core, now)
+        core = await self._host.query(lambda c: c.status(now))
+        return status_reply(self, core, now, learner_offset, learner_limit)
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -417,7 +427,7 @@ class SyncService:
 
     def start_host(self) -> SyncHost:
         """Create the core host on the running event loop (``serve`` does this; tests may too)."""
-        self._write_lock = asyncio.Lock()
+        self.writer.start()
         self.host = SyncHost(self.core, self.streams, self, clock=self.options.clock)
         self.host.start()
         return self.host
@@ -429,6 +439,7 @@ class SyncService:
             if self.host.failure is None:  # a core that failed mid-event may hold half an update
                 await self.checkpoint()
             self.streams.close_all()
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
             await self.host.stop()
-        if self.state_dir is not None:
-            self.state_dir.close()
+        self.writer.close()
+

@@ -13,7 +13,8 @@ from typing import Any
 from ddiloco.core.messages import GlobalState
 from ddiloco.runtime.client import SyncClient
 
-_SUMMED = ("bytes_up", "bytes_down", "pending_tokens", "checkpoints")
+_SUMMED = ("bytes_up", "bytes_down", "pending_tokens", "checkpoints", "checkpoint_failures", "progress_clipped",
+           "weights_capped", "link_starved_episodes")
 
 
 class ShardedClient:
@@ -37,8 +38,9 @@ class ShardedClient:
         fragments = sorted((f for c in self.clients for f in c.fetch_state().fragments), key=lambda f: f.fragment)
         return GlobalState(tuple(fragments))
 
-    def status_dict(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        shards = [c.status_dict(timeout_s) for c in self.clients]
+    def status_dict(self, timeout_s: float = 10.0, *, learner_offset: int = 0, learner_limit: int = 0) -> dict[str, Any]:
+        shards = [c.status_dict(timeout_s, learner_offset=learner_offset, learner_limit=learner_limit)
+                  for c in self.clients]
         return shards[0] if len(shards) == 1 else merge_statuses(shards)
 
 
@@ -64,9 +66,12 @@ def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
     for s in shards:
         for lr in s["learners"]:
             seen = learners.setdefault(lr["id"], {**lr, "alive": True, "accepted": 0, "rejected": 0,
-                                                  "bytes_up": 0, "bytes_down": 0})
+                                                  "bytes_up": 0, "bytes_down": 0, "accepted_per_min": 0,
+                                                  "link_starved": False, "joining": False})
             seen["alive"] = seen["alive"] and lr["alive"]  # alive in the run: at every shard
-            for key in ("accepted", "rejected", "bytes_up", "bytes_down"):
+            for key in ("accepted", "rejected", "bytes_up", "bytes_down", "accepted_per_min"):
                 seen[key] += lr[key]
+            for key in ("link_starved", "joining"):  # at any shard
+                seen[key] = seen[key] or lr[key]
     merged["learners"] = [learners[name] for name in sorted(learners)]
     return merged

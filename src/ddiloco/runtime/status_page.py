@@ -15,7 +15,6 @@ loopback every request must carry the run's token, as ``Authorization: Bearer TO
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -26,7 +25,7 @@ from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import Address
+from ddiloco.runtime.auth import Address, http_authorized
 from ddiloco.runtime.wire import status_to_dict
 
 log = logging.getLogger("ddiloco.sync")
@@ -121,14 +120,7 @@ class StatusPage:
             self.status()
 
     def authorized(self, headers: Any, query: str) -> bool:
-        if self.token is None:
-            return True
-        expected = self.token.encode()
-        header = headers.get("Authorization", "")
-        if header.startswith("Bearer ") and hmac.compare_digest(header[len("Bearer "):].encode(), expected):
-            return True
-        given = parse_qs(query).get("token", [""])[0]
-        return hmac.compare_digest(given.encode(), expected)
+        return http_authorized(self.token, headers.get("Authorization", ""), parse_qs(query).get("token", [""])[0])
 
 
 def _handler_for(page: StatusPage) -> type[BaseHTTPRequestHandler]:

@@ -1,5 +1,8 @@
-"""The Status call's answer: the core's :class:`~ddiloco.core.synchronizer.SyncStatus` plus
-what only the service measures (bytes on the wire, goodput, checkpoints, wire rejections)."""
+"""The Status call's answer: the core's :class:`~ddiloco.core.sync_status.SyncStatus` plus
+what only the service measures (bytes on the wire, goodput, checkpoints, wire rejections).
+
+Learners come a page at a time (``learner_offset``, ``learner_limit``; ``learners_total``
+says how many there are), so a registry of thousands never makes one reply too large."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ddiloco.core.run import RunPhase
-from ddiloco.core.synchronizer import SyncStatus
+from ddiloco.core.sync_status import SyncStatus
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
@@ -16,9 +19,15 @@ if TYPE_CHECKING:
     from ddiloco.runtime.service import SyncService
 
 
-def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.StatusReply:
+LEARNERS_PAGE = 1000
+"""Learners per Status reply when the caller asks for no page size (and the most it may ask for)."""
+
+
+def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_offset: int = 0,
+                 learner_limit: int = 0) -> pb.StatusReply:
     wall_now = time.monotonic()
-    last_ckpt = service.last_checkpoint_s
+    writer = service.writer
+    last_ckpt = writer.last_good_s
     reply = pb.StatusReply(
         incarnation=core.incarnation,
         protocol_version=PROTOCOL_VERSION,
@@ -33,7 +42,14 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
         tokens=core.tokens,
         token_budget=core.token_budget,
         finished=core.phase is RunPhase.FINISHED,
-        checkpoints=service.checkpoints,
+        checkpoints=writer.checkpoints,
+        checkpoint_failures=writer.failures,
+        last_checkpoint_error=writer.last_error,
+        learners_total=len(core.learners),
+        learners_forgotten=core.learners_forgotten,
+        progress_clipped=core.progress_clipped,
+        weights_capped=core.weights_capped,
+        link_starved_episodes=core.link_starved_episodes,
         last_checkpoint_s_ago=-1.0 if last_ckpt is None else wall_now - last_ckpt,
         mode=service.config.run.mode,
         longest_pause_s=core.longest_pause_s,
@@ -49,7 +65,8 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
         reply.goodput = service.goodput.goodput(end - first)
         reply.model_uptime = service.goodput.uptime(first, end)
     up_by_learner, down_by_learner = service.ledger.by(0, "up"), service.ledger.by(0, "down")
-    for rec in core.learners:
+    limit = min(learner_limit or LEARNERS_PAGE, LEARNERS_PAGE)
+    for rec in core.learners[learner_offset:learner_offset + limit]:
         name = rec.learner_id
         reply.learners.append(pb.LearnerStatus(
             id=name,
@@ -62,6 +79,9 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float) -> pb.Sta
             bytes_up=up_by_learner.get(name, 0),
             bytes_down=down_by_learner.get(name, 0),
             step_time_s=rec.step_time_s or 0.0,
+            accepted_per_min=rec.accepted_per_min,
+            link_starved=rec.link_starved,
+            joining=rec.joining,
         ))
     up_by_frag, down_by_frag = service.ledger.by(1, "up"), service.ledger.by(1, "down")
     for index, version in zip(core.fragments, core.versions):

@@ -69,11 +69,11 @@ def _checked(build: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def join_to_pb(join: Join, *, probe: bool = False) -> pb.JoinRequest:
-    return pb.JoinRequest(learner_id=join.learner_id, boot=join.boot, probe=probe)
+    return pb.JoinRequest(learner_id=join.learner_id, boot=join.boot, probe=probe, tokens_per_step=join.tokens_per_step)
 
 
 def join_from_pb(msg: pb.JoinRequest) -> Join:
-    return _checked(Join, msg.learner_id, msg.boot)
+    return _checked(Join, msg.learner_id, msg.boot, int(msg.tokens_per_step))
 
 
 def heartbeat_to_pb(beat: Heartbeat) -> pb.HeartbeatRequest:
@@ -246,9 +246,17 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
                 "step_time_s": round(lr.step_time_s, 6),
                 "bytes_up": lr.bytes_up,
                 "bytes_down": lr.bytes_down,
+                "accepted_per_min": lr.accepted_per_min,
+                "link_starved": lr.link_starved,
+                "joining": lr.joining,
             }
             for lr in reply.learners
         ],
+        "learners_total": reply.learners_total,
+        "learners_forgotten": reply.learners_forgotten,
+        "progress_clipped": reply.progress_clipped,
+        "weights_capped": reply.weights_capped,
+        "link_starved_episodes": reply.link_starved_episodes,
         "fragments": [
             {"id": f.id, "version": f.version, "numel": f.numel, "bytes_up": f.bytes_up, "bytes_down": f.bytes_down,
              "round": reply.round_phases[i] if i < len(reply.round_phases) else ""}
@@ -266,4 +274,6 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "model_uptime": round(reply.model_uptime, 6),
         "checkpoints": reply.checkpoints,
         "last_checkpoint_s_ago": round(reply.last_checkpoint_s_ago, 3),
+        "checkpoint_failures": reply.checkpoint_failures,
+        "last_checkpoint_error": reply.last_checkpoint_error,
     }

@@ -28,7 +28,6 @@ import torch
 from ddiloco.core.actions import RoundClosed
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
-from ddiloco.core.run import RunLimits
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.adversary import TimedFault, plan_windows
 from ddiloco.sim.events import Ev, EventQueue
@@ -67,19 +66,16 @@ class VirtualCluster:
         initial = [flatten([params[n] for n in f.param_names]).cpu() for f in self.plan.fragments]  # the synchronizer's
         embeds = [f.index for f in self.plan.fragments if f.is_embedding]
         run, cluster = config.run, config.cluster
-        limits = RunLimits(
-            tokens=0 if run.time_s else run.tokens,
-            time_s=run.time_s,
-            drain_timeout_s=2 * protocol.lease_s,
-            checkpoint_every_rounds=cluster.checkpoint_every_rounds,
-            checkpoint_every_s=cluster.checkpoint_every_s,
-        )
+        limits = config.run_limits(checkpoint_every_rounds=cluster.checkpoint_every_rounds,
+                                   checkpoint_every_s=cluster.checkpoint_every_s)
         self.syncs = [
             SyncNode(lambda incarnation, shard=shard: Synchronizer(protocol, initial, embeds, limits=limits,
-                                                                   incarnation=incarnation, shard=shard),
+                                                                   incarnation=incarnation, shard=shard,
+                                                                   session_salt=incarnation),
                      seed=run.seed, shard=shard)
             for shard in range(protocol.shards)
         ]
+        self.tokens_per_step = workload.tokens_per_step
         total = sum(f.numel for f in self.plan.fragments)
         self._share = [f.numel / total for f in self.plan.fragments]
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
@@ -117,10 +113,20 @@ class VirtualCluster:
                            self._new_core(name, model, boot=0))
 
     def _new_core(self, name: str, model: torch.nn.Module, boot: int) -> Learner:
-        return Learner(name, self.protocol, self.plan, dict(model.named_parameters()), boot=f"{name}#{boot}")
+        return Learner(name, self.protocol, self.plan, dict(model.named_parameters()), boot=f"{name}#{boot}",
+                       tokens_per_step=self.tokens_per_step)
 
     def new_call_id(self) -> int:
         return next(self._call_ids)
+
+    def process_up(self, m: int, boot: int) -> bool:
+        """Is learner ``m``'s process ``boot`` still running (a message for it can still arrive)?"""
+        node = self.learners[m]
+        return node.up and node.boot == boot
+
+    def rpc_deadline_s(self, payload_bytes: int) -> float:
+        """How long a caller waits for an answer carrying ``payload_bytes`` (gRPC's deadline)."""
+        return self.config.cluster.rpc_timeout_s + 8.0 * payload_bytes / self.config.cluster.bandwidth_bps
 
     # ---- the run -------------------------------------------------------------------------
 
@@ -180,6 +186,8 @@ class VirtualCluster:
         elif kind is Ev.SYNC_TICK:
             shard, incarnation = args
             self.syncs[shard].on_tick(self, incarnation)
+        elif kind is Ev.DELIVERED:
+            self.syncs[args[0]].on_delivered(self, *args[1:])
         else:
             self._fate(kind, args)
 

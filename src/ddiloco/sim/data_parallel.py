@@ -133,7 +133,7 @@ class DataParallel:
         batches = [self.samplers[r].next_batch() for r in live]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        self.trainer.step(x, y)
+        self.trainer.step(x, y, self.recorder.run_progress(self.tokens, self.now))
         self.tokens += x.numel()
         self.committed_steps += 1
         per_replica = 2 * (len(live) - 1) / len(live) * self.numel * BF16_BYTES if len(live) > 1 else 0

@@ -21,6 +21,8 @@ class Ev(enum.Enum):
     # at the synchronizer
     REQUEST = enum.auto()
     SYNC_TICK = enum.auto()
+    DELIVERED = enum.auto()
+    """A joining learner's global state arrived (or its transfer failed): its lease runs from now."""
     # the failure trace and the adversary
     CRASH = enum.auto()
     RECOVER = enum.auto()

@@ -22,7 +22,6 @@ from ddiloco.sim.speed import StepTimer
 from ddiloco.workload.workload import Workload
 
 
-
 @dataclass(slots=True)
 class Recorder:
     """Budget, evaluation schedule, metrics rows and the progress callback of one run."""
@@ -35,6 +34,9 @@ class Recorder:
     bytes: ByteCounter = field(default_factory=ByteCounter)
     trace: FailureTrace = field(init=False)
     timer: StepTimer = field(init=False)
+    schedule_span: tuple[float, float] = (0.0, 1.0)
+    """The share of the whole run's learning-rate schedule this run covers (a warm start's
+    phases each cover part of it, ``experiment.run_warm_started``)."""
     _next_eval: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +71,11 @@ class Recorder:
         if run.time_s:
             return min(1.0, now / run.time_s)
         return min(1.0, tokens / run.tokens)
+
+    def run_progress(self, tokens: int, now: float) -> float:
+        """Where the inner learning-rate schedule stands: the fraction done, placed on the span."""
+        start, end = self.schedule_span
+        return start + (end - start) * self.fraction_done(tokens, now)
 
     def eval_due(self, tokens: int, now: float) -> bool:
         return self.fraction_done(tokens, now) >= self._next_eval / self.config.train.evals

@@ -84,8 +84,7 @@ class LearnerNode:
         self.calls[call_id] = (request, shard)
         for arrival in cluster.network.deliveries(self.name, Direction.UP, fragment, payload_bytes, now):
             cluster.queue.at(arrival, Ev.REQUEST, self.index, self.boot, call_id, request, shard)
-        deadline = cluster.config.cluster.rpc_timeout_s + 8.0 * payload_bytes / cluster.config.cluster.bandwidth_bps
-        cluster.queue.at(now + deadline, Ev.CALL_TIMEOUT, self.index, self.boot, call_id)
+        cluster.queue.at(now + cluster.rpc_deadline_s(payload_bytes), Ev.CALL_TIMEOUT, self.index, self.boot, call_id)
 
     def schedule_tick(self, cluster: "VirtualCluster") -> None:
         deadline = self.core.next_deadline()
@@ -163,10 +162,10 @@ class LearnerNode:
     def on_step_end(self, cluster: "VirtualCluster", started_s: float) -> None:
         self.stepping = False
         x, y = self.sampler.next_batch()
-        self.trainer.step(x, y)
+        now = cluster.queue.now
+        self.trainer.step(x, y, cluster.recorder.run_progress(cluster.tokens, now))
         tokens = x.numel()
         cluster.tokens += tokens
-        now = cluster.queue.now
         sends = self.core.record_step(tokens, now - started_s, now)
         cluster.recorder.accounting.add_step(self.index, self.step_offset + self.core.step, started_s, now)
         self.execute(cluster, list(sends))

@@ -20,6 +20,7 @@ from ddiloco.core.actions import (
     Finished,
     Refused,
     RoundClosed,
+    StateDelivered,
     StopLearners,
     SyncAction,
     SyncTimeObserved,
@@ -63,6 +64,16 @@ class SyncNode:
             return  # nobody listening: the caller's deadline will tell it
         self.execute(cluster, self.core.handle(request, cluster.queue.now), reply_to=(m, boot, call_id))
 
+    def on_delivered(self, cluster: "VirtualCluster", incarnation: int, m: int, boot: int, admitted: Admitted,
+                     arrived: bool) -> None:
+        """The state of ``admitted`` reached learner ``m`` (a live process of the same boot) or it did not."""
+        if incarnation != self.incarnation or not self.up:
+            return
+        ok = arrived and cluster.process_up(m, boot)
+        assert admitted.state.session is not None
+        self.execute(cluster, self.core.handle(StateDelivered(admitted.learner_id, admitted.state.session, ok),
+                                               cluster.queue.now))
+
     def on_tick(self, cluster: "VirtualCluster", incarnation: int) -> None:
         if incarnation != self.incarnation or not self.up:
             return
@@ -83,7 +94,12 @@ class SyncNode:
                 assert reply_to is not None
                 m, boot, call_id = reply_to
                 size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
-                cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action, self.shard)
+                arrival = cluster.push(m, boot, -1, size, Ev.REPLY, call_id, action, self.shard)
+                if isinstance(action, Admitted):
+                    # The transfer ends when the state arrives, or fails when the caller gives up.
+                    at = arrival if arrival is not None else now + cluster.rpc_deadline_s(size)
+                    cluster.queue.at(at, Ev.DELIVERED, self.shard, self.incarnation, m, boot, action,
+                                     arrival is not None)
                 if isinstance(action, Accepted) and isinstance(action.request, Contribution) and cluster.checker:
                     cluster.checker.on_accepted(action.request, self.incarnation)
             elif isinstance(action, Broadcast):

@@ -41,7 +41,7 @@ class WalkTrainer:
     model: WalkModel
     generator: torch.Generator
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, x: torch.Tensor, y: torch.Tensor, progress: float = 0.0) -> float:
         with torch.no_grad():
             for p in self.model.parameters():
                 p.mul_(0.999).add_(torch.randn(p.shape, generator=self.generator), alpha=0.01)

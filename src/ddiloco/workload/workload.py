@@ -16,7 +16,7 @@ from ddiloco.config import Config
 from ddiloco.workload.corpus import BatchSampler, Corpus, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
 from ddiloco.workload.model import ByteTransformer
-from ddiloco.workload.trainer import InnerTrainer, OptimizerSettings, build_model
+from ddiloco.workload.trainer import InnerTrainer, LrSchedule, OptimizerSettings, Precision, build_model
 
 
 @dataclass(slots=True)
@@ -31,8 +31,10 @@ class Workload:
     """Where models are trained and evaluated (``workload/device.py``); data is drawn on the CPU."""
 
     @classmethod
-    def build(cls, config: Config, device: torch.device | None = None) -> "Workload":
-        data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
+    def build(cls, config: Config, device: torch.device | None = None, *, data: bytes | None = None) -> "Workload":
+        """``data``: the corpus already loaded (``load_corpus``), for callers that build many workloads."""
+        if data is None:
+            data = load_corpus(config.train.corpus or None, max_bytes=config.train.corpus_max_bytes)
         corpus = split_corpus(data, num_shards=config.run.learners, seq_len=config.model.seq_len)
         batches = eval_batches(
             corpus.eval_data,
@@ -52,14 +54,19 @@ class Workload:
 
     def new_trainer(self, model: torch.nn.Module) -> InnerTrainer:
         t = self.config.train
-        return InnerTrainer(model, OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay))
+        return InnerTrainer(model, OptimizerSettings(lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+                                                     schedule=LrSchedule(t.schedule), lr_min_ratio=t.lr_min_ratio,
+                                                     precision=Precision(t.precision)))
 
-    def sampler(self, learner: int) -> BatchSampler:
+    def sampler(self, learner: int, rank: int = 0) -> BatchSampler:
+        """Batches of learner ``learner``'s shard; a data-parallel learner's other ranks (``rank`` > 0)
+        draw other batches from the same shard."""
+        seed = self.config.run.seed * 1_000_003 + learner
         return BatchSampler(
             self.corpus.train_shards[learner],
             batch_size=self.config.train.batch_size,
             seq_len=self.config.model.seq_len,
-            seed=self.config.run.seed * 1_000_003 + learner,
+            seed=seed * 7919 + rank if rank else seed,
         )
 
     @property

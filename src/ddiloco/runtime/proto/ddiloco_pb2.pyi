@@ -47,14 +47,16 @@ class Progress(_message.Message):
     def __init__(self, boot: _Optional[str] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "probe", "boot")
+    __slots__ = ("learner_id", "probe", "boot", "tokens_per_step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     BOOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     probe: bool
     boot: str
-    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ...) -> None: ...
+    tokens_per_step: int
+    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
     __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256")
@@ -223,11 +225,15 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("learner_offset", "learner_limit")
+    LEARNER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    learner_offset: int
+    learner_limit: int
+    def __init__(self, learner_offset: _Optional[int] = ..., learner_limit: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s")
+    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s", "accepted_per_min", "link_starved", "joining")
     ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +244,9 @@ class LearnerStatus(_message.Message):
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_MIN_FIELD_NUMBER: _ClassVar[int]
+    LINK_STARVED_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     id: str
     alive: bool
     last_seen_s_ago: float
@@ -248,7 +257,10 @@ class LearnerStatus(_message.Message):
     bytes_up: int
     bytes_down: int
     step_time_s: float
-    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    accepted_per_min: int
+    link_starved: bool
+    joining: bool
+    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
     __slots__ = ("id", "version", "numel", "bytes_up", "bytes_down")
@@ -273,7 +285,7 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards")
+    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "link_starved_episodes", "checkpoint_failures", "last_checkpoint_error")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +314,13 @@ class StatusReply(_message.Message):
     ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CAPPED_FIELD_NUMBER: _ClassVar[int]
+    LINK_STARVED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_version: int
     uptime_s: float
@@ -330,4 +349,11 @@ class StatusReply(_message.Message):
     round_phases: _containers.RepeatedScalarFieldContainer[str]
     shard: int
     shards: int
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
+    learners_total: int
+    learners_forgotten: int
+    progress_clipped: int
+    weights_capped: int
+    link_starved_episodes: int
+    checkpoint_failures: int
+    last_checkpoint_error: str
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., link_starved_episodes: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,85 @@
+"""What the synchronizer core reports about itself: immutable snapshots for other threads.
+
+The core is touched by one thread only (its driver's). Status pages, metrics, logs and the
+service's own bookkeeping read these values instead: frozen dataclasses of tuples and
+fresh dicts, built on the core's thread and never changed afterwards, so any thread may
+read one while the core moves on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddiloco.core.rounds import RoundPhase
+from ddiloco.core.run import RunPhase
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerStatus:
+    learner_id: str
+    alive: bool
+    last_seen_s: float
+    accepted: int
+    rejected: int
+    registrations: int
+    step_time_s: float | None
+    tokens: int
+    accepted_per_min: int = 0
+    """Contributions accepted in the last minute: a learner that trains but whose work does not
+    reach the synchronizer shows 0 here."""
+    link_starved: bool = False
+    """Alive, but nothing of its work has been accepted for several periods (its link cannot carry it)."""
+    joining: bool = False
+    """Its global state is still on its way (its lease waits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStatus:
+    """A snapshot of what the synchronizer knows, for status pages, metrics and tests."""
+
+    incarnation: int
+    phase: RunPhase
+    fragments: tuple[int, ...]
+    """The fragments this synchronizer (shard) owns; ``versions`` and ``round_phases`` follow them."""
+    versions: tuple[int, ...]
+    round_phases: tuple[RoundPhase, ...]
+    learners: tuple[LearnerStatus, ...]
+    quorum: int
+    effective_quorum: int
+    grace_window_s: float
+    grace_quorum_s: float
+    grace_sync_s: float
+    rounds_closed: dict[str, int]
+    rejections: dict[str, int]
+    tokens: int
+    token_budget: int
+    pending_tokens: int
+    longest_pause_s: float
+    started_at_s: float | None
+    """When the run's first learner joined (this incarnation's clock), None before."""
+    learners_forgotten: int = 0
+    """Learners dropped from the registry after ``protocol.forget_after_s`` dead (not in ``learners``)."""
+    progress_clipped: int = 0
+    """Progress reports that claimed more work than the run's configuration makes possible."""
+    weights_capped: int = 0
+    """Contributions whose merge weight was capped (``protocol.max_weight_ratio``)."""
+    link_starved_episodes: int = 0
+    """Times a live learner went several periods without an accepted contribution."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreView:
+    """The few facts drivers need after every event, published by the core's thread."""
+
+    phase: RunPhase
+    versions: tuple[int, ...]
+    alive: int
+    tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is RunPhase.FINISHED
+
+    @property
+    def stopping(self) -> bool:
+        return self.phase in (RunPhase.STOPPING, RunPhase.FINISHED)

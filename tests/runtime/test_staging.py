@@ -1,0 +1,151 @@
+"""Host staging of a learner's Δ and updates: unchanged on the CPU, asynchronous on a GPU.
+
+The CPU tests run everywhere: the contract the sender thread relies on (``Send.ready``
+before compression), updates decoded ahead give the same merge as updates decoded by the
+core, and staging hands CPU sends on untouched. The CUDA tests skip without a GPU; they
+check that the training thread's side (taking Δ, staging it, applying an update) makes no
+synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises on one), that
+what the sender compresses is Δ, and that a learner runtime on the GPU trains and merges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ddiloco.config import build_config
+from ddiloco.core.actions import Admitted, Broadcast, Send, SendJoin
+from ddiloco.core.codecs import get_codec
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.fragments import flatten, plan_fragments
+from ddiloco.core.learner import Learner
+from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime.learner_runtime import LearnerRuntime
+from ddiloco.runtime.staging import HostStaging
+from ddiloco.workload.workload import Workload
+from runtime_helpers import train_steps
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the staging path for accelerators)")
+SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("w3", (4, 8))]
+CONFIG = ProtocolConfig(fragments=3, period=3, codec="fp32", downlink_codec="int4", lease_s=1e6)
+
+
+def joined_learner(device: str = "cpu") -> tuple[Learner, dict[str, torch.Tensor], Synchronizer]:
+    g = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(shape, generator=g) for name, shape in SHAPES}
+    plan = plan_fragments(SHAPES, num_fragments=CONFIG.fragments, period=CONFIG.period, embedding_names=["embed"])
+    sync = Synchronizer(CONFIG, [flatten([params[n] for n in f.param_names]) for f in plan.fragments],
+                        embedding_fragments=[f.index for f in plan.fragments if f.is_embedding])
+    params = {name: t.to(device) for name, t in params.items()}
+    core = Learner("l0", CONFIG, plan, params, boot="b0")
+    (join,) = [a for a in core.start(0.0) if isinstance(a, SendJoin)]
+    reply = sync.handle(join.message, 0.0)[0]
+    assert isinstance(reply, Admitted)
+    core.on_admitted(reply.state, 0.0)
+    return core, params, sync
+
+
+def staging_for(core: Learner, device: str) -> HostStaging:
+    return HostStaging(torch.device(device), get_codec(CONFIG.downlink_codec), [f.numel for f in core.plan.fragments])
+
+
+def train_until_sends(core: Learner, params: dict[str, torch.Tensor]) -> list[Send]:
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.01)
+    sends: list[Send] = []
+    while not sends:
+        sends = core.record_step(10, 0.1, 1.0)
+    return sends
+
+
+def first_update(sync: Synchronizer, send: Send) -> FragmentUpdate:
+    (update,) = [a.update for a in sync.handle(send.encode(), 1.0) if isinstance(a, Broadcast)]
+    return update
+
+
+def test_the_sender_waits_for_ready_before_it_compresses():
+    delta = torch.zeros(8)
+    core, params, _ = joined_learner()
+    (send, *_) = train_until_sends(core, params)
+    late = dataclasses.replace(send, delta=delta, ready=lambda: delta.fill_(2.5))  # the copy lands in ready()
+    assert torch.equal(get_codec("fp32").decode(late.encode().payload, 8), torch.full((8,), 2.5))
+
+
+def test_on_the_cpu_staging_hands_sends_on_untouched():
+    core, params, _ = joined_learner()
+    sends = train_until_sends(core, params)
+    staging = staging_for(core, "cpu")
+    assert not staging.asynchronous
+    assert all(a is b for a, b in zip(staging.stage(list(sends)), sends))
+
+
+def test_an_update_decoded_ahead_merges_exactly_like_one_decoded_by_the_core():
+    results = []
+    for ahead in (False, True):
+        core, params, sync = joined_learner()
+        sends = train_until_sends(core, params)
+        update = first_update(sync, sends[0])
+        values = staging_for(core, "cpu").decode(update) if ahead else None
+        core.on_update(update, 2.0, values=values)
+        results.append((core.versions, [t.clone() for t in params.values()]))
+    assert results[0][0] == results[1][0] and results[0][0][sends[0].fragment] == 1
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_an_update_that_does_not_fit_is_left_to_the_core_to_refuse():
+    core, params, sync = joined_learner()
+    update = first_update(sync, train_until_sends(core, params)[0])
+    staging = staging_for(core, "cpu")
+    assert staging.decode(dataclasses.replace(update, codec="fp32")) is None
+    assert staging.decode(dataclasses.replace(update, payload=update.payload[:-1])) is None
+    assert staging.decode(dataclasses.replace(update, fragment=99)) is None
+    with pytest.raises(ValueError, match="decoded values"):
+        core.on_update(update, 2.0, values=torch.zeros(3))
+
+
+@cuda
+def test_on_a_gpu_the_training_thread_never_synchronizes():
+    core, params, sync = joined_learner("cuda")
+    staging = staging_for(core, "cuda")
+    assert staging.asynchronous
+    cpu_core, cpu_params, _ = joined_learner("cpu")
+    expected = train_until_sends(cpu_core, cpu_params)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call on this thread raises
+    try:
+        sends = staging.stage(list(train_until_sends(core, params)))
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    for send, reference in zip(sends, expected, strict=True):
+        assert send.delta.device.type == "cpu" and send.delta.is_pinned() and send.ready is not None
+        assert torch.allclose(get_codec("fp32").decode(send.encode().payload, send.delta.numel()), reference.delta)
+    update = first_update(sync, sends[0])
+    values = staging.decode(update)
+    assert values is not None and values.is_pinned()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        core.on_update(update, 2.0, values=values)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert core.versions[update.fragment] == 1
+    assert all(t.device.type == "cuda" for t in params.values())
+
+
+@cuda
+def test_a_learner_runtime_on_a_gpu_trains_sends_and_merges(inproc_sync):
+    config = build_config(preset="tiny", overrides=("run.learners=1",))
+    s = inproc_sync(config)
+    workload = Workload.build(config, torch.device("cuda"))
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "gpu-0")
+    trainer = train_steps(runtime, workload, model, 0, 4 * config.protocol.period)
+    runtime.close()
+    stats = runtime.stats
+    assert stats.contributions_sent >= 4 and stats.updates_applied >= 1
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert all(v.device.type == "cuda" for state in trainer.optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
