@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE or "networ
 SINK = """
 import socket, sys
 s = socket.socket(); s.bind((sys.argv[1], 5999)); s.listen(8)
+print("listening", flush=True)
 while True:
     c, _ = s.accept()
     while c.recv(65536): pass
@@ -54,7 +55,9 @@ def test_capped_links_hold_their_rates_own_and_shared_and_leave_nothing_behind()
                                  Region("b", Link(1e6, 1e6), ("learner-1", "learner-2"))))
     net = NetnsHosts.create(topology, ["sync", "learner-0", "learner-1", "learner-2"])
     try:
-        sink = subprocess.Popen([*net.prefix("sync"), sys.executable, "-c", SINK, net.address("sync")])
+        sink = subprocess.Popen([*net.prefix("sync"), sys.executable, "-c", SINK, net.address("sync")],
+                                stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "listening"
         before, started = net.counters(), time.monotonic()
         sources = [subprocess.Popen([*net.prefix(h), sys.executable, "-c", SOURCE, net.address("sync"), "2"])
                    for h in ("learner-0", "learner-1")]
