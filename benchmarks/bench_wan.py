@@ -17,8 +17,10 @@ Then the smallest link on which each mode keeps >= 95% of its own uncapped throu
 (:mod:`ddiloco.sim.bandwidth`, fed this workload's parameters, codec, H, P, tau and each
 mode's measured uncapped step time) required links and ratio; a plot of throughput against
 link capacity for both modes with the model's predictions on the same axes. Points are
-kept in ``OUT/points/``: a later call with other ``--modes`` or ``--rates`` adds to them,
-and the table and plot are rebuilt from every point there (``--report`` only rebuilds).
+kept in ``OUT/points/``: a later call with other ``--modes`` or ``--rates`` adds to them, a
+call with the same ones adds samples (a point's figures are then the mean of its samples,
+and the table shows their spread), and the table and plot are rebuilt from every point
+there (``--report`` only rebuilds).
 
     python benchmarks/bench_wan.py                                   # both ladders (~35 min on 2 cores)
     python benchmarks/bench_wan.py --modes dp --rates uncapped 200mbit 50mbit
@@ -123,6 +125,23 @@ def model_inputs(config: Config, step_s: float) -> bw.BandwidthInputs:
                               target_utilization=KEEP)
 
 
+def combine(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (mode, rate): the mean of its samples' rates, with their number and spread."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for sample in samples:
+        groups.setdefault((sample["mode"], sample["rate"]), []).append(sample)
+    points = []
+    for group in groups.values():
+        point = dict(group[-1])
+        for key in ("steps_per_s", "merges_per_min", "up_bytes_per_s", "down_bytes_per_s", "utilization"):
+            point[key] = sum(g[key] for g in group) / len(group)
+        steps = [g["steps_per_s"] for g in group]
+        point.update(samples=len(group), spread=(max(steps) - min(steps)) / point["steps_per_s"] if point["steps_per_s"] else 0.0,
+                     load_before=min(g["load_before"] for g in group), load_after=max(g["load_after"] for g in group))
+        points.append(point)
+    return points
+
+
 def relative(points: list[dict[str, Any]]) -> None:
     """Each point's throughput against its own mode's uncapped point (steps, and merges)."""
     base = {p["mode"]: p for p in points if p["rate_bps"] is None}
@@ -173,12 +192,12 @@ def report(config: Config, points: list[dict[str, Any]], plot: Path) -> dict[str
 
 def print_table(points: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     print(f"\n{'mode':<10}{'link':>11}{'steps/s':>9}{'rel':>7}{'merges/min':>12}{'rel':>7}{'accepted/min':>14}"
-          f"{'up kB/s':>9}{'down kB/s':>10}{'util':>6}{'load':>11}")
+          f"{'up kB/s':>9}{'down kB/s':>10}{'util':>6}{'n':>3}{'spread':>8}{'load':>11}")
     for p in sorted(points, key=lambda p: (p["mode"], -(p["rate_bps"] or math.inf))):
         accepted = "/".join(f"{v:.0f}" for v in p["accepted_per_min"].values()) or "-"
         print(f"{p['mode']:<10}{format_rate(p['rate_bps']):>11}{p['steps_per_s']:9.3f}{p['rel_steps']:7.1%}"
               f"{p['merges_per_min']:12.1f}{p['rel_merges']:7.1%}{accepted:>14}{p['up_bytes_per_s'] / 1e3:9.1f}"
-              f"{p['down_bytes_per_s'] / 1e3:10.1f}{p['utilization']:6.0%}"
+              f"{p['down_bytes_per_s'] / 1e3:10.1f}{p['utilization']:6.0%}{p['samples']:3d}{p['spread']:8.1%}"
               f"{p['load_before']:6.2f}-{p['load_after']:<4.2f}" + (f"  {p['starved']}" if p["starved"] else ""))
     for mode in MODES:
         m, kept = summary["model"].get(mode), summary["measured_bps"][mode]
@@ -268,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                 rate_bps(rate)  # a bad rate fails before anything runs
         for mode in args.modes:
             for rate in args.rates or (QUICK if args.quick else LADDERS)[mode]:
-                point = measure(config, mode, rate, args.warmup, args.window, out / "runs" / f"{mode}-{rate}")
-                (out / "points" / f"{mode}-{rate}.json").write_text(json.dumps(point, indent=1))
-    points = [json.loads(p.read_text()) for p in sorted((out / "points").glob("*.json"))]
+                n = len(list((out / "points").glob(f"{mode}-{rate}-*.json")))
+                point = measure(config, mode, rate, args.warmup, args.window, out / "runs" / f"{mode}-{rate}-{n}")
+                (out / "points" / f"{mode}-{rate}-{n}.json").write_text(json.dumps(point, indent=1))
+    points = combine([json.loads(p.read_text()) for p in sorted((out / "points").glob("*.json"))])
     summary = report(config, points, Path(args.plot or out / "wan.png"))
     Path(args.json or out / "wan.json").write_text(json.dumps({"points": points, "summary": summary}, indent=1))
     return 0

@@ -67,7 +67,9 @@ def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Con
 
 def add_hosts_options(parser: argparse.ArgumentParser) -> None:
     """Where the processes of a local run live, and how fast their links are (--hosts netns)."""
-    parser.add_argument("--hosts", choices=("local", "netns"), default="local",
+    from ddiloco.runtime.placement import Hosts
+
+    parser.add_argument("--hosts", choices=[str(h) for h in Hosts], default=str(Hosts.LOCAL),
                         help="local: every process on 127.0.0.1 (default); netns: the synchronizer and each "
                         "learner in its own network namespace behind a capped link (root)")
     links = parser.add_mutually_exclusive_group()
@@ -80,9 +82,10 @@ def add_hosts_options(parser: argparse.ArgumentParser) -> None:
 def topology_from_args(args: argparse.Namespace, learners: int) -> "Topology | None":
     """The run's topology for --hosts netns (None for local), checked before anything is created."""
     from ddiloco.runtime.netns import check_available
+    from ddiloco.runtime.placement import Hosts
     from ddiloco.runtime.topology import load_topology, parse_rate, uniform
 
-    if args.hosts != "netns":
+    if args.hosts != Hosts.NETNS:
         given = "--link-rate" if args.link_rate is not None else "--topology" if args.topology else None
         if given:
             raise ConfigError(f"{given} needs --hosts netns (links are capped between network namespaces)")

@@ -18,6 +18,7 @@ from ddiloco.commands.display import console, print_table, progress_bar, summary
 from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.placement import Hosts
 from ddiloco.experiment import run_virtual
 from ddiloco.reporting import prepare_out, write_run
 from ddiloco.workload.device import resolve_device
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     virtual = args.runtime == "virtual"
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
-    if virtual and args.hosts != "local":
+    if virtual and args.hosts != Hosts.LOCAL:
         raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")
     topology = topology_from_args(args, config.run.learners)
     if not virtual:

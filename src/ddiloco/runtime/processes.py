@@ -129,8 +129,3 @@ class StopSignals:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum)
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal's number, as a shell reports a process that a signal ended."""
-        return 128 + int(self.requested or 0)
