@@ -136,23 +136,34 @@ def combine(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in ("steps_per_s", "merges_per_min", "up_bytes_per_s", "down_bytes_per_s", "utilization"):
             point[key] = sum(g[key] for g in group) / len(group)
         steps = [g["steps_per_s"] for g in group]
-        point.update(samples=len(group), spread=(max(steps) - min(steps)) / point["steps_per_s"] if point["steps_per_s"] else 0.0,
+        spread = (max(steps) - min(steps)) / point["steps_per_s"] if point["steps_per_s"] else 0.0
+        point.update(samples=len(group), spread=spread,
                      load_before=min(g["load_before"] for g in group), load_after=max(g["load_after"] for g in group))
         points.append(point)
     return points
 
 
 def relative(points: list[dict[str, Any]]) -> None:
-    """Each point's throughput against its own mode's uncapped point (steps, and merges)."""
+    """Each point against its own mode's uncapped point: steps, merges, and merges per learner step."""
     base = {p["mode"]: p for p in points if p["rate_bps"] is None}
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.nan
+
     for p in points:
-        ref = base.get(p["mode"])
-        p["rel_steps"] = p["steps_per_s"] / ref["steps_per_s"] if ref and ref["steps_per_s"] else math.nan
-        p["rel_merges"] = p["merges_per_min"] / ref["merges_per_min"] if ref and ref["merges_per_min"] else math.nan
+        ref = base.get(p["mode"], {"steps_per_s": 0.0, "merges_per_min": 0.0})
+        p["rel_steps"] = ratio(p["steps_per_s"], ref["steps_per_s"])
+        p["rel_merges"] = ratio(p["merges_per_min"], ref["merges_per_min"])
+        p["rel_merged_share"] = ratio(ratio(p["merges_per_min"], p["steps_per_s"]),
+                                      ratio(ref["merges_per_min"], ref["steps_per_s"]))
 
 
 def keeps(p: dict[str, Any]) -> bool:
-    return p["rel_steps"] >= KEEP and (p["mode"] == "dp" or p["rel_merges"] >= KEEP)
+    """Data parallel: >= 95% of its uncapped steps. Decoupled DiLoCo: >= 95% of the uncapped share of the
+    learners' steps that reached the global model (merges per learner step). Its learners never wait for
+    the link, so their own speed is the CPU's, which varies by several percent between two runs of this
+    benchmark on a shared machine; what the link decides is how much of their work gets merged."""
+    return p["rel_steps"] >= KEEP if p["mode"] == "dp" else p["rel_merged_share"] >= KEEP
 
 
 def threshold(points: list[dict[str, Any]], mode: str) -> float | None:
@@ -173,7 +184,8 @@ def report(config: Config, points: list[dict[str, Any]], plot: Path) -> dict[str
     model = {}
     for mode, fn in (("decoupled", bw.decoupled_step_s), ("dp", bw.dp_step_s)):
         if mode in step_s:
-            model[mode] = {"step_s": step_s[mode], "required_bps": bw.required_bps(model_inputs(config, step_s[mode]), fn)}
+            needed = bw.required_bps(model_inputs(config, step_s[mode]), fn)
+            model[mode] = {"step_s": step_s[mode], "required_bps": needed}
     measured = {m: threshold(points, m) for m in MODES}
     summary = {
         "keep": KEEP, "measured_bps": measured, "model": model,
@@ -191,12 +203,14 @@ def report(config: Config, points: list[dict[str, Any]], plot: Path) -> dict[str
 
 
 def print_table(points: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(f"\n{'mode':<10}{'link':>11}{'steps/s':>9}{'rel':>7}{'merges/min':>12}{'rel':>7}{'accepted/min':>14}"
+    print(f"\n{'mode':<10}{'link':>11}{'steps/s':>9}{'rel':>7}{'merges/min':>12}{'rel':>7}{'per step':>9}"
+          f"{'accepted/min':>14}"
           f"{'up kB/s':>9}{'down kB/s':>10}{'util':>6}{'n':>3}{'spread':>8}{'load':>11}")
     for p in sorted(points, key=lambda p: (p["mode"], -(p["rate_bps"] or math.inf))):
         accepted = "/".join(f"{v:.0f}" for v in p["accepted_per_min"].values()) or "-"
         print(f"{p['mode']:<10}{format_rate(p['rate_bps']):>11}{p['steps_per_s']:9.3f}{p['rel_steps']:7.1%}"
-              f"{p['merges_per_min']:12.1f}{p['rel_merges']:7.1%}{accepted:>14}{p['up_bytes_per_s'] / 1e3:9.1f}"
+              f"{p['merges_per_min']:12.1f}{p['rel_merges']:7.1%}{p['rel_merged_share']:9.1%}{accepted:>14}"
+              f"{p['up_bytes_per_s'] / 1e3:9.1f}"
               f"{p['down_bytes_per_s'] / 1e3:10.1f}{p['utilization']:6.0%}{p['samples']:3d}{p['spread']:8.1%}"
               f"{p['load_before']:6.2f}-{p['load_after']:<4.2f}" + (f"  {p['starved']}" if p["starved"] else ""))
     for mode in MODES:
@@ -234,6 +248,8 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
         if mode == "decoupled":
             ax.plot([x / 1e6 for x in xs], [p["rel_merges"] for p in mine], "^--", color=colors[mode], alpha=0.7,
                     label=f"{names[mode]}: fragment versions merged/min (measured)")
+            ax.plot([x / 1e6 for x in xs], [p["rel_merged_share"] for p in mine], "x-.", color="#17becf",
+                    label=f"{names[mode]}: merges per learner step (measured; the 95% criterion)")
         m = summary["model"].get(mode)
         if m:
             x = model_inputs(config, m["step_s"])
@@ -243,15 +259,15 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
     ax.text(lo / 1e6, KEEP + 0.01, f"{KEEP:.0%} of uncapped", fontsize=8, color="0.4")
     ax.axvline(hi / 1e6 * 1.4, color="0.8", lw=0.8)
     ax.set_xscale("log")
-    ax.set_ylim(-0.03, max([1.1] + [p[k] + 0.05 for p in points for k in ("rel_steps", "rel_merges")
-                                       if math.isfinite(p[k])]))
+    shown = [p[k] for p in points for k in ("rel_steps", "rel_merges", "rel_merged_share") if math.isfinite(p[k])]
+    ax.set_ylim(-0.03, max([1.1] + [v + 0.05 for v in shown]))
     ticks = sorted(set(capped)) + [uncapped_x]
     ax.set_xticks([t / 1e6 for t in ticks], [format_rate(t).replace(" ", "\n") for t in ticks[:-1]] + ["uncapped"],
                   fontsize=7)
     ax.minorticks_off()
     ax.set(xlabel="link capacity per learner and direction", ylabel="throughput / its own uncapped throughput",
-           title=f"{config.run.learners} learners, {sum(f.numel for f in reference_layout(config, config.protocol).plan.fragments):,} "
-           f"parameters: real runs on tc-capped links vs the bandwidth model")
+           title=f"{config.run.learners} learners, {model_inputs(config, 1.0).params:,.0f} parameters: "
+           "real runs on tc-capped links vs the bandwidth model")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()

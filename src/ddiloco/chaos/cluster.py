@@ -63,7 +63,8 @@ class ChaosCluster:
         """A proxy per shard in front of ``name``'s connections, and its command line."""
         host, _ = self.place.sync_listen(0)
         self.links[name] = [name if len(self.ports) == 1 else f"{name}/{sync}" for sync in self.syncs]
-        addresses = [f"{self.place.gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=self.place.gateway)}"
+        gateway = self.place.gateway
+        addresses = [f"{gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=gateway)}"
                      for proxy, port in zip(self.links[name], self.ports)]
         self.learner_cmds[name] = learner_command(addresses, name, self.threads, device, min_step_s,
                                                   token_file=self.place.token_file)

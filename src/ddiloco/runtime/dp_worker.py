@@ -145,7 +145,8 @@ def _train(config: Config, args: argparse.Namespace, stop: threading.Event, worl
         started = started or step_started
         elapsed = time.perf_counter() - started
         busy_s += time.perf_counter() - step_started - (hook.waited_s - waited)
-        spent = (total_steps is not None and steps >= total_steps) or (config.run.time_s and elapsed >= config.run.time_s)
+        spent = (total_steps is not None and steps >= total_steps) or bool(config.run.time_s and
+                                                                           elapsed >= config.run.time_s)
         flag = torch.tensor([int(bool(spent) or stop.is_set())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if progress.due(steps) or flag.item():
@@ -191,9 +192,11 @@ class _Evaluator:
     def record(self, steps: int, goodput: float, payload_bytes: float) -> None:
         """A row after ``steps`` steps: ``goodput`` is the share of wall time spent computing, not
         waiting for the all-reduce; ``payload_bytes`` what each rank sent (and received) so far."""
-        row = {"virtual_time_s": round(time.time() - self.epoch, 3), "tokens": steps * self.workload.tokens_per_step * self.world,
+        total_bytes = int(payload_bytes * self.world)
+        row = {"virtual_time_s": round(time.time() - self.epoch, 3),
+               "tokens": steps * self.workload.tokens_per_step * self.world,
                "eval_loss": self.workload.evaluate(self.model), "goodput": min(1.0, goodput) if steps else 0.0,
-               "uptime": 1.0, "bytes_up": int(payload_bytes * self.world), "bytes_down": int(payload_bytes * self.world),
+               "uptime": 1.0, "bytes_up": total_bytes, "bytes_down": total_bytes,
                "fragment_versions": [steps], "alive": self.world}
         self.rows.append(row)
         with self.path.open("a") as f:

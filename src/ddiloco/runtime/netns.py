@@ -172,7 +172,8 @@ class NetnsHosts:
         remove_stale()
         tag = tag_of(os.getpid())
         if tag in _ACTIVE:
-            raise DdilocoError(f"this process already runs namespaces {leftovers(tag)}: one --hosts netns run at a time")
+            raise DdilocoError(f"this process already runs namespaces {leftovers(tag)}: "
+                               "one --hosts netns run at a time")
         LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
         with open(LOCK_FILE, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two runs starting at once must not take one subnet
