@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import ddiloco_session, netns_unavailable, process_state, session_pids, status_of, wait_for
+from runtime_helpers import (ddiloco_session, netns_unavailable, process_state, session_pids, stop_session, wait_for,
+                             wait_until_running)
 
 from ddiloco.cli import main
 
@@ -146,20 +147,9 @@ def test_sigterm_stops_the_run_cleanly_and_leaves_no_process_behind(tmp_path) ->
     text = '[[fault]]\ntime = 0\nfault = "freeze"\ntarget = "learner-1"\nduration = 50\n'
     proc = chaos(*TINY, "--learners", "2", "--time", "60", "--no-baseline", "--schedule", schedule(tmp_path, text),
                  out=out)
-    try:
-        port = int(wait_for(lambda: (out / "sync.port").exists() and (out / "sync.port").read_text().strip(),
-                            "the synchronizer's port file", timeout_s=180))
-        wait_for(lambda: (s := status_of(port)) and any(lr["alive"] for lr in s["learners"]), "a learner to join",
-                 timeout_s=180)
-        children = wait_for(lambda: (p := session_pids(proc.pid) - {proc.pid}) and len(p) >= 3 and p,
-                            "the synchronizer and both learners")
-        wait_for(lambda: any(process_state(pid) == "T" for pid in children), "learner-1 to be frozen")
-        os.kill(proc.pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    children = wait_until_running(proc, out)
+    wait_for(lambda: any(process_state(pid) == "T" for pid in children), "learner-1 to be frozen")
+    stdout, stderr = stop_session(proc, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     report = json.loads((out / "chaos.json").read_text())
     assert report["stopped"] == "SIGTERM" and not report["completed"] and report["eval_loss"] is not None

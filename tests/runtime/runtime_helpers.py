@@ -27,6 +27,29 @@ def netns_unavailable() -> str:
     return ""
 
 
+def wait_until_running(proc: subprocess.Popen, out: Path) -> set[int]:
+    """A local run of ``proc`` writing into ``out``, once a learner has joined its synchronizer and it has
+    at least three children (the synchronizer and two learners); returns their pids."""
+    port = int(wait_for(lambda: (out / "sync.port").exists() and (out / "sync.port").read_text().strip(),
+                        "the synchronizer's port file", timeout_s=180))
+    wait_for(lambda: (s := status_of(port)) and any(lr["alive"] for lr in s["learners"]), "a learner to join",
+             timeout_s=180)
+    return wait_for(lambda: (p := session_pids(proc.pid) - {proc.pid}) and len(p) >= 3 and p,
+                    "the synchronizer and both learners", timeout_s=180)
+
+
+def stop_session(proc: subprocess.Popen, sig: signal.Signals, timeout_s: float = 180) -> tuple[str, str]:
+    """Send ``sig`` to the session leader ``proc`` and wait for it to exit; (stdout, stderr). Whatever
+    happens, nothing of its session is left running."""
+    try:
+        os.kill(proc.pid, sig)
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def ddiloco_session(*args: str, out: Path | None = None) -> subprocess.Popen:
     """``ddiloco ARGS`` as a session leader (every process it starts shares its session id), output piped."""
     return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *(["--out", str(out)] if out else [])],

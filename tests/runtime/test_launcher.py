@@ -12,7 +12,8 @@ import signal
 import subprocess
 
 import pytest
-from runtime_helpers import ddiloco_session, free_port, learner_args, session_pids, status_of, sync_args, wait_for
+from runtime_helpers import (ddiloco_session, free_port, learner_args, session_pids, stop_session, sync_args,
+                             wait_for, wait_until_running)
 
 from ddiloco.config import build_config
 from ddiloco.reporting import SUMMARY_KEYS
@@ -93,12 +94,7 @@ def test_data_parallel_on_real_processes_trains_the_same_model_from_the_same_sta
 def _running_run(out, *extra: str) -> subprocess.Popen:
     """A process run of the tiny preset, once the synchronizer answers and both learners are started."""
     proc = ddiloco_session("run", "--runtime", "processes", "--preset", "tiny", "--learners", "2", *extra, out=out)
-    port = int(wait_for(lambda: (out / "sync.port").exists() and (out / "sync.port").read_text().strip(),
-                        "the synchronizer's port file", timeout_s=180))
-    wait_for(lambda: (s := status_of(port)) and any(lr["alive"] for lr in s["learners"]), "a learner to join",
-             timeout_s=180)
-    wait_for(lambda: len(session_pids(proc.pid) - {proc.pid}) >= 3, "the synchronizer and both learners",
-             timeout_s=180)
+    wait_until_running(proc, out)
     return proc
 
 
@@ -116,13 +112,7 @@ def test_kill_9_of_the_launcher_leaves_no_process_behind(tmp_path) -> None:
 def test_sigterm_of_the_launcher_stops_the_run_cleanly(tmp_path) -> None:
     out = tmp_path / "out"
     proc = _running_run(out, "--time", "120")
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stdout, stderr = stop_session(proc, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
     assert "stopped by SIGTERM" in stderr and "Traceback" not in stderr
     summary = json.loads((out / "summary.json").read_text())
