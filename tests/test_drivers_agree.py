@@ -47,7 +47,8 @@ from ddiloco.core.registry import SESSION_TAG_BITS
 from ddiloco.core.run import RunLimits
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.events import Ev, EventQueue
-from ddiloco.sim.network import ByteCounter, Direction, NetFaults, Network
+from ddiloco.measures import ByteLedger, Direction
+from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.synthetic import WalkModel
 
@@ -132,7 +133,7 @@ class SimDriver:
         self.queue = EventQueue()
         # Instant links: the gRPC driver calls its synchronizer with the script's clock unchanged too.
         self.network = Network(list(NAMES), bandwidth_bps=float("inf"), latency_s=0.0, faults=NetFaults(), seed=0,
-                               bytes_counter=ByteCounter())
+                               bytes_counter=ByteLedger())
         self.sync = SyncNode(lambda inc: Synchronizer(PROTOCOL, INITIAL, EMBEDS, limits=LIMITS, incarnation=inc),
                              seed=0)
         self.checker = None
@@ -254,7 +255,7 @@ class GrpcDriver:
 
         def read() -> None:
             for update in stream:
-                self._inbox.put((name, StopNotice() if update is None else update))
+                self._inbox.put((name, update))
 
         threading.Thread(target=read, daemon=True).start()
 

@@ -11,6 +11,7 @@ the key and the value.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import tomllib
 import types
 import typing
@@ -18,15 +19,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddiloco.core.config import Mode, ProtocolConfig
+from ddiloco.core.config import Mode, ProtocolConfig, one_of
 from ddiloco.core.run import RunLimits
 from ddiloco.errors import ConfigError
 from ddiloco.workload.model import ModelConfig
 from ddiloco.workload.trainer import LrSchedule, Precision
 
 MODES = tuple(m.value for m in Mode)
-PRECISIONS = tuple(p.value for p in Precision)
-SCHEDULES = tuple(s.value for s in LrSchedule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,10 +51,10 @@ class TrainConfig:
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default. Small models run best on 1: a
     multi-threaded step slows down many times over when another process takes a core."""
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     """Inner steps' arithmetic: fp32, or bf16 (autocast: matrix products in bfloat16; weights,
     gradients, AdamW state, Δ and merges stay fp32). Evaluation is always fp32."""
-    schedule: str = "constant"
+    schedule: LrSchedule = LrSchedule.CONSTANT
     """Inner learning rate after warm-up: constant, or cosine / linear decay to lr × lr_min_ratio
     over the run's budget. The position is the run's progress (all learners' tokens, or virtual
     time), not the learner's own: one that joins late or restarts warms up, then takes the rate
@@ -64,10 +63,8 @@ class TrainConfig:
     """Where a decaying schedule ends, as a share of lr."""
 
     def validate(self) -> None:
-        for key, value, valid in (("train.precision", self.precision, PRECISIONS),
-                                  ("train.schedule", self.schedule, SCHEDULES)):
-            if value not in valid:
-                raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(valid)})")
+        one_of("train.precision", self.precision, Precision)
+        one_of("train.schedule", self.schedule, LrSchedule)
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             raise ConfigError(f"train.lr_min_ratio must be in [0, 1], got {self.lr_min_ratio}")
         for key in ("batch_size", "eval_batches", "evals", "corpus_max_bytes"):
@@ -188,8 +185,7 @@ class RunConfig:
     """Budget in virtual seconds instead of tokens; 0 means use the token budget."""
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"run.mode: unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        one_of("run.mode", self.mode, Mode)
         if self.learners < 1:
             raise ConfigError(f"run.learners must be >= 1, got {self.learners}")
         if self.tokens < 0:
@@ -299,6 +295,12 @@ def apply_section(config: Config, section: str, values: Mapping[str, Any], *, or
 def _coerce(key: str, value: Any, hint: Any, origin: str) -> Any:
     if isinstance(hint, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ConfigError(f"{origin}: {key}: unknown value {value!r} "
+                              f"(choose from {', '.join(str(m.value) for m in hint)})") from None
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, float) and value.is_integer():

@@ -11,6 +11,7 @@ none or when ``docs/config.md`` differs from what this module prints::
 from __future__ import annotations
 
 import ast
+import enum
 import inspect
 import json
 import re
@@ -20,20 +21,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from ddiloco import config as config_module
-from ddiloco.config import PRECISIONS, PRESETS, SCHEDULES, Config
-from ddiloco.core.codecs import CODEC_NAMES
-from ddiloco.core.fragments import STRATEGIES
-from ddiloco.core.merge import MERGE_RULES
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "protocol.codec": CODEC_NAMES,
-    "protocol.downlink_codec": CODEC_NAMES,
-    "protocol.merge": MERGE_RULES,
-    "protocol.fragmentation": STRATEGIES,
-    "train.precision": PRECISIONS,
-    "train.schedule": SCHEDULES,
-}
-"""Keys whose value is one of a fixed set of names (checked by ``validate``)."""
+from ddiloco.config import PRESETS, Config
 
 FLAGS: dict[str, str] = {
     "run.mode": "--mode",
@@ -148,8 +136,15 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """Fields of ``cls`` whose value is one of a fixed set of names (an enum), with the names."""
+    return {name: tuple(str(m.value) for m in hint) for name, hint in typing.get_type_hints(cls).items()
+            if isinstance(hint, type) and issubclass(hint, enum.Enum)}
+
+
 def _section(name: str, cls: type) -> str:
     docs = attribute_docs(cls)
+    names = choices(cls)
     lines = [f"## [{name}]", "", _one_line(_first_paragraph(cls.__doc__ or ""))]
     if name in VIRTUAL_ONLY:
         lines[-1] += " Read by the virtual cluster only."
@@ -157,15 +152,15 @@ def _section(name: str, cls: type) -> str:
     for f in fields(cls):
         key = f"{name}.{f.name}"
         meaning = _one_line(docs[f.name])
-        if key in CHOICES and not all(choice in meaning for choice in CHOICES[key]):
-            meaning += f" One of: {', '.join(CHOICES[key])}."
+        if f.name in names and not all(choice in meaning for choice in names[f.name]):
+            meaning += f" One of: {', '.join(names[f.name])}."
         preset_values = ", ".join(f"{p}: {_value(v[name][f.name])}" for p, v in PRESETS.items()
                                   if f.name in v.get(name, {}))
         main_job = ", ".join(f"{p}: {_value(v[name][f.name])}" for p, v in MAIN_JOB.items()
                              if f.name in v.get(name, {}))
         if main_job:
             preset_values = "; ".join(filter(None, (preset_values, f"`ddiloco run` adds {main_job}")))
-        cells = [f"`{f.name}`", _type_name(f.type), _value(_default(f)), preset_values, FLAGS.get(key, ""), meaning]
+        cells = [f"`{f.name}`", "str" if f.name in names else _type_name(f.type), _value(_default(f)), preset_values, FLAGS.get(key, ""), meaning]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -225,3 +225,19 @@ def test_mean_coherence_is_the_merged_norm_over_the_mean_norm() -> None:
     mean_norm = sum(wi * float(torch.linalg.vector_norm(d.double())) for wi, d in zip(w.tolist(), deltas))
     assert acc.accumulated().coherence == pytest.approx(float(torch.linalg.vector_norm(merged.double())) / mean_norm,
                                                          rel=1e-4)
+
+
+@pytest.mark.parametrize("rule", MERGE_RULES)
+def test_no_contribution_weighs_more_than_the_cap_times_the_lower_median_weight(rule):
+    """The per-learner weight cap (protocol.max_weight_ratio): a member claiming 100 times the
+    others' work counts for 4 times the round's lower-median weight; the others keep theirs."""
+    numel = 512
+    g = torch.Generator().manual_seed(3)
+    payloads = [FAST.encode(torch.randn(numel, generator=g) * 0.01) for _ in range(3)]
+    capped = RoundAccumulator(numel, FAST, merge_rule(rule))
+    for m, (payload, weight) in enumerate(zip(payloads, (1.0, 2.0, 200.0))):
+        capped.add(m, payload, weight, capped.measure(payload, math.inf))
+    assert capped.cap_weights(4.0) == 1
+    want = reference([FAST.decode(p, numel) for p in payloads], [1.0, 2.0, 8.0], rule)
+    assert torch.allclose(capped.merged(), want, rtol=1e-4, atol=1e-7)
+    assert capped.cap_weights(0.0) == 0  # 0: no cap

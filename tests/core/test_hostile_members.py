@@ -14,7 +14,9 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
 from ddiloco.core.run import RunLimits, RunPhase
-from protocol_helpers import join, local_step, make_cluster, make_params, make_sync, refused, step
+import torch
+from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, refused, step
+from test_synchronizer import contributions_for
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 
@@ -145,14 +147,16 @@ def test_one_heartbeat_claiming_2_to_the_48_tokens_does_not_end_the_run():
     status = sync.status()
     assert status.phase is RunPhase.RUNNING and status.progress_clipped == 1
     assert status.tokens == (int(10.0 / config.min_step_s) + 1) * 100  # what 10 s can hold: one 100-token step per 10 ms
-    # The same claim again adds nothing; an honest report of what followed still counts.
+    # The same claim again adds nothing.
     sync.handle(Heartbeat("l0", cores[0].session, greedy), 10.5)
     assert sync.status().tokens == status.tokens
 
 
-def test_the_budget_counts_honest_progress_in_full():
+def test_the_budget_counts_honest_progress_in_full_however_late_and_close_together_reports_arrive():
+    """Reports delayed on a slow link arrive back to back: the bound is on totals since the
+    learner's origin, so two reports a millisecond apart can carry seconds of work between them."""
     plan, sync, cores, params = make_cluster(STRICT, learners=1, limits=RunLimits(tokens=1000))
-    for t, tokens in ((1.0, 300), (2.0, 600), (3.0, 1000)):
+    for t, tokens in ((1.0, 300), (1.001, 600), (1.002, 1000)):  # 10 steps of 100 tokens in 1.002 s
         actions = sync.handle(Heartbeat("l0", cores[0].session, Progress("b0", tokens, tokens // 100)), t)
     assert sync.status().tokens == 1000 and sync.status().progress_clipped == 0
     assert any(isinstance(a, StopLearners) for a in actions)
@@ -282,3 +286,49 @@ def test_a_live_learner_whose_work_never_arrives_is_reported_link_starved():
     c = a_contribution(cores, params)
     assert not isinstance(sync.handle(c, t + 1)[0], Refused)
     assert not sync.status(t + 1).learners[0].link_starved and sync.status(t + 1).learners[0].accepted_per_min == 1
+
+
+def test_contributions_delayed_and_arriving_back_to_back_are_still_plausible():
+    """Found by the registration burst (bench_sync_abuse.py): a contribution held up behind busy
+    uploads, and the next one right after it, used to be refused as implausible (each was
+    measured against the time since the previous one arrived)."""
+    config = dataclasses.replace(STRICT, quorum=2, space_rounds=False)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    first = a_contribution(cores, params)
+    fragment = first.fragment
+    while True:
+        local_step(params[0], seed=cores[0].step)
+        due = step(cores[0], tokens=100, duration_s=1.0)
+        for c in due:
+            if c.fragment != fragment:
+                cores[0].on_undelivered(c, 0.0)
+        if any(c.fragment == fragment for c in due):
+            second = next(c for c in due if c.fragment == fragment)
+            break
+    for c, now in ((first, 10.0), (second, 10.0001)):  # both held up, then delivered a tenth of a ms apart
+        assert not isinstance(sync.handle(c, now)[0], Refused)
+
+
+def test_a_member_sending_at_nine_tenths_of_the_norm_bound_cannot_make_the_model_grow_round_after_round():
+    """Finding 2: the bound was relative to the fragment's current value, so ten contributions at
+    0.9 x the bound (with a weight of about 2^88) grew a fragment's norm from 18 to 1.4e8. Now the
+    bound follows what most learners sent and the weight is capped."""
+    config = dataclasses.replace(BASE, quorum=2, codec="fp32", downlink_codec="fp32", space_rounds=False,
+                                 min_step_s=1e-9, max_tokens_per_step=10**6, lease_s=1e6)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    p = 1
+    numel = plan.fragments[p].numel
+    start = float(sync.value(p).norm())
+    for rnd in range(10):
+        honest, hostile = contributions_for(cores, params, fragment=p, seed=rnd)
+        honest_norm = float(torch.frombuffer(bytearray(honest.payload), dtype=torch.float32).norm())
+        bound = config.delta_norm_ratio_max * max(honest_norm, 1e-6)
+        pushed = torch.full((numel,), 0.9 * bound / numel**0.5)
+        forged = dataclasses.replace(hostile, payload=pushed.numpy().tobytes(), tokens=10**9, steps=10**3)
+        t = 10.0 * (rnd + 1)
+        for c in (honest, forged):
+            actions = sync.handle(c, t)
+            deliver(actions, cores)
+            assert not isinstance(actions[0], Refused) or c is forged
+    assert float(sync.value(p).norm()) < 3 * start, (start, float(sync.value(p).norm()))
+    assert sync.status().weights_capped >= 1

@@ -164,8 +164,8 @@ def test_stalled_uploads_and_downloads_are_cut_off_and_the_service_goes_on(inpro
         codes = list(pool.map(lambda _: stalled_upload(), range(100)))
     release.set()
     assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, set(codes)
-    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == calls.max_uploads  # each cut off at its deadline
-    assert s.call(lambda: (calls.uploads, calls.total_active)) == (0, 0)
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == calls.uploads.limit  # each cut off at its deadline
+    assert s.call(lambda: (len(calls.uploads), len(calls.calls))) == (0, 0)
 
     # A join whose state is never read: the transfer is cut off, and the lease it waited for is gone.
     channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])  # no reads ahead of us
@@ -174,8 +174,8 @@ def test_stalled_uploads_and_downloads_are_cut_off_and_the_service_goes_on(inpro
     next(join)  # the header; then nothing is read
     with SyncClient(address) as client:
         wait_for(lambda: not any(lr["alive"] for lr in client.status_dict()["learners"] if lr["id"] == "reader")
-                 and s.call(lambda: calls.transfers) == 0, "the stalled transfer to be cut off")
-        assert client.status_dict()["rejections"]["timed_out"] >= calls.max_uploads + 1
+                 and s.call(lambda: len(calls.transfers)) == 0, "the stalled transfer to be cut off")
+        assert client.status_dict()["rejections"]["timed_out"] >= calls.uploads.limit + 1
     with pytest.raises(grpc.RpcError):
         list(join)
     channel.close()

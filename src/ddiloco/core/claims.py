@@ -3,17 +3,21 @@
 A learner reports its training progress (cumulative tokens and steps per process boot)
 and, with every contribution, the tokens and steps behind it; the first feeds the run's
 budget, the second the merge weights. Both come from a member the synchronizer cannot
-watch, so both are trusted only as far as time allows: since its last counted report a
-learner can have taken at most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the
-fastest inner step the run believes possible), each of at most ``tokens_per_step`` tokens
-(what it declared when it joined, never above the run's own cap). What lies beyond is not
-counted — a progress report is clipped (and counted as clipped), a contribution refused as
-``implausible`` — so one member's message can neither end a run nor outweigh the others by
-claiming work it could not have done.
+watch, so both are trusted only as far as time allows: since a fixed origin (its session's
+start, or the first time this synchronizer counted that process) a learner can have taken at
+most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the fastest inner step the run
+believes possible), each of at most ``tokens_per_step`` tokens (what it declared when it
+joined, never above the run's own cap). What lies beyond is not counted — a progress report
+is clipped (and counted as clipped), a contribution refused as ``implausible`` — so one
+member's message can neither end a run nor outweigh the others by claiming work it could
+not have done. The bound is on totals since the origin, not on what one message adds since
+the previous one: messages arrive late and back to back (a slow link, a busy synchronizer),
+and an honest learner's totals never outrun the clock, whereas two reports a millisecond
+apart may well carry seconds of work between them.
 
 The sequence number of a contribution is held to the same clock: a learner sends a
-fragment at most once per period, so ``seq`` may run ahead of the last accepted one by at
-most the periods that fit in the elapsed time. A far-future ``seq`` (which would lock the
+fragment at most once per period, so ``seq`` (counted from 0 in each session) may not exceed
+the periods that fit since the session began. A far-future ``seq`` (which would lock the
 real learner out of the fragment as ``duplicate``) is refused the same way.
 """
 
@@ -46,23 +50,25 @@ class ClaimLimits:
         return int(max(0.0, seconds) / self.min_step_s) + 1
 
 
-def check_contribution(c: Contribution, limits: ClaimLimits, *, since_s: float, now: float, tokens_per_step: int,
-                       last_seq: int, period: int) -> None:
-    """:class:`Rejected` unless ``c`` is new (``duplicate``) and claims work that fits since ``since_s``
-    (the learner's registration, or its last accepted contribution of this fragment; ``implausible``)."""
+def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float,
+                       tokens_per_step: int, last_seq: int, steps_before: int, period: int) -> None:
+    """:class:`Rejected` unless ``c`` is new (``duplicate``) and, with the ``steps_before`` already
+    accepted for its fragment in this session, claims work that fits since the session began
+    at ``session_s`` (``implausible``)."""
     if c.seq <= last_seq:
         raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-    steps = limits.steps_in(now - since_s)
-    if c.steps > steps:
-        raise Rejected(RejectReason.IMPLAUSIBLE, f"{c.steps} steps claimed in {now - since_s:.3g}s "
-                                                 f"(at most {steps} at one per {limits.min_step_s:g}s)")
+    steps = limits.steps_in(now - session_s)
+    if steps_before + c.steps > steps:
+        raise Rejected(RejectReason.IMPLAUSIBLE, f"{steps_before + c.steps} steps claimed for fragment {c.fragment} "
+                                                 f"in {now - session_s:.3g}s of this session (at most {steps} at "
+                                                 f"one per {limits.min_step_s:g}s)")
     if c.tokens > c.steps * tokens_per_step:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"{c.tokens} tokens in {c.steps} steps "
                                                  f"(at most {tokens_per_step} per step)")
-    ahead = 1 + steps // period
-    if c.seq > last_seq + ahead:
-        raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} runs {c.seq - last_seq} ahead of the last "
-                                                 f"accepted one (at most {ahead})")
+    sends = 1 + steps // period
+    if c.seq > sends:
+        raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - session_s:.3g}s of this session "
+                                                 f"(at most {sends} sends fit)")
 
 
 @dataclass(slots=True)
@@ -72,9 +78,14 @@ class _Boot:
     claimed_tokens: int = 0
     claimed_steps: int = 0
     tokens: int = 0
-    steps: int = 0
-    at_s: float | None = None
-    """When it was last counted (this incarnation's clock; None after a restore)."""
+    """Counted (the budget's share of this boot)."""
+    origin_s: float | None = None
+    """Since when this synchronizer bounds the boot's claims (this incarnation's clock; None
+    until its first report here, e.g. after a restore)."""
+    origin_steps: int = 0
+    origin_tokens: int = 0
+    """The claims already counted at the origin (a restored boot's totals continue from them)."""
+    origin_counted: int = 0
 
 
 @dataclass(slots=True)
@@ -98,29 +109,29 @@ class ProgressLedger:
 
     def report(self, learner_id: str, progress: Progress, *, now: float, since_s: float,
                tokens_per_step: int) -> None:
-        """Count what ``progress`` adds, within what fits since the boot was last counted
-        (``since_s``, the learner's registration, for a boot not counted in this incarnation)."""
+        """Count ``progress`` as far as it fits since the boot's origin (``since_s``, the learner's
+        registration, for a boot this synchronizer has not counted yet)."""
         key = (learner_id, progress.boot)
         boot = self._boots.get(key)
         if boot is None:
             boot = self._boots[key] = _Boot()
             self._fold_old_boots(learner_id)
-        new_steps = progress.steps - boot.claimed_steps
-        new_tokens = progress.tokens - boot.claimed_tokens
-        if new_steps <= 0 and new_tokens <= 0:
+        if boot.origin_s is None:
+            boot.origin_s = since_s
+            boot.origin_steps, boot.origin_tokens, boot.origin_counted = (boot.claimed_steps, boot.claimed_tokens,
+                                                                          boot.tokens)
+        if progress.steps <= boot.claimed_steps and progress.tokens <= boot.claimed_tokens:
             return  # a repeated or reordered report
-        start = boot.at_s if boot.at_s is not None else since_s
-        steps = min(max(new_steps, 0), self.limits.steps_in(now - start))
-        tokens = min(max(new_tokens, 0), steps * tokens_per_step)
-        if steps < new_steps or tokens < new_tokens:
-            self.clipped += 1
         boot.claimed_steps = max(boot.claimed_steps, progress.steps)
         boot.claimed_tokens = max(boot.claimed_tokens, progress.tokens)
-        boot.steps += steps
-        boot.tokens += tokens
-        boot.at_s = now
-        self._by_learner[learner_id] = self._by_learner.get(learner_id, 0) + tokens
-        self.tokens += tokens
+        steps = min(boot.claimed_steps - boot.origin_steps, self.limits.steps_in(now - boot.origin_s))
+        tokens = min(boot.claimed_tokens - boot.origin_tokens, steps * tokens_per_step)
+        counted = max(boot.tokens, boot.origin_counted + tokens)
+        if tokens < boot.claimed_tokens - boot.origin_tokens:
+            self.clipped += 1  # the rest counts later, as the clock allows, if a later report claims more
+        self._by_learner[learner_id] = self._by_learner.get(learner_id, 0) + counted - boot.tokens
+        self.tokens += counted - boot.tokens
+        boot.tokens = counted
 
     def _fold_old_boots(self, learner_id: str) -> None:
         keys = [k for k in self._boots if k[0] == learner_id]
@@ -135,7 +146,7 @@ class ProgressLedger:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "boots": [[name, boot, b.claimed_tokens, b.claimed_steps, b.tokens, b.steps]
+            "boots": [[name, boot, b.claimed_tokens, b.claimed_steps, b.tokens]
                       for (name, boot), b in self._boots.items()],
             "learners": dict(self._by_learner),
             "tokens": self.tokens,
@@ -144,9 +155,9 @@ class ProgressLedger:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # The times are of another incarnation's clock: each boot's next report is measured
-        # from its learner's new registration.
-        self._boots = {(str(a), str(b)): _Boot(int(ct), int(cs), int(t), int(s))
-                       for a, b, ct, cs, t, s in state["boots"]}
+        # from its learner's new registration, on top of what was counted before.
+        self._boots = {(str(row[0]), str(row[1])): _Boot(int(row[2]), int(row[3]), int(row[4]))
+                       for row in state["boots"]}
         self._by_learner = {str(k): int(v) for k, v in state["learners"].items()}
         self.tokens = int(state["tokens"])
         self.clipped = int(state.get("clipped", 0))

@@ -23,6 +23,7 @@ A zero block has scale 0 and decodes to exact zeros.
 
 from __future__ import annotations
 
+import enum
 import math
 from abc import ABC, abstractmethod
 
@@ -32,7 +33,16 @@ from torch import Tensor
 
 from ddiloco.errors import ConfigError
 
-CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "int2", "int1")
+class CodecName(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+    INT2 = "int2"
+    INT1 = "int1"
+
+
+CODEC_NAMES = tuple(name.value for name in CodecName)
 
 
 class Codec(ABC):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from ddiloco.core.codecs import CODEC_NAMES
-from ddiloco.core.fragments import STRATEGIES
-from ddiloco.core.merge import MERGE_RULES, MergeRuleName
+from ddiloco.core.codecs import CodecName
+from ddiloco.core.fragments import Fragmentation
+from ddiloco.core.merge import MergeRuleName
 from ddiloco.errors import ConfigError
 
 
@@ -55,15 +55,15 @@ class ProtocolConfig:
     waits for it up to this many seconds, then trains on (the paper's behaviour); 0 never waits."""
     alpha: float = 0.5
     """α: on arrival θ ← α·θ + (1−α)·Θ; 0 adopts the global value, 0.5 keeps half the overlap progress."""
-    fragmentation: str = "balanced"
+    fragmentation: Fragmentation = Fragmentation.BALANCED
     """How parameters are split into fragments: balanced, layerwise or strided."""
-    codec: str = "int4"
+    codec: CodecName = CodecName.INT4
     """Uplink codec for outer gradients."""
-    downlink_codec: str = "int4"
+    downlink_codec: CodecName = CodecName.INT4
     """Codec for the outer updates the synchronizer sends back (with error feedback)."""
     block_size: int = 128
     """Elements per quantization block (one float32 scale each)."""
-    merge: str = MergeRuleName.RDA
+    merge: MergeRuleName = MergeRuleName.RDA
     """Merge rule for non-embedding fragments: rda, mean or rda-median (the embedding always uses mean)."""
     outer_lr: float = 0.4
     """Outer SGD learning rate. DiLoCo's 0.7 was tuned for H≈500 and synchronous rounds; with
@@ -127,14 +127,13 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.overlap must be >= 0, got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"protocol.alpha must be in [0, 1], got {self.alpha}")
-        for key, value, valid in (
-            ("protocol.codec", self.codec, CODEC_NAMES),
-            ("protocol.downlink_codec", self.downlink_codec, CODEC_NAMES),
-            ("protocol.merge", self.merge, MERGE_RULES),
-            ("protocol.fragmentation", self.fragmentation, STRATEGIES),
+        for key, value, names in (
+            ("protocol.codec", self.codec, CodecName),
+            ("protocol.downlink_codec", self.downlink_codec, CodecName),
+            ("protocol.merge", self.merge, MergeRuleName),
+            ("protocol.fragmentation", self.fragmentation, Fragmentation),
         ):
-            if value not in valid:
-                raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(valid)})")
+            one_of(key, value, names)
         if self.outer_lr <= 0:
             raise ConfigError(f"protocol.outer_lr must be > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
@@ -186,6 +185,12 @@ class ProtocolConfig:
         self.validate()
         if self.quorum > learners:
             raise ConfigError(f"protocol.quorum (K={self.quorum}) exceeds the number of learners (M={learners})")
+
+
+def one_of(key: str, value: object, names: type[enum.StrEnum]) -> None:
+    """ConfigError unless ``value`` names a member of ``names`` (a configuration built in code may hold strings)."""
+    if value not in set(names):
+        raise ConfigError(f"{key}: unknown value {value!r} (choose from {', '.join(n.value for n in names)})")
 
 
 def _positive_int(key: str, value: int) -> None:

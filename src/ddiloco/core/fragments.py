@@ -9,6 +9,8 @@ mean, not RDA): its rows are updated sparsely, so its learners' deltas are not n
 
 from __future__ import annotations
 
+import enum
+
 import bisect
 import heapq
 import itertools
@@ -21,7 +23,15 @@ from torch import Tensor
 
 from ddiloco.errors import ConfigError
 
-STRATEGIES = ("balanced", "layerwise", "strided")
+class Fragmentation(enum.StrEnum):
+    """How parameters are split into fragments (``protocol.fragmentation``)."""
+
+    BALANCED = "balanced"
+    LAYERWISE = "layerwise"
+    STRIDED = "strided"
+
+
+STRATEGIES = tuple(name.value for name in Fragmentation)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

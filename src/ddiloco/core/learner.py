@@ -32,6 +32,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
 from ddiloco.core.grace import MovingAverage
+from ddiloco.core.schedule import SendSchedule
 from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (
     Contribution,
@@ -83,29 +84,6 @@ FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSI
 taking it back from each other would fight for ever, so the earlier one stops)."""
 
 
-@dataclass(slots=True)
-class _Counters:
-    tokens: int = 0
-    steps: int = 0
-    compute_s: float = 0.0
-    first_step: int = 1
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A fragment sent and not yet updated: it is not sent again until then (see
-    ``Learner._held``), and a waiting learner waits for it."""
-
-    sent_at_step: int
-    wait_until_s: float | None = None
-    """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
-
-
-def _first_due(offset: int, period: int) -> int:
-    """The first step s >= 1 with s % period == offset (the plan's schedule)."""
-    return offset if offset >= 1 else period
-
-
 class Learner:
     """One learner's protocol state; holds references to the model's parameters, not copies."""
 
@@ -138,12 +116,7 @@ class Learner:
         self._anchors = [flatten(ts) for ts in self._tensors]
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
-        self._counters = [_Counters() for _ in plan.fragments]
-        self._seq = [0] * len(plan.fragments)
-        self._next_due = [_first_due(f.offset, plan.period) for f in plan.fragments]
-        """Step after which each fragment is next sent: the plan's offsets, then H after each send,
-        or H after its round began (``align_sends``)."""
-        self._in_flight: dict[int, _InFlight] = {}
+        self.schedule = SendSchedule(plan)
         self.step = 0
         self.step_time = MovingAverage()
         self._tokens_total = 0
@@ -191,7 +164,7 @@ class Learner:
         """
         if self.phase not in (LearnerPhase.TRAINING, LearnerPhase.JOINING) or not self.joined:
             return False
-        return not self._waiting(now)
+        return not self.schedule.waiting(now)
 
     def is_current(self, request: Request | Send) -> bool:
         """Was this request made in the current session of its shard? (Older work is dropped.)"""
@@ -222,8 +195,7 @@ class Learner:
     def next_deadline(self) -> float | None:
         """When ``tick`` has something to do: a heartbeat, a join retry, the end of a wait."""
         times = [t for link in self.links for t in (link.heartbeat_due_s, link.join_retry_s) if t is not None]
-        times += [f.wait_until_s for f in self._in_flight.values()
-                  if f.wait_until_s is not None and f.wait_until_s != float("inf")]
+        times += self.schedule.wait_deadlines()
         return min(times) if times else None
 
     def anchor(self, fragment: int) -> torch.Tensor:
@@ -269,9 +241,7 @@ class Learner:
             self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
             self.versions[p] = frag.version
             self._accepted_at_step = self.step
-            self._counters[p] = _Counters(first_step=self.step + 1)
-            self._seq[p] = 0
-            self._in_flight.pop(p, None)
+            self.schedule.restart(p, self.step)
 
     # ---- training ------------------------------------------------------------------------
 
@@ -285,42 +255,31 @@ class Learner:
         self.step += 1
         self._tokens_total += tokens
         self.step_time.add(duration_s)
-        for c in self._counters:
-            c.tokens += tokens
-            c.steps += 1
-            c.compute_s += duration_s
+        self.schedule.count(tokens, duration_s)
         # Nothing is sent to a shard being joined again: those steps start from anchors about to
         # be replaced.
-        sends = [self._contribution(p) for p, due in enumerate(self._next_due)
-                 if due <= self.step and self._may_send(p) and not self._held(p)]
-        self._start_waits(now)
+        sends = [self._contribution(p) for p in self.schedule.due(self.step) if self._may_send(p)]
+        if self.config.blocking or self.config.max_wait_s > 0:  # fragments sent τ steps ago (0: blocking)
+            self.schedule.start_waits(self.step, now, after_steps=0 if self.config.blocking else self.config.overlap,
+                                      limit_s=float("inf") if self.config.blocking else self.config.max_wait_s)
         return sends
 
     def _may_send(self, p: int) -> bool:
         link = self.links[self.config.shard_of(p)]
         return link.session is not None and not link.joining
 
-    def _held(self, p: int) -> bool:
-        """Fragment p's last contribution has had no update yet: a Δ sent now would be measured
-        from the same anchor and carry that contribution's progress a second time once it is
-        merged. The send waits for the update (training does not), at most one more period:
-        an update that late was lost (the send then brings the gap to light) or the
-        synchronizer is far behind."""
-        flight = self._in_flight.get(p)
-        return flight is not None and self.step - flight.sent_at_step < 2 * self.plan.period
-
     def _contribution(self, p: int) -> Send:
         shard = self.config.shard_of(p)
         session = self.links[shard].session
         assert session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
-        counters = self._counters[p]
+        counters, seq = self.schedule.take(p, self.step)
         header = Contribution(
             learner_id=self.learner_id,
             session=session,
             fragment=p,
             base_version=self.versions[p],
-            seq=self._seq[p],
+            seq=seq,
             tokens=counters.tokens,
             steps=counters.steps,
             compute_s=counters.compute_s,
@@ -330,37 +289,13 @@ class Learner:
             first_step=counters.first_step,
             progress=self.progress,
         )
-        self._seq[p] += 1
-        self._counters[p] = _Counters(first_step=self.step + 1)
-        self._next_due[p] = self.step + self.plan.period
-        self._in_flight[p] = _InFlight(sent_at_step=self.step)
         return Send(header, delta, self._uplink, shard)
-
-    def _start_waits(self, now: float) -> None:
-        """Fragments sent τ steps ago (0 when blocking) without an update: start waiting for them."""
-        if not (self.config.blocking or self.config.max_wait_s > 0):
-            return
-        threshold = 0 if self.config.blocking else self.config.overlap
-        limit = float("inf") if self.config.blocking else self.config.max_wait_s
-        for flight in self._in_flight.values():
-            if flight.wait_until_s is None and self.step - flight.sent_at_step >= threshold:
-                flight.wait_until_s = now + limit
-        self._expire_waits(now)
-
-    def _expire_waits(self, now: float) -> None:
-        """Waited ``max_wait_s`` for an update that did not come: train on."""
-        for p, flight in list(self._in_flight.items()):
-            if flight.wait_until_s is not None and now >= flight.wait_until_s:
-                del self._in_flight[p]
-
-    def _waiting(self, now: float) -> bool:
-        return any(f.wait_until_s is not None and now < f.wait_until_s for f in self._in_flight.values())
 
     def close(self, now: float) -> list[LearnerAction]:
         """End of training: send every fragment with unsent steps, due or not, then leave every shard."""
         if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
-        actions: list[LearnerAction] = [self._contribution(p) for p, c in enumerate(self._counters)
+        actions: list[LearnerAction] = [self._contribution(p) for p, c in enumerate(self.schedule.counters)
                                         if c.steps > 0 and self._may_send(p)]
         for shard, link in enumerate(self.links):
             if link.session is not None and not link.joining:
@@ -406,14 +341,10 @@ class Learner:
         alpha = self.config.alpha
         local = flatten(self._tensors[p])
         unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
-        self._in_flight.pop(p, None)
+        self.schedule.landed(p)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
-            # The next contribution is due H steps after this round began. A learner that missed
-            # the round (out of phase) skips its own slot: its steps go into the next round's
-            # contribution, sent in phase with everyone else's.
-            since_open = int(update.round_age_s / step_s)  # steps completed since the round began
-            self._next_due[p] = self.step + max(1, self.plan.period - since_open)
+            self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
         return UpdateResult.APPLIED
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
@@ -446,7 +377,7 @@ class Learner:
         if not self.is_current(request):
             return []  # about a session we already left
         if isinstance(request, Contribution):
-            self._in_flight.pop(request.fragment, None)
+            self.schedule.landed(request.fragment)
         target = self._shard_of(request)
         if ((reason in REJOIN_ON or self._impossible_duplicate(request, reason)) and target is not None
                 and self.phase is LearnerPhase.TRAINING and not self.links[target].joining):
@@ -458,7 +389,7 @@ class Learner:
         contribution we never had accepted, sent by someone speaking for us. A new session
         (sequence numbers from 0, a number they do not know) shuts them out."""
         return (reason is RejectReason.DUPLICATE and isinstance(request, Contribution)
-                and request.seq == self._seq[request.fragment] - 1)
+                and request.seq == self.schedule.seq[request.fragment] - 1)
 
     def on_undelivered(self, request: Request, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """A call got no answer (synchronizer down, network): retry, fold or drop."""
@@ -468,22 +399,10 @@ class Learner:
             return []
         if isinstance(request, Contribution):
             if self.is_current(request) and self.phase is not LearnerPhase.STOPPED:
-                self._requeue(request)
+                self.schedule.fold(request)
             else:
                 self.dropped += 1  # measured from a state we no longer hold
         return []  # heartbeats and leaves: the next heartbeat or the lease takes care of it
-
-    def _requeue(self, c: Contribution) -> None:
-        """Fold an undelivered contribution's counters into the fragment's next one.
-
-        Its Δ needs no keeping — the next Δ is measured from the same anchor and contains it.
-        """
-        counters = self._counters[c.fragment]
-        counters.tokens += c.tokens
-        counters.steps += c.steps
-        counters.compute_s += c.compute_s
-        counters.first_step = min(counters.first_step, c.first_step)
-        self._in_flight.pop(c.fragment, None)
 
     def on_stop(self, now: float) -> list[LearnerAction]:
         """The synchronizer says the budget is spent: the driver closes at the next step boundary."""
@@ -496,7 +415,7 @@ class Learner:
 
         Afterwards ``next_deadline()`` is later than ``now`` (or None).
         """
-        self._expire_waits(now)
+        self.schedule.expire_waits(now)
         actions: list[LearnerAction] = []
         unaccepted = self.step - self._accepted_at_step
         if (self.phase is LearnerPhase.TRAINING and not self.starved and not self.rejoining()

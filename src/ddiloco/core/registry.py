@@ -70,6 +70,9 @@ class LearnerRecord:
     """Last accepted sequence number per fragment, in the current session."""
     accepted_at: dict[int, float] = field(default_factory=dict)
     """When a contribution of each fragment was last accepted, in the current session."""
+    steps_accepted: dict[int, int] = field(default_factory=dict)
+    """Steps of the contributions accepted per fragment in the current session (what they may claim
+    is bounded by the session's length: ``core/claims.py``)."""
     accept_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ACCEPT_TIMES))
     retired_boots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RETIRED_BOOTS))
 
@@ -142,6 +145,7 @@ class Registry:
         rec.session_started_s = now
         rec.last_seq.clear()  # a new session numbers its contributions from 0
         rec.accepted_at.clear()
+        rec.steps_accepted.clear()
         rec.admitting_until_s = now + admission_s
         rec.last_seen_s = now
         rec.lease_until_s = now + admission_s + self.lease_s
@@ -196,8 +200,9 @@ class Registry:
             raise Rejected(RejectReason.UNKNOWN_LEARNER, f"session {session} was never opened for {learner_id!r}")
         return rec
 
-    def accepted(self, rec: LearnerRecord, fragment: int, seq: int, now: float) -> None:
+    def accepted(self, rec: LearnerRecord, fragment: int, seq: int, steps: int, now: float) -> None:
         rec.last_seq[fragment] = seq
+        rec.steps_accepted[fragment] = rec.steps_accepted.get(fragment, 0) + steps
         rec.accepted_at[fragment] = now
         rec.accept_times.append(now)
         rec.accepted += 1

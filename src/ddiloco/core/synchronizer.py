@@ -294,7 +294,7 @@ class Synchronizer:
         norm, pending = self._validate(c, rec, now)
         # Valid whole: from here on nothing refuses it.
         self._report(rec, c.learner_id, c, now)
-        self._registry.accepted(rec, c.fragment, c.seq, now)
+        self._registry.accepted(rec, c.fragment, c.seq, c.steps, now)
         rec.step_time_s = c.step_time_s
         self._registry.renew(rec, now)
         frag = self._fragments[c.fragment]
@@ -313,9 +313,9 @@ class Synchronizer:
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
         frag.check(c, self._uplink, self.config.staleness_max)
-        check_contribution(c, self._claims, since_s=rec.accepted_at.get(c.fragment, rec.session_started_s), now=now,
+        check_contribution(c, self._claims, session_s=rec.session_started_s, now=now,
                            tokens_per_step=rec.tokens_per_step, last_seq=rec.last_seq.get(c.fragment, -1),
-                           period=self.config.period)
+                           steps_before=rec.steps_accepted.get(c.fragment, 0), period=self.config.period)
         pending = frag.round.merged(c, now)
         return frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max)), pending
 

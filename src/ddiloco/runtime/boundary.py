@@ -21,7 +21,8 @@ from ddiloco.core.actions import Refused
 from ddiloco.core.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
-from ddiloco.runtime.metrics import ByteLedger, ServiceMetrics
+from ddiloco.measures import ByteLedger, Direction
+from ddiloco.runtime.metrics import ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 log = logging.getLogger("ddiloco.sync")
@@ -45,6 +46,9 @@ STATUS_CODES = {
 """gRPC status per rejection reason; everything else is INVALID_ARGUMENT."""
 
 M = TypeVar("M", bound=Message)
+GRPC_FRAME_BYTES = 5
+"""Every gRPC message is prefixed by 1 compression flag byte and a 4-byte length (counted with it;
+HTTP/2 frame headers and TLS records are not)."""
 UNREGISTERED = "(unregistered)"
 """The ledger's key for traffic of ids the core has not registered (or has forgotten)."""
 
@@ -145,12 +149,14 @@ class Boundary:
         return data
 
     def count_out(self, learner: str, fragment: int, size: int) -> None:
-        self.ledger.add(self.key(learner), self._fragment_key(fragment), "down", size)
-        self.metrics.bytes.labels("down").inc(size)
+        self._count(learner, fragment, Direction.DOWN, size)
 
     def count_in(self, learner: str, fragment: int, size: int) -> None:
-        self.ledger.add(self.key(learner), self._fragment_key(fragment), "up", size)
-        self.metrics.bytes.labels("up").inc(size)
+        self._count(learner, fragment, Direction.UP, size)
+
+    def _count(self, learner: str, fragment: int, direction: Direction, size: int) -> None:
+        self.ledger.add(self.key(learner), self._fragment_key(fragment), direction, size + GRPC_FRAME_BYTES)
+        self.metrics.bytes.labels(str(direction)).inc(size)
 
     def _fragment_key(self, fragment: int) -> int:
         return fragment if 0 <= fragment < self.fragments else -1  # a made-up index is control traffic

@@ -37,80 +37,60 @@ def peer_host(context: grpc.aio.ServicerContext) -> str:
     return host if sep and port.isdigit() else peer
 
 
+def busy(what: str) -> Abort:
+    return Abort(RejectReason.BUSY, f"{what}: try again later")
+
+
+def timed_out(what: str, seconds: float) -> Abort:
+    return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
+
+
 @dataclass(slots=True)
+class Pool:
+    """At most ``limit`` holders at once, per key (one key: a plain pool)."""
+
+    limit: int
+    what: str
+    held: collections.Counter = field(default_factory=collections.Counter)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str = "") -> AsyncIterator[None]:
+        """A slot, or :class:`Abort` (``busy``) when every one is taken."""
+        if self.held[key] >= self.limit:
+            raise busy(f"{self.limit} {self.what}{' from ' + key if key else ''} at once")
+        self.held[key] += 1
+        try:
+            yield
+        finally:
+            self.held[key] -= 1
+            if not self.held[key]:
+                del self.held[key]
+
+    def __len__(self) -> int:
+        return sum(self.held.values())
+
+
 class CallLimits:
-    min_bytes_per_s: float
-    max_learners: int
-    lease_s: float
-    per_peer: int = PER_PEER_CALLS
-    active: collections.Counter = field(default_factory=collections.Counter)
-    total_active: int = 0
-    uploads: int = 0
-    transfers: int = 0
-
-    @property
-    def total(self) -> int:
-        """Calls held at once in all: every live learner's few, and room for operators."""
-        return max(256, 8 * self.max_learners)
-
-    @property
-    def max_uploads(self) -> int:
-        return max(16, 2 * self.max_learners)
-
-    @property
-    def max_transfers(self) -> int:
-        return 8
+    def __init__(self, min_bytes_per_s: float, max_learners: int, lease_s: float) -> None:
+        self.min_bytes_per_s = min_bytes_per_s
+        self.lease_s = lease_s
+        self.per_peer = Pool(PER_PEER_CALLS, "calls")
+        self.calls = Pool(max(256, 8 * max_learners), "calls")
+        """Every live learner's few calls at once, and room for operators."""
+        self.uploads = Pool(max(16, 2 * max_learners), "uploads")
+        """Each holds its payload: at most the int4 size of the largest fragment."""
+        self.transfers = Pool(8, "state transfers")
+        """A join's or a fetch's: each holds a copy of the global state."""
 
     def deadline_s(self, nbytes: int) -> float:
         """How long a stream of ``nbytes`` may take."""
         return LEASES_ALLOWED * self.lease_s + nbytes / self.min_bytes_per_s
 
-    @staticmethod
-    def busy(what: str) -> Abort:
-        return Abort(RejectReason.BUSY, f"{what}: try again later")
-
-    @staticmethod
-    def timed_out(what: str, seconds: float) -> Abort:
-        return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
-
     @contextlib.asynccontextmanager
     async def call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Hold one call slot for this caller's host, or :class:`Abort` (``busy``)."""
-        peer = peer_host(context)
-        if self.active[peer] >= self.per_peer:
-            raise self.busy(f"{self.per_peer} calls from {peer} at once")
-        if self.total_active >= self.total:
-            raise self.busy(f"{self.total} calls at once")
-        self.active[peer] += 1
-        self.total_active += 1
-        try:
+        """Hold one call slot for this caller's host and one in all, or :class:`Abort` (``busy``)."""
+        async with self.per_peer.hold(peer_host(context)), self.calls.hold():
             yield
-        finally:
-            self.total_active -= 1
-            self.active[peer] -= 1
-            if not self.active[peer]:
-                del self.active[peer]
-
-    @contextlib.asynccontextmanager
-    async def upload(self) -> AsyncIterator[None]:
-        if self.uploads >= self.max_uploads:
-            raise self.busy(f"{self.max_uploads} uploads at once")
-        self.uploads += 1
-        try:
-            yield
-        finally:
-            self.uploads -= 1
-
-    @contextlib.asynccontextmanager
-    async def transfer(self) -> AsyncIterator[None]:
-        """A slot for sending the full state (a join, a fetch): each holds a copy of it."""
-        if self.transfers >= self.max_transfers:
-            raise self.busy(f"{self.max_transfers} state transfers at once")
-        self.transfers += 1
-        try:
-            yield
-        finally:
-            self.transfers -= 1
 
     async def write(self, context: grpc.aio.ServicerContext, data: bytes, what: str) -> None:
         """Send one message of a stream, or :class:`Abort` (``timed_out``) when the client stops reading."""
@@ -118,4 +98,4 @@ class CallLimits:
         try:
             await asyncio.wait_for(context.write(data), seconds)
         except asyncio.TimeoutError:
-            raise self.timed_out(what, seconds) from None
+            raise timed_out(what, seconds) from None

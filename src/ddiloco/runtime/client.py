@@ -22,7 +22,17 @@ from typing import Any, Iterator
 
 import grpc
 
-from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Heartbeat, Join, Leave, RejectReason, Session
+from ddiloco.core.messages import (
+    Contribution,
+    FragmentUpdate,
+    GlobalState,
+    Heartbeat,
+    Join,
+    Leave,
+    RejectReason,
+    Session,
+    StopNotice,
+)
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import (
@@ -199,7 +209,7 @@ class SyncClient:
 
 
 class UpdateStream:
-    """Iterates over complete :class:`FragmentUpdate` values (or ``None`` for "stop")."""
+    """Iterates over complete :class:`FragmentUpdate` values and :class:`StopNotice` (the budget is spent)."""
 
     def __init__(self, call: Any, address: str) -> None:
         self._call = call
@@ -208,12 +218,12 @@ class UpdateStream:
     def cancel(self) -> None:
         self._call.cancel()
 
-    def __iter__(self) -> Iterator[FragmentUpdate | None]:
+    def __iter__(self) -> Iterator[FragmentUpdate | StopNotice]:
         assembler = wire.UpdateAssembler()
         try:
             for msg in self._call:
                 if msg.stop:
-                    yield None
+                    yield StopNotice()
                     continue
                 update = assembler.add(msg)
                 if update is not None:

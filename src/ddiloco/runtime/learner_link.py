@@ -36,7 +36,7 @@ from typing import Any, Callable
 from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.learner import Learner
 from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
-from ddiloco.core.messages import Request, Session
+from ddiloco.core.messages import Request, Session, StopNotice
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
 from ddiloco.runtime.staging import HostStaging
@@ -291,7 +291,7 @@ class ShardChannel:
                 self._stream = stream
                 for update in stream:
                     delay = BACKOFF_START_S
-                    if update is None:
+                    if isinstance(update, StopNotice):
                         link.tell_core(lambda core: core.on_stop(link.clock()))
                         link.inbox.put((Inbox.WAKE, None))
                     else:

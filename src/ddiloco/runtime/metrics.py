@@ -1,4 +1,5 @@
-"""What the synchronizer service measures: bytes on the wire, goodput, Prometheus counters.
+"""What the synchronizer service measures: goodput, Prometheus counters (bytes on the wire:
+:class:`ddiloco.measures.ByteLedger`, as the virtual cluster counts them).
 
 These are observations of a real run, kept outside the protocol core: the core decides,
 the service counts. Everything here is plain bookkeeping with bounded memory.
@@ -6,7 +7,6 @@ the service counts. Everything here is plain bookkeeping with bounded memory.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,46 +18,8 @@ from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, 
 from prometheus_client.exposition import MetricsHandler
 
 from ddiloco.errors import ConfigError
+from ddiloco.measures import covered_s
 from ddiloco.runtime.auth import Address, http_authorized
-
-GRPC_FRAME_BYTES = 5
-"""Every gRPC message is prefixed by 1 compression flag byte and a 4-byte length."""
-
-
-@dataclass(slots=True)
-class ByteLedger:
-    """Bytes on the wire per (learner, fragment, direction); fragment -1 is control traffic.
-
-    Counts serialized protobuf messages plus their gRPC frame prefix, as they cross the
-    socket (HTTP/2 frame headers and TLS records are not included).
-    """
-
-    counts: Counter[tuple[str, int, str]] = field(default_factory=Counter)
-
-    def add(self, learner: str, fragment: int, direction: str, message_bytes: int) -> None:
-        self.counts[(learner, fragment, direction)] += message_bytes + GRPC_FRAME_BYTES
-
-    def total(self, direction: str) -> int:
-        return sum(n for (_, _, d), n in self.counts.items() if d == direction)
-
-    def rename(self, learner: str, to: str) -> None:
-        """Fold a learner's counts into another key (a learner the registry forgot)."""
-        for key in [k for k in self.counts if k[0] == learner]:
-            self.counts[(to, *key[1:])] += self.counts.pop(key)
-
-    def by(self, index: int, direction: str) -> dict[Any, int]:
-        out: dict[Any, int] = defaultdict(int)
-        for key, n in self.counts.items():
-            if key[2] == direction:
-                out[key[index]] += n
-        return dict(out)
-
-    def state_dict(self) -> list[list[Any]]:
-        return [[learner, fragment, direction, n] for (learner, fragment, direction), n in self.counts.items()]
-
-    def load_state_dict(self, rows: list[list[Any]]) -> None:
-        self.counts = Counter({(str(a), int(b), str(c)): int(n) for a, b, c, n in rows})
-
 
 @dataclass(slots=True)
 class GoodputMeter:
@@ -88,11 +50,8 @@ class GoodputMeter:
     def _fold(self, n: int) -> None:
         """Fold the oldest ``n`` intervals into the running coverage (bounded memory)."""
         self.intervals.sort()
-        for start, end in self.intervals[:n]:
-            start = max(start, self._reach)
-            if end > start:
-                self._covered_s += end - start
-                self._reach = end
+        covered, self._reach = covered_s(self.intervals[:n], reach=self._reach)
+        self._covered_s += covered
         del self.intervals[:n]
 
     def goodput(self, wall_s: float) -> float:
@@ -100,14 +59,10 @@ class GoodputMeter:
         return self.credited_s / (self.learners * total) if total > 0 else 0.0
 
     def uptime(self, started_s: float, now_s: float) -> float:
-        covered, reach = self._covered_s, self._reach
-        for start, end in sorted(self.intervals):
-            start = max(start, reach, started_s)
-            if end > start:
-                covered += min(end, now_s) - start
-                reach = end
+        recent, _ = covered_s(((max(start, started_s), min(end, now_s)) for start, end in self.intervals),
+                              reach=self._reach)
         total = self.elapsed_before_s + (now_s - started_s)
-        return min(1.0, covered / total) if total > 0 else 0.0
+        return min(1.0, (self._covered_s + recent) / total) if total > 0 else 0.0
 
     def state_dict(self, wall_s: float, uptime: float) -> dict[str, float]:
         return {"credited_s": self.credited_s, "elapsed_s": self.elapsed_before_s + wall_s, "uptime": uptime}

@@ -46,22 +46,23 @@ from ddiloco.core.actions import (
     SyncAction,
 )
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import RejectReason
+from ddiloco.core.messages import RejectReason, StopNotice
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import REASON_HEADER, Authenticator
 from ddiloco.runtime.boundary import Abort, Boundary
-from ddiloco.runtime.call_limits import CallLimits
+from ddiloco.runtime.call_limits import CallLimits, timed_out
 from ddiloco.runtime.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
-from ddiloco.runtime.metrics import ByteLedger, GoodputMeter, ServiceMetrics
+from ddiloco.measures import ByteLedger, fragment_shares
+from ddiloco.runtime.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.state_dir import StateDir
 from ddiloco.runtime.status_reply import status_reply
-from ddiloco.runtime.streams import StreamItem, UpdateStreams
+from ddiloco.runtime.streams import CLOSE, UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -119,8 +120,7 @@ class SyncService:
         )
         owned = [self.layout.plan.fragments[p] for p in self.core.owned]
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
-        total = sum(f.numel for f in self.layout.plan.fragments)
-        self._share = [f.numel / total for f in self.layout.plan.fragments]
+        self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
         self.state_bytes = 4 * sum(f.numel for f in owned)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
@@ -256,7 +256,7 @@ class SyncService:
                                        "join")
                 return
             join = wire.join_from_pb(req)
-            async with self.calls.transfer():
+            async with self.calls.transfers.hold():
                 reply = await self._host.handle(join)
                 if isinstance(reply, Refused):
                     await self.boundary.refused(context, reply)
@@ -289,7 +289,7 @@ class SyncService:
             await asyncio.wait_for(send(), deadline)
             delivered = True
         except asyncio.TimeoutError:
-            raise self.calls.timed_out("the global state's transfer", deadline) from None
+            raise timed_out("the global state's transfer", deadline) from None
         finally:  # also when the client went away (the task is cancelled): never await here
             self._spawn(self._host.handle(StateDelivered(learner, session, delivered)))
 
@@ -311,12 +311,12 @@ class SyncService:
 
     async def contribute(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            async with self.calls.upload():
+            async with self.calls.uploads.hold():
                 deadline = self.calls.deadline_s(self.boundary.max_payload)
                 try:
                     contribution = await asyncio.wait_for(self.boundary.assemble(requests, context), deadline)
                 except asyncio.TimeoutError:
-                    raise self.calls.timed_out("the upload", deadline) from None
+                    raise timed_out("the upload", deadline) from None
             reply = await self._host.handle(contribution)
             if isinstance(reply, Refused):
                 self.metrics.contributions.labels(str(reply.reason)).inc()
@@ -348,9 +348,9 @@ class SyncService:
                     await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)), "the update stream")
                 while True:
                     item = await sub.queue.get()
-                    if item is StreamItem.CLOSE:
+                    if item is CLOSE:
                         return
-                    if item is StreamItem.STOP:
+                    if isinstance(item, StopNotice):
                         await self.calls.write(context, self.boundary.out(name, -1, pb.Update(stop=True)),
                                                "the update stream")
                         continue
@@ -367,7 +367,7 @@ class SyncService:
     async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async def work() -> None:
             self.boundary.receive(context, pb.FetchStateRequest, raw)
-            async with self.calls.transfer():
+            async with self.calls.transfers.hold():
                 state = await self._host.query(lambda core: core.global_state())
                 deadline = self.calls.deadline_s(self.state_bytes)
 
@@ -378,7 +378,7 @@ class SyncService:
                 try:
                     await asyncio.wait_for(send(), deadline)
                 except asyncio.TimeoutError:
-                    raise self.calls.timed_out("the state fetch", deadline) from None
+                    raise timed_out("the state fetch", deadline) from None
 
         await self._guarded(context, work)
 

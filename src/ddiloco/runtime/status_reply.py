@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ddiloco.core.run import RunPhase
 from ddiloco.core.sync_status import SyncStatus
+from ddiloco.measures import Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
@@ -37,8 +38,8 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_o
         grace_window_s=core.grace_window_s,
         grace_quorum_s=core.grace_quorum_s,
         grace_sync_s=core.grace_sync_s,
-        bytes_up=service.ledger.total("up"),
-        bytes_down=service.ledger.total("down"),
+        bytes_up=service.ledger.total(Direction.UP),
+        bytes_down=service.ledger.total(Direction.DOWN),
         tokens=core.tokens,
         token_budget=core.token_budget,
         finished=core.phase is RunPhase.FINISHED,
@@ -64,7 +65,7 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_o
         end = wall_now
         reply.goodput = service.goodput.goodput(end - first)
         reply.model_uptime = service.goodput.uptime(first, end)
-    up_by_learner, down_by_learner = service.ledger.by(0, "up"), service.ledger.by(0, "down")
+    up_by_learner, down_by_learner = service.ledger.by(0, Direction.UP), service.ledger.by(0, Direction.DOWN)
     limit = min(learner_limit or LEARNERS_PAGE, LEARNERS_PAGE)
     for rec in core.learners[learner_offset:learner_offset + limit]:
         name = rec.learner_id
@@ -83,7 +84,7 @@ def status_reply(service: "SyncService", core: SyncStatus, now: float, learner_o
             link_starved=rec.link_starved,
             joining=rec.joining,
         ))
-    up_by_frag, down_by_frag = service.ledger.by(1, "up"), service.ledger.by(1, "down")
+    up_by_frag, down_by_frag = service.ledger.by(1, Direction.UP), service.ledger.by(1, Direction.DOWN)
     for index, version in zip(core.fragments, core.versions):
         reply.fragments.append(pb.FragmentStatus(
             id=index, version=version, numel=service.layout.plan.fragments[index].numel,

@@ -1,38 +1,26 @@
 """Learners' update streams: the synchronizer pushes every new fragment value as it is made.
 
 Each learner holds one server stream (``Updates``); a broadcast is serialized once and
-queued to every recipient's stream. The last few updates of each fragment are kept, so a
-learner whose stream broke for a moment resubscribes with the versions it holds and gets
-what it missed replayed, instead of fetching the full state. A stream that falls too far
-behind is closed (its learner resubscribes, and replays or rejoins).
+queued to every recipient's stream, and a stop notice goes the same way. What is replayed to
+a learner that resubscribes, and when a stream is too slow, is the protocol's rule
+(:mod:`ddiloco.core.replay`, followed by the virtual cluster too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.messages import FragmentUpdate, StopNotice
+from ddiloco.core.replay import ReplayLog, too_slow
 from ddiloco.runtime.wire import update_chunks
 
 log = logging.getLogger("ddiloco.sync")
 
-REPLAY_UPDATES = 8
-"""Recent updates kept per fragment for learners whose update stream broke briefly..."""
-REPLAY_BYTES = 256 << 20
-"""... within this many bytes per fragment (a learner that misses more fetches the full state)."""
-STREAM_BACKLOG = 64
-"""Updates queued for one learner's stream before it is closed as too slow (it resubscribes)."""
-
-
-class StreamItem:
-    """Markers a stream's queue carries besides updates."""
-
-    CLOSE = object()
-    STOP = object()
+CLOSE = object()
+"""What a stream's queue carries, besides (fragment, chunks) and stop notices, to end it."""
 
 
 @dataclass(slots=True)
@@ -44,15 +32,13 @@ class Subscriber:
 class UpdateStreams:
     def __init__(self, fragments: int) -> None:
         self._subscribers: dict[str, Subscriber] = {}
-        self._recent: list[collections.deque[tuple[int, list[bytes]]]] = [
-            collections.deque(maxlen=REPLAY_UPDATES) for _ in range(fragments)
-        ]
+        self._replay: ReplayLog[list[bytes]] = ReplayLog(fragments)
 
     def subscribe(self, learner: str) -> Subscriber:
         """A new stream for ``learner`` (replacing the one it had, which is closed)."""
         previous = self._subscribers.get(learner)
         if previous is not None:
-            previous.queue.put_nowait(StreamItem.CLOSE)
+            previous.queue.put_nowait(CLOSE)
         sub = self._subscribers[learner] = Subscriber()
         return sub
 
@@ -62,23 +48,16 @@ class UpdateStreams:
 
     def replay(self, have_versions: list[int]) -> Iterator[tuple[int, list[bytes]]]:
         """Recent updates newer than what a resubscribing learner holds, per fragment in order."""
-        for p, recent in enumerate(self._recent):
-            held = have_versions[p] if p < len(have_versions) else 0
-            for version, chunks in list(recent):
-                if version > held:
-                    yield p, chunks
+        return self._replay.since(have_versions)
 
     def publish(self, update: FragmentUpdate, recipients: tuple[str, ...]) -> None:
         chunks = update_chunks(update)
-        recent = self._recent[update.fragment]
-        recent.append((update.version, chunks))
-        while len(recent) > 1 and sum(len(c) for _, chunk_list in recent for c in chunk_list) > REPLAY_BYTES:
-            recent.popleft()
+        self._replay.record(update.fragment, update.version, chunks, sum(map(len, chunks)))
         for name in recipients:
             sub = self._subscribers.get(name)
             if sub is None:
                 continue  # not listening right now: it replays or rejoins when it resubscribes
-            if sub.backlog >= STREAM_BACKLOG:
+            if too_slow(sub.backlog):
                 log.warning("learner %s: update stream too slow, closing it", name)
                 self.close(name)
                 continue
@@ -91,12 +70,12 @@ class UpdateStreams:
         for name in names:
             sub = self._subscribers.get(name)
             if sub is not None:
-                sub.queue.put_nowait(StreamItem.STOP)
+                sub.queue.put_nowait(StopNotice())
 
     def close(self, learner: str) -> None:
         sub = self._subscribers.pop(learner, None)
         if sub is not None:
-            sub.queue.put_nowait(StreamItem.CLOSE)
+            sub.queue.put_nowait(CLOSE)
 
     def close_all(self) -> None:
         for name in list(self._subscribers):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddiloco.measures import covered_s
+
 
 class Accounting:
     def __init__(self, learners: int) -> None:
@@ -61,16 +63,9 @@ class Accounting:
 
     def uptime(self, wall_s: float) -> float:
         """Share of [0, ``wall_s``] covered by at least one credited step."""
-        intervals = sorted(
-            (s, min(e, wall_s))
-            for starts, ends, credits in zip(self._start, self._end, self._credit)
-            for s, e, c in zip(starts, ends, credits)
-            if c > 0 and s < wall_s
+        covered, _ = covered_s(
+            ((s, min(e, wall_s)) for starts, ends, credits in zip(self._start, self._end, self._credit)
+             for s, e, c in zip(starts, ends, credits) if c > 0 and s < wall_s),
+            reach=0.0,
         )
-        covered, reach = 0.0, 0.0
-        for s, e in intervals:
-            s = max(s, reach)
-            if e > s:
-                covered += e - s
-                reach = e
         return min(1.0, covered / wall_s) if wall_s > 0 else 0.0

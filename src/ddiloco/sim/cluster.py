@@ -34,7 +34,8 @@ from ddiloco.sim.events import Ev, EventQueue
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.learner_node import LearnerNode
-from ddiloco.sim.network import Direction, NetFaults, Network
+from ddiloco.measures import Direction, fragment_shares
+from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.snapshot import SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.timeline import Happening, Timeline
@@ -76,8 +77,7 @@ class VirtualCluster:
             for shard in range(protocol.shards)
         ]
         self.tokens_per_step = workload.tokens_per_step
-        total = sum(f.numel for f in self.plan.fragments)
-        self._share = [f.numel / total for f in self.plan.fragments]
+        self._share = fragment_shares(f.numel for f in self.plan.fragments)
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
         self.checker = (InvariantChecker(seed=run.seed, staleness_max=protocol.staleness_max, quorum=protocol.quorum,
                                          strict_quorum=protocol.strict_quorum, initial_values=initial)
@@ -236,6 +236,12 @@ class VirtualCluster:
             m, until = args
             self.network.partition(self.learners[m].name, until)
             self.injected["partition"] += 1
+            self.queue.at(until, Ev.PARTITION_END, m)
+        elif kind is Ev.PARTITION_END:
+            node = self.learners[args[0]]
+            if node.up and not self.network.partitioned(node.name, self.queue.now):
+                for sync in self.syncs:
+                    sync.replay_to(self, node.name, list(node.core.versions))
         elif kind is Ev.SYNC_CRASH:
             shard, until = args
             sync = self.syncs[shard]

@@ -21,6 +21,7 @@ import torch
 
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload, weights_sha256
+from ddiloco.measures import Direction
 from ddiloco.sim.network import HEADER_BYTES
 
 BF16_BYTES = 2
@@ -145,8 +146,8 @@ class DataParallel:
             else:
                 self._uncommitted.append((r, self._steps[r]))
             if per_replica:
-                self.recorder.bytes.add(f"learner-{r}", -1, "up", int(per_replica) + HEADER_BYTES)
-                self.recorder.bytes.add(f"learner-{r}", -1, "down", int(per_replica) + HEADER_BYTES)
+                for direction in Direction:
+                    self.recorder.bytes.add(f"learner-{r}", -1, direction, int(per_replica) + HEADER_BYTES)
         self.now = end
         if not self.elastic and self.now - self._checkpoint["at_s"] >= self.config.faults.checkpoint_interval_s:
             self._commit()

@@ -29,6 +29,8 @@ class Ev(enum.Enum):
     FREEZE = enum.auto()
     THAW = enum.auto()
     PARTITION = enum.auto()
+    PARTITION_END = enum.auto()
+    """The learner's links are back: its update stream resubscribes and what it missed is replayed."""
     SYNC_CRASH = enum.auto()
     SYNC_RESTART = enum.auto()
 

@@ -17,7 +17,7 @@ from ddiloco.config import Config
 from ddiloco.reporting import ProgressFn
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
-from ddiloco.sim.network import ByteCounter
+from ddiloco.measures import ByteLedger, Direction
 from ddiloco.sim.speed import StepTimer
 from ddiloco.workload.workload import Workload
 
@@ -31,7 +31,7 @@ class Recorder:
     progress: ProgressFn | None = None
     rows: list[dict[str, Any]] = field(default_factory=list)
     accounting: Accounting = field(init=False)
-    bytes: ByteCounter = field(default_factory=ByteCounter)
+    bytes: ByteLedger = field(default_factory=ByteLedger)
     trace: FailureTrace = field(init=False)
     timer: StepTimer = field(init=False)
     schedule_span: tuple[float, float] = (0.0, 1.0)
@@ -89,8 +89,8 @@ class Recorder:
             "eval_loss": self.workload.evaluate(model),
             "goodput": self.accounting.goodput(now),
             "uptime": self.accounting.uptime(now),
-            "bytes_up": self.bytes.total("up"),
-            "bytes_down": self.bytes.total("down"),
+            "bytes_up": self.bytes.total(Direction.UP),
+            "bytes_down": self.bytes.total(Direction.DOWN),
             **extra,
         }
         self.rows.append(row)

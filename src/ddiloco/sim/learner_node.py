@@ -29,7 +29,7 @@ from ddiloco.core.learner import Learner, LearnerPhase
 from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import Ev
 from ddiloco.sim.invariants import InvariantViolation
-from ddiloco.sim.network import Direction
+from ddiloco.measures import Direction
 from ddiloco.sim.timeline import Happening
 
 if TYPE_CHECKING:

@@ -10,18 +10,15 @@ links while it lasts (checked when the message leaves and when it would arrive).
 from __future__ import annotations
 
 import enum
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.measures import ByteLedger, Direction
+
 HEADER_BYTES = 64
 """Fixed per-message framing (ids, versions, counters) added to every payload."""
-
-
-class Direction(enum.StrEnum):
-    UP = "up"
-    DOWN = "down"
 
 
 class NetFault(enum.StrEnum):
@@ -45,26 +42,6 @@ class Link:
         return self.busy_until_s + self.latency_s
 
 
-@dataclass(slots=True)
-class ByteCounter:
-    """Bytes on the wire per (learner, fragment, direction); fragment -1 is control traffic."""
-
-    counts: dict[tuple[str, int, str], int] = field(default_factory=lambda: defaultdict(int))
-
-    def add(self, learner: str, fragment: int, direction: str, num_bytes: int) -> None:
-        self.counts[(learner, fragment, str(direction))] += num_bytes
-
-    def total(self, direction: str) -> int:
-        return sum(n for (_, _, d), n in self.counts.items() if d == direction)
-
-    def by_fragment(self, direction: str) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int)
-        for (_, frag, d), n in self.counts.items():
-            if d == direction:
-                out[frag] += n
-        return dict(out)
-
-
 @dataclass(frozen=True, slots=True)
 class NetFaults:
     """Per-message fault probabilities (``faults.loss``, ``duplicate``, ``reorder``)."""
@@ -85,7 +62,7 @@ class Network:
     """
 
     def __init__(self, learners: list[str], *, bandwidth_bps: float, latency_s: float, faults: NetFaults,
-                 seed: int, bytes_counter: ByteCounter) -> None:
+                 seed: int, bytes_counter: ByteLedger) -> None:
         self._links = {(name, d): Link(bandwidth_bps, latency_s) for name in learners for d in Direction}
         self.faults = faults
         self.bytes = bytes_counter

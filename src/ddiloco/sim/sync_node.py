@@ -26,7 +26,8 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.messages import Contribution, Request, StopNotice
+from ddiloco.core.messages import Contribution, FragmentUpdate, Request, StopNotice
+from ddiloco.core.replay import ReplayLog
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.events import Ev
 from ddiloco.sim.invariants import InvariantViolation
@@ -43,6 +44,7 @@ class SyncNode:
         self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7, shard]))
         self.incarnation = self._new_incarnation()
         self.core = build(self.incarnation)
+        self.replay: ReplayLog[FragmentUpdate] = ReplayLog(max(self.core.owned, default=-1) + 1)
         self.up = True
         self.checkpoint: dict[str, Any] | None = None
         self.tick_at: float | None = None
@@ -74,6 +76,12 @@ class SyncNode:
         self.execute(cluster, self.core.handle(StateDelivered(admitted.learner_id, admitted.state.session, ok),
                                                cluster.queue.now))
 
+    def replay_to(self, cluster: "VirtualCluster", name: str, held: list[int]) -> None:
+        """A learner's stream is back (its partition ended): send what it missed (``core/replay.py``)."""
+        if self.up:
+            for p, update in self.replay.since(held):
+                cluster.push_to(name, p, len(update.payload), update)
+
     def on_tick(self, cluster: "VirtualCluster", incarnation: int) -> None:
         if incarnation != self.incarnation or not self.up:
             return
@@ -103,6 +111,8 @@ class SyncNode:
                 if isinstance(action, Accepted) and isinstance(action.request, Contribution) and cluster.checker:
                     cluster.checker.on_accepted(action.request, self.incarnation)
             elif isinstance(action, Broadcast):
+                update = action.update
+                self.replay.record(update.fragment, update.version, update, len(update.payload))
                 arrivals = [cluster.push_to(name, action.update.fragment, len(action.update.payload), action.update)
                             for name in action.recipients]
                 arrivals = [t for t in arrivals if t is not None]
@@ -140,6 +150,7 @@ class SyncNode:
             return
         self.incarnation = self._new_incarnation()
         self.core = self._build(self.incarnation)
+        self.replay = ReplayLog(max(self.core.owned, default=-1) + 1)
         if self.checkpoint is not None:
             self.core.load_state_dict(self.checkpoint)
         self.up = True

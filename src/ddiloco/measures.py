@@ -1,0 +1,72 @@
+"""What both drivers measure the same way: bytes on the wire, and time covered by useful work.
+
+The virtual cluster and the gRPC runtime each count bytes per learner, fragment and direction
+and each derive model uptime from intervals of work that reached the global model; these are
+the one definition of both (the protocol core measures nothing of the kind). A message's
+framing is the driver's to add (the runtime's 5-byte gRPC prefix, the simulator's nominal
+header).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Direction(enum.StrEnum):
+    UP = "up"
+    """Learner to synchronizer."""
+    DOWN = "down"
+
+
+@dataclass(slots=True)
+class ByteLedger:
+    """Bytes on the wire per (learner, fragment, direction); fragment -1 is control traffic."""
+
+    counts: Counter[tuple[str, int, str]] = field(default_factory=Counter)
+
+    def add(self, learner: str, fragment: int, direction: Direction, num_bytes: int) -> None:
+        self.counts[(learner, fragment, str(direction))] += num_bytes
+
+    def total(self, direction: Direction) -> int:
+        return sum(n for (_, _, d), n in self.counts.items() if d == direction)
+
+    def by(self, index: int, direction: Direction) -> dict[Any, int]:
+        """Totals by learner (``index`` 0) or by fragment (1) in one direction."""
+        out: dict[Any, int] = defaultdict(int)
+        for key, n in self.counts.items():
+            if key[2] == direction:
+                out[key[index]] += n
+        return dict(out)
+
+    def rename(self, learner: str, to: str) -> None:
+        """Fold a learner's counts into another key (a learner the registry forgot)."""
+        for key in [k for k in self.counts if k[0] == learner]:
+            self.counts[(to, *key[1:])] += self.counts.pop(key)
+
+    def state_dict(self) -> list[list[Any]]:
+        return [[learner, fragment, direction, n] for (learner, fragment, direction), n in self.counts.items()]
+
+    def load_state_dict(self, rows: list[list[Any]]) -> None:
+        self.counts = Counter({(str(a), int(b), str(c)): int(n) for a, b, c, n in rows})
+
+
+def covered_s(intervals: Iterable[tuple[float, float]], *, reach: float = float("-inf")) -> tuple[float, float]:
+    """Seconds covered by the union of ``intervals`` (past ``reach``), and how far they reach."""
+    covered = 0.0
+    for start, end in sorted(intervals):
+        start = max(start, reach)
+        if end > start:
+            covered += end - start
+            reach = end
+    return covered, reach
+
+
+def fragment_shares(numels: Iterable[int]) -> list[float]:
+    """Each fragment's share of the parameters: what a merged contribution to it credits."""
+    numels = list(numels)
+    total = sum(numels)
+    return [n / total for n in numels]
