@@ -29,7 +29,7 @@ import torch
 
 from ddiloco.config import MODES, Config, build_config
 from ddiloco.experiment import run_virtual
-from ddiloco.reporting import plot_runs
+from ddiloco.run_plot import plot_runs
 from ddiloco.workload.workload import Workload
 
 FAILURES = dict(faults__mtbf_s=150.0, faults__downtime_s=12.0, run__time_s=600.0)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.config import PRECISIONS, build_config
+from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.actions import RoundClosed
 from ddiloco.core.messages import Contribution, Join, Session
@@ -43,6 +43,7 @@ from ddiloco.runtime.client import Refused, SyncClient, Unreachable
 from ddiloco.runtime.learner_runtime import LearnerRuntime
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.device import resolve_device
+from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
@@ -261,7 +262,7 @@ def main() -> None:
                         help="model of the throughput benchmark (small: ~20 ms CPU steps, medium: ~100 ms; "
                              "gpu: ~32M parameters); default medium on the CPU, gpu on a GPU")
     add_device_option(parser)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="train.precision of the learner")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="train.precision of the learner")
     args = parser.parse_args()
     chosen = set(args.only.split(","))
     try:

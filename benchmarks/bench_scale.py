@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.config import PRECISIONS, Config, build_config
+from ddiloco.config import Config, build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual, run_warm_started
 from ddiloco.workload.corpus import load_corpus
 from ddiloco.workload.device import resolve_device
+from ddiloco.workload.trainer import Precision
 from ddiloco.workload.model import VOCAB_SIZE
 from ddiloco.workload.workload import Workload
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated candidate changes to Decoupled DiLoCo, or all: {', '.join(VARIANTS)}")
     parser.add_argument("--tokens-per-param", type=float, help="override the preset's tokens per parameter")
     parser.add_argument("--lrs", help="comma-separated inner lr grid (default: the preset's)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32")
     parser.add_argument("--codec", help="uplink and downlink codec (default: the preset's)")
     parser.add_argument("--corpus", help="directory of text files (default: the Python standard library)")
     parser.add_argument("--corpus-max-bytes", type=int, help="cap on the corpus (default: the preset's)")

@@ -62,8 +62,18 @@ def test_bandwidth_presets_in_json(capsys):
 
 def test_bandwidth_table(capsys):
     assert main(["bandwidth", "--preset", "paper-12b-4regions"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "data parallel" in out and "speed-up" in out
+    assert "published: on 2 and 5 Gbit/s links, Decoupled DiLoCo trains more than 20x faster than data parallel" in out
+
+
+def test_bandwidth_shows_the_published_figures_in_its_table(capsys):
+    assert main(["bandwidth"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "published Gbit/s" in "".join(lines) and not any("{" in line for line in lines)
+    (dp,) = [line.split("│")[1:-1] for line in lines if "data parallel" in line]
+    (decoupled,) = [line.split("│")[1:-1] for line in lines if "Decoupled DiLoCo" in line]
+    assert (dp[2].strip(), decoupled[2].strip()) == ("198", "0.84")
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import ddiloco
 from ddiloco.cli import main
 
 
@@ -39,10 +40,56 @@ def error_line(capsys, argv) -> str:
         (["--learners", "x"], "'x'"),
         (["--config", "/nonexistent.toml"], "/nonexistent.toml"),
         (["--tokens", "5", "--time", "5"], "--time"),
+        (["--seed", "-1"], "-1"),
+        (["--seed", "99999999999999999999999"], "99999999999999999999999"),
+        (["--device", "cuda:99"], "cuda:99"),
     ],
 )
-def test_bad_input_is_one_line_naming_the_value(capsys, argv, needle):
-    assert needle in error_line(capsys, ["run", "--preset", "tiny", *argv])
+def test_bad_input_is_one_line_naming_the_value_and_creates_nothing(capsys, tmp_path, argv, needle):
+    out = tmp_path / "out" / "run"
+    assert needle in error_line(capsys, ["run", "--preset", "tiny", "--out", str(out), *argv])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["--seed", "-2"], ["--seed", str(2**63)], ["--corpus", "/nonexistent/dir"]])
+def test_compare_refuses_bad_input_before_creating_its_directory(capsys, tmp_path, argv):
+    out = tmp_path / "cmp"
+    assert argv[1] in error_line(capsys, ["compare", "--preset", "tiny", "--out", str(out), *argv])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["simtest", "--seeds", "1", "--first-seed", "-1"], "--first-seed"),
+    (["goodput", "--seed", "-1"], "--seed"),
+    (["learner", "--connect", "127.0.0.1:1", "--id", "learner-0", "--seed", "-1"], "--seed"),
+    (["status", "127.0.0.1:1", "--timeout", "-1"], "--timeout"),
+    (["status", "127.0.0.1:1", "--timeout", "inf"], "--timeout"),
+])
+def test_other_commands_refuse_bad_values_in_one_line(capsys, argv, needle):
+    assert needle in error_line(capsys, argv)
+
+
+def test_out_that_cannot_be_created_is_refused(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    assert "is not a directory" in error_line(capsys, ["run", "--preset", "tiny", "--out", str(tmp_path / "file" / "x")])
+
+
+def test_version_and_help_texts(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"ddiloco {ddiloco.__version__}"
+    helps = {}
+    for command in ("run", "compare", "learner", "status", "sync"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        helps[command] = " ".join(capsys.readouterr().out.split())
+    assert "(default: tiny 15, small 120, default 90; real processes: 0)" in helps["run"]
+    assert "(default: tiny 4, small 20, default 15)" in helps["run"]
+    assert "0 = none (default: 0)" in helps["compare"] and "stays down (default: 60)" in helps["compare"]
+    assert "size preset: tiny, small, default" in helps["learner"]
+    assert "(default 5)" in helps["status"]
+    for command in ("learner", "sync"):
+        assert "log messages of this level and above" in helps[command]
 
 
 def test_empty_corpus_dir_is_refused(capsys, tmp_path):

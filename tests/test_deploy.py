@@ -14,6 +14,8 @@ Where the command lines come from:
   ``srun`` stub records its argv and runs the rest, so the recorded command lines are the
   script's after the shell has expanded every variable, array and loop.
 - docs/deploy.md: tests/test_docs_commands.py, with the other pages.
+
+The Slurm script under a real Slurm: tests/test_deploy_slurm.py.
 """
 
 from __future__ import annotations
@@ -250,12 +252,14 @@ def test_the_parser_rejects_a_wrong_flag(capsys):
 STUB = '#!/bin/bash\nprintf "%s\\0" "${0##*/}" "$@" > "$(mktemp "$STUB_CALLS/call.XXXXXX")"\n'
 STUBS = {
     "ddiloco": STUB,
-    "torchrun": STUB,
+    # torchrun ... --id ID ...: fails (exit 1) when ID is $STUB_FAILING.
+    "torchrun": STUB + '[[ -n ${STUB_FAILING:-} && " $* " == *" --id $STUB_FAILING "* ]] && exit 1\nexit 0\n',
     "scancel": STUB,
     # srun [--option[=value] ...] COMMAND...: run COMMAND here.
     "srun": STUB + 'while [[ $# -gt 0 && $1 == -* ]]; do shift; done\nexec "$@"\n',
-    # scontrol show hostnames LIST: node0 .. node(N-1).
-    "scontrol": STUB + 'for (( i = 0; i < STUB_NODES; i++ )); do echo "node$i"; done\n',
+    # scontrol show hostnames LIST: node0 .. node(N-1); scontrol show node -o NAME: its NodeAddr, NAME.ib
+    "scontrol": STUB + 'if [[ $2 == node ]]; then echo "NodeName=$4 Arch=x86_64 NodeAddr=$4.ib NodeHostName=$4"; '
+                       'exit; fi\nfor (( i = 0; i < STUB_NODES; i++ )); do echo "node$i"; done\n',
 }
 
 
@@ -270,7 +274,7 @@ def run_sbatch(tmp_path: Path, nodes: int, script: Path = SBATCH, **env: str):
     environment = {
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path), "STUB_CALLS": str(calls),
         "STUB_NODES": str(nodes), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"node[0-{nodes - 1}]",
-        "SLURM_CPUS_PER_TASK": "16", "SLURM_GPUS_ON_NODE": "8", "RUN_DIR": str(tmp_path / "run"), **env,
+        "SLURM_JOB_CPUS_PER_NODE": f"16(x{nodes})", "SLURM_GPUS_ON_NODE": "8", "RUN_DIR": str(tmp_path / "run"), **env,
     }
     done = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True, timeout=60)
     recorded = [f.read_text().split("\0")[:-1] for f in sorted(calls.iterdir())]
@@ -294,20 +298,22 @@ def slurm_commands(recorded: list[list[str]]) -> list[tuple[dict[str, str], list
 
 
 @pytest.mark.parametrize("case", [
-    dict(env={}, learners=2, per_learner=1, shards=1, own_node=1),
+    dict(env={}, learners=2, per_learner=1, shards=1, own_node=1, nodes=3),
     dict(env={"LEARNERS": "3", "NODES_PER_LEARNER": "2", "SYNC_OWN_NODE": "0", "SHARDS": "2", "TOKENS": "1000000",
               "METRICS_PORT": "9100", "TLS_CERT": "/certs/sync.pem", "TLS_KEY": "/certs/sync.key",
               "TLS_CA": "/certs/ca.pem", "CONFIG": "run.toml"},
-         learners=3, per_learner=2, shards=2, own_node=0),
-], ids=["defaults", "sharded-tls-multinode"])
+         learners=3, per_learner=2, shards=2, own_node=0, nodes=6),
+    dict(env={"LEARNERS": "5", "NPROC_PER_NODE": "1"}, learners=5, per_learner=1, shards=1, own_node=1, nodes=3),
+    dict(env={"LEARNERS": "3", "NPROC_PER_NODE": "2", "SYNC_CPUS": "4"}, learners=3, per_learner=1, shards=1,
+         own_node=0, nodes=1),
+], ids=["defaults", "sharded-tls-multinode", "learners-share-nodes", "one-node"])
 def test_slurm_command_lines_are_accepted_and_consistent(case, tmp_path):
     env = dict(case["env"])
     if "CONFIG" in env:  # the Kubernetes ConfigMap's TOML, as a file on shared storage
         (config_map,) = [d for d in kustomize(KUBERNETES / "base") if d["kind"] == "ConfigMap"]
         env["CONFIG"] = str(tmp_path / "run.toml")
         Path(env["CONFIG"]).write_text(config_map["data"]["run.toml"])
-    m, per_learner, shards, own = case["learners"], case["per_learner"], case["shards"], case["own_node"]
-    nodes = own + m * per_learner
+    m, per_learner, shards, own, nodes = (case[k] for k in ("learners", "per_learner", "shards", "own_node", "nodes"))
     recorded, stdout, stderr, code = run_sbatch(tmp_path, nodes, **env)
     assert code == 0, stderr
     assert not [c for c in recorded if c[0] == "scancel"], "the job cancelled itself"
@@ -333,38 +339,63 @@ def test_slurm_command_lines_are_accepted_and_consistent(case, tmp_path):
         assert int(args.learners) == m
         assert args.shard == (f"{s}/{shards}" if shards > 1 else None)
         assert (args.tls_cert, args.tls_key) == (env.get("TLS_CERT"), env.get("TLS_KEY"))
-        addresses.append(f"node0:{args.listen.rsplit(':', 1)[1]}")
+        addresses.append(f"node0.ib:{args.listen.rsplit(':', 1)[1]}")
         if "CONFIG" in env:
             assert config_from_args(args).run.learners == m
     assert len({args.state_dir for _, _, args in syncs}) == shards
 
-    # Learners learner-0 .. learner-(M-1), each a torchrun job over its own nodes, connecting
-    # to every shard.
+    # Learners learner-0 .. learner-(M-1), each a torchrun job over its own nodes or sharing
+    # the learner nodes in turn, connecting to every shard; each rendezvous on its own port
+    # of its first node's address, each node's CPUs divided among what runs there.
     assert [args.id for _, _, args in learners] == [f"learner-{i}" for i in range(m)]
-    used = []
+    learner_nodes = nodes - own
+    groups = []
     for i, (options, argv, args) in enumerate(learners):
         group = options["--nodelist"].split(",")
-        assert group == [f"node{own + i * per_learner + j}" for j in range(per_learner)]
-        used += group
+        first = own + (i * per_learner if per_learner > 1 else i % learner_nodes)
+        assert group == [f"node{first + j}" for j in range(per_learner)]
+        groups.append(group)
         assert args.connect == ",".join(addresses)
         assert args.token_file == str(token)
         assert args.tls_ca == env.get("TLS_CA")
-    torchruns = [c for c in recorded if c[0] == "torchrun"]
-    assert sorted(flag(c, "--rdzv_endpoint") for c in torchruns) == sorted(
-        f"{options['--nodelist'].split(',')[0]}:29500" for options, _, _ in learners)
+        sharing = sum(1 for k in range(m) if per_learner == 1 and k % learner_nodes == i % learner_nodes) or 1
+        reserved = int(env.get("SYNC_CPUS", "2")) * shards if first == 0 else 0
+        cpus = (16 - reserved) // sharing
+        assert int(options["--cpus-per-task"]) == cpus
+        assert int(args.threads) == cpus // int(env.get("NPROC_PER_NODE", "8"))
+    torchruns = sorted((c for c in recorded if c[0] == "torchrun"), key=lambda c: flag(c, "--id"))
+    assert [flag(c, "--rdzv_endpoint") for c in torchruns] == [f"{group[0]}.ib:{29500 + i}" for i, group in enumerate(groups)]
     assert all(flag(c, "--nnodes") == str(per_learner) for c in torchruns)
-    assert len(used) == len(set(used)) == m * per_learner
+    used = [node for group in groups for node in group]
+    assert sorted(set(used)) == [f"node{k}" for k in range(own, nodes)]
+    if per_learner > 1:
+        assert len(used) == len(set(used)) == m * per_learner
 
     # The status command it prints is one the CLI takes.
     (line,) = [x for x in stdout.splitlines() if "ddiloco status" in x]
     check_command(shlex.split(line.split("ddiloco ", 1)[1]))
 
 
-def test_slurm_script_refuses_an_allocation_of_the_wrong_size(tmp_path):
-    recorded, _, stderr, code = run_sbatch(tmp_path, nodes=2, LEARNERS="2")
+@pytest.mark.parametrize(("nodes", "env", "needle"), [
+    (4, {"LEARNERS": "2"}, "more than 2 learners can use: sbatch --nodes=3"),
+    (4, {"LEARNERS": "2", "NODES_PER_LEARNER": "2"}, "sbatch --nodes=5"),
+    (1, {"LEARNERS": "8", "NPROC_PER_NODE": "2"}, "node0 has 16 CPUs after the synchronizer's 2 for 8 learner(s)"),
+], ids=["too-many-nodes", "multinode-learners", "too-few-cpus"])
+def test_slurm_script_refuses_an_allocation_that_does_not_fit(tmp_path, nodes, env, needle):
+    recorded, _, stderr, code = run_sbatch(tmp_path, nodes=nodes, **env)
     assert code == 2
-    assert "sbatch --nodes=3" in stderr
+    assert needle in stderr
     assert not [c for c in recorded if c[0] in ("srun", "ddiloco", "torchrun")]
+
+
+def test_a_learner_lost_for_good_fails_the_job(tmp_path):
+    recorded, _, stderr, code = run_sbatch(tmp_path, nodes=3, STUB_FAILING="learner-1", MAX_RESTARTS="1",
+                                           RESTART_DELAY="0")
+    assert code == 3, stderr
+    assert "learner-1 exited with code 1; restart 1 of 1" in stderr
+    assert "lost for good (restarts exhausted): learner-1;" in stderr
+    started = [flag(c, "--id") for c in recorded if c[0] == "torchrun"]
+    assert sorted(started) == ["learner-0", "learner-1", "learner-1"]
 
 
 def test_a_broken_slurm_script_is_caught(tmp_path):
@@ -374,3 +405,4 @@ def test_a_broken_slurm_script_is_caught(tmp_path):
     assert code == 0, stderr  # bash does not know; the checker does
     with pytest.raises(AssertionError, match="--state-directory"):
         slurm_commands(recorded)
+

@@ -12,6 +12,7 @@ import importlib
 import sys
 from typing import NoReturn, Sequence
 
+from ddiloco import __version__
 from ddiloco.errors import DdilocoError
 
 COMMAND_MODULES = ("run", "compare", "simtest", "goodput", "bandwidth", "sync", "learner", "status", "chaos")
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddiloco",
         description="Decoupled DiLoCo: resilient, asynchronous, low-bandwidth distributed pre-training.",
     )
+    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     for name in COMMAND_MODULES:

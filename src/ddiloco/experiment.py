@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,12 +12,21 @@ import torch
 from ddiloco.config import Config
 from ddiloco.core.config import Mode
 from ddiloco.errors import ConfigError
-from ddiloco.reporting import ProgressFn, summarize
+from ddiloco.reporting import ProgressFn, RunWriter, summarize
 from ddiloco.sim.cluster import VirtualCluster
 from ddiloco.sim.data_parallel import DataParallel
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.snapshot import SnapshotFn
 from ddiloco.workload.workload import Workload
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped a virtual run; its files, partial summary included, are written."""
+
+    def __init__(self, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.summary = summary
+        self.rows = rows
 
 
 def run_virtual(
@@ -28,10 +38,17 @@ def run_virtual(
     observer: SnapshotFn | None = None,
     check_invariants: bool = True,
     schedule_span: tuple[float, float] = (0.0, 1.0),
+    out: Path | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run ``config`` on the virtual cluster (learners' models on ``device``, the workload's by
     default); return (summary, metrics rows). ``observer`` receives read-only snapshots of a
-    Decoupled or synchronous DiLoCo run (the data-parallel baselines have no learners to show)."""
+    Decoupled or synchronous DiLoCo run (the data-parallel baselines have no learners to show).
+
+    With ``out``, the run's files are written there as it goes (:class:`RunWriter`); the
+    directory is created only once the workload and the cluster are built, so a run refused
+    before it starts leaves nothing. Interrupted, it writes a summary of what was done so far
+    and raises :class:`Interrupted`.
+    """
     if workload is None or workload.config.run.learners != config.run.learners:
         workload = Workload.build(config, device or (workload.device if workload else None))
     else:
@@ -40,14 +57,28 @@ def run_virtual(
         torch.set_num_threads(config.train.threads)
     recorder = Recorder(config, workload, progress=progress, schedule_span=schedule_span)
     started = time.perf_counter()
-    mode = config.run.mode
-    if mode in ("decoupled", "diloco"):
-        result = VirtualCluster(workload, recorder, check_invariants=check_invariants, observer=observer).run()
+    driver: VirtualCluster | DataParallel
+    mode = Mode(config.run.mode)
+    if mode.uses_protocol:
+        driver = VirtualCluster(workload, recorder, check_invariants=check_invariants, observer=observer)
     else:
-        result = DataParallel(workload, recorder, elastic=mode == "dp-elastic").run()
+        driver = DataParallel(workload, recorder, elastic=mode is Mode.DP_ELASTIC)
+    writer = RunWriter(out, config) if out is not None else None
+    recorder.on_row = writer.add_row if writer else None
+    try:
+        result = driver.run()
+    except KeyboardInterrupt:
+        so_far = driver.so_far()
+        summary = summarize(config, so_far, wall_s=time.perf_counter() - started, interrupted=True,
+                            **{key: so_far[key] for key in ("done", "eval_at_s", "fragment_versions", "events")})
+        if writer:
+            writer.finish(summary)
+        raise Interrupted(summary, recorder.rows) from None
     final = result.pop("final")
-    recorder.settle()
-    return summarize(config, final, wall_s=time.perf_counter() - started, **result), recorder.rows
+    summary = summarize(config, final, wall_s=time.perf_counter() - started, **result)
+    if writer:
+        writer.finish(summary)
+    return summary, recorder.rows
 
 
 def run_warm_started(config: Config, warm_fraction: float, *, workload: Workload | None = None,

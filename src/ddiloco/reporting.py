@@ -1,23 +1,27 @@
 """What a run writes and shows, whichever driver ran it: summary, metrics rows, config, plot.
 
 The virtual cluster (:mod:`ddiloco.experiment`) and the process launcher
-(:mod:`ddiloco.runtime.launcher`) both end in :func:`summarize` and :func:`write_run`, so
-a simulated run and a real one produce the same files with the same keys (and the same
-TensorBoard event file, :mod:`ddiloco.tb_log`).
+(:mod:`ddiloco.runtime.launcher`) both end in :func:`summarize` and write through
+:class:`RunWriter`, so a simulated run and a real one produce the same files with the same
+keys (and the same TensorBoard event file, :mod:`ddiloco.tb_log`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
-from ddiloco.tb_log import write_run_events
+from ddiloco.run_plot import plot_runs
+from ddiloco.tb_log import add_row, open_run_events
 
 ProgressFn = Callable[[float, dict[str, Any]], None]
 """Called with the run's progress in [0, 1] and the latest metrics row."""
+RowFn = Callable[[dict[str, Any]], None]
+"""Called with each metrics row as soon as it is recorded."""
 
 SUMMARY_KEYS = (
     "mode", "learners", "tokens", "eval_loss", "goodput", "uptime", "bytes_up", "bytes_down",
@@ -38,25 +42,68 @@ def summarize(config: Config, final: dict[str, Any], *, wall_s: float, **extra: 
     }
 
 
+class RunWriter:
+    """A run's files in ``out``, written as the run goes, so that an interrupted run keeps what it did.
+
+    At the start: ``config.toml``, an empty ``metrics.jsonl`` and a fresh TensorBoard event
+    file (a previous run's ``summary.json`` and ``plot.png`` are removed: they would pass for
+    this run's). Every metrics row is appended to both as soon as it is recorded. At the end,
+    :meth:`finish` writes ``summary.json`` and ``plot.png``; an interrupted run's
+    :meth:`finish` writes the summary of what was done so far (``"interrupted": true``).
+    """
+
+    def __init__(self, out: Path, config: Config) -> None:
+        self.out = out
+        self.config = config
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(out / "config.toml", config)
+        for stale in ("summary.json", "plot.png"):
+            (out / stale).unlink(missing_ok=True)
+        self._metrics = (out / "metrics.jsonl").open("w")
+        self._events = open_run_events(out)
+        self.rows: list[dict[str, Any]] = []
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        add_row(self._events, row)
+        self._events.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Close the rows' files, then write ``summary.json`` (atomically) and ``plot.png``."""
+        self._metrics.close()
+        self._events.close()
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.out / "summary.json")
+        if self.rows:
+            mode = summary["mode"]
+            plot_runs(self.out / "plot.png", {mode: self.rows}, events={mode: summary.get("events")},
+                      slow_factor=self.config.cluster.slow_factor,
+                      title=f"{mode}, M={summary['learners']}, seed {summary['seed']}"
+                      + (" (interrupted)" if summary.get("interrupted") else ""))
+
+
 def write_run(out: Path, config: Config, summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    write_config(out / "config.toml", config)
-    with (out / "metrics.jsonl").open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_run_events(out, rows)
-    plot_runs(out / "plot.png", {summary["mode"]: rows}, title=f"{summary['mode']}, M={summary['learners']}")
+    """All of a run's files at once, for a driver that hands its rows over at the end (real processes)."""
+    writer = RunWriter(out, config)
+    for row in rows:
+        writer.add_row(row)
+    writer.finish(summary)
 
 
 def prepare_out(path: str) -> Path:
+    """The output directory, checked but not created: it is made when the run writes its
+    first file, so a run refused before it starts (a bad seed, corpus or device) leaves nothing behind."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {path!r} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--out {path!r}: cannot create directory ({err.strerror})") from None
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {path!r}: cannot create directory ({existing} is not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path!r}: cannot create directory ({existing} is not writable)")
     return out
 
 
@@ -69,26 +116,3 @@ def write_config(path: Path, config: Config) -> None:
             lines.append(f"{key} = {json.dumps(value)}")
         lines.append("")
     path.write_text("\n".join(lines))
-
-
-def plot_runs(path: Path, runs: dict[str, Sequence[dict[str, Any]]], *, title: str) -> None:
-    """Eval loss and goodput against virtual time, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (loss_ax, good_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rows in runs.items():
-        t = [r["virtual_time_s"] for r in rows]
-        loss_ax.plot(t, [r["eval_loss"] for r in rows], marker="o", markersize=3, label=label)
-        good_ax.plot(t[1:], [r["goodput"] for r in rows][1:], marker="o", markersize=3, label=label)
-    loss_ax.set(xlabel="virtual time (s)", ylabel="eval loss (nats/byte)", title="Held-out loss of the global model")
-    good_ax.set(xlabel="virtual time (s)", ylabel="goodput", title="Goodput up to t (work that reached the model)", ylim=(0, 1.05))
-    for ax in (loss_ax, good_ax):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -4,9 +4,9 @@ Why: ``metrics.jsonl`` is for scripts and ``plot.png`` for a quick look at one r
 ``tensorboard --logdir runs/`` overlays any number of runs (every mode of a ``compare``,
 reruns with other settings) and zooms in, with no plotting code of ours.
 
-A run's events are written after the run by :func:`ddiloco.reporting.write_run`, from the
-very rows it writes to ``metrics.jsonl``, so both say the same thing. The event file goes
-beside ``metrics.jsonl`` (TensorBoard then names the run after its directory:
+A run's events are written as the run goes by :class:`ddiloco.reporting.RunWriter`, row by
+row, from the very rows it appends to ``metrics.jsonl``, so both say the same thing (and an
+interrupted run keeps both). The event file goes beside ``metrics.jsonl`` (TensorBoard then names the run after its directory:
 ``decoupled``, ``compare/dp``); an earlier run's event files there are removed first, as
 ``metrics.jsonl`` is overwritten. Every numeric key of a row is a scalar of the same name,
 a list of numbers (``fragment_versions``) is one scalar per element (``fragment_versions/0``,
@@ -43,6 +43,9 @@ class EventLog:
         for tag, value in _scalars(values):
             self._writer.add_scalar(tag, value, global_step=step, walltime=walltime)
 
+    def flush(self) -> None:
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 
@@ -53,14 +56,23 @@ class EventLog:
         self.close()
 
 
-def write_run_events(out: Path, rows: Iterable[Mapping[str, Any]]) -> None:
-    """The metrics rows of the run in ``out`` as a complete event file beside ``metrics.jsonl``."""
+def open_run_events(out: Path) -> EventLog:
+    """A fresh event file beside ``metrics.jsonl`` in ``out``; an earlier run's are removed first."""
     for stale in out.glob("events.out.tfevents.*"):
         stale.unlink()
-    with EventLog(out) as events:
+    return EventLog(out)
+
+
+def add_row(events: EventLog, row: Mapping[str, Any]) -> None:
+    """One metrics row: its ``tokens`` as the step, its ``virtual_time_s`` as the wall time."""
+    events.add(int(row[STEP_KEY]), {k: v for k, v in row.items() if k != STEP_KEY}, walltime=float(row[TIME_KEY]))
+
+
+def write_run_events(out: Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Metrics rows as a complete event file in ``out`` (replacing an earlier one)."""
+    with open_run_events(out) as events:
         for row in rows:
-            values = {k: v for k, v in row.items() if k != STEP_KEY}
-            events.add(int(row[STEP_KEY]), values, walltime=float(row[TIME_KEY]))
+            add_row(events, row)
 
 
 def _scalars(values: Mapping[str, Any]) -> Iterable[tuple[str, float]]:

@@ -113,8 +113,8 @@ def test_sigterm_of_the_launcher_stops_the_run_cleanly(tmp_path) -> None:
     out = tmp_path / "out"
     proc = _running_run(out, "--time", "120")
     stdout, stderr = stop_session(proc, signal.SIGTERM)
-    assert proc.returncode == 128 + signal.SIGTERM, stdout + stderr
-    assert "stopped by SIGTERM" in stderr and "Traceback" not in stderr
+    assert proc.returncode == 130, stdout + stderr
+    assert "ddiloco: interrupted by SIGTERM: stopped cleanly" in stderr and "Traceback" not in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "SIGTERM" and summary["tokens"] > 0
     assert (out / "metrics.jsonl").read_text() and (out / "plot.png").exists()

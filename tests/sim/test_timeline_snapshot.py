@@ -84,3 +84,24 @@ def test_longest_pause_is_the_longest_gap_between_merges_up_to_the_end():
     assert timeline.summarize(end_s=30.0, slow_learners=()).longest_pause_s == 17.0  # a stall at the end counts
     nothing = Timeline().summarize(end_s=7.0, slow_learners=(2,))
     assert (nothing.longest_pause_s, nothing.longest_pause_from_s, nothing.slow_learners) == (7.0, 0.0, (2,))
+
+
+def test_outages_pair_each_failure_with_its_restart():
+    timeline = Timeline()
+    timeline.add(2.0, Happening.FAILURE, 1)
+    timeline.add(3.0, Happening.FAILURE, 0)
+    timeline.add(6.0, Happening.RESTART, 1)
+    timeline.add(6.5, Happening.REJOINED, 1)
+    timeline.add(9.0, Happening.FAILURE, 1)
+    events = timeline.summarize(end_s=10.0, slow_learners=(0,))
+    assert events.outages == ((1, 2.0, 6.0), (0, 3.0, None), (1, 9.0, None))  # None: still down at the end
+    assert events.rejoined_at == ((1, 6.5),)
+    assert events.counters() == {"failures": 3, "rejoins": 1, "merges": 0}
+    assert events.to_dict()["outages"] == [[1, 2.0, 6.0], [0, 3.0, None], [1, 9.0, None]]
+
+
+def test_the_summary_lists_the_outages_the_run_met(watched):
+    summary, _ = watched
+    outages = trace_until(summary["virtual_time_s"])
+    assert summary["events"]["outages"] == [[o.learner, round(o.down_s, 3), round(o.up_s, 3)] for o in outages]
+    assert sorted(m for m, _ in summary["events"]["rejoined_at"]) == sorted(o.learner for o in outages)

@@ -6,14 +6,16 @@ seeded schedule or a schedule file, watches the synchronizer, then runs the same
 configuration without faults to the same number of tokens as the baseline. Exit code 0
 when the run completed, every learner not deliberately left down was alive at the end, and
 the global model never stood still longer than one grace window plus one lease; 1
-otherwise, naming the property.
+otherwise, naming the property; 130 when SIGINT or SIGTERM stopped it (cleanly: chaos.json
+and every synchronizer's final checkpoint are written). With ``--hosts netns`` every
+process has its own network namespace and capped link, and link faults act on the real
+links (:mod:`ddiloco.chaos.cluster`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from ddiloco.chaos.report import build_report, plot_timeline, report_table, writ
 from ddiloco.chaos.runner import ChaosRun, LiveState
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
 from ddiloco.commands.display import console, print_table, progress_bar
+from ddiloco.commands.interrupt import sigterm_as_interrupt
 from ddiloco.commands.options import (add_device_option, add_hosts_options, add_workload_options, config_from_args,
                                       topology_from_args)
 from ddiloco.config import Config
@@ -107,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     device = str(resolve_device(args.device))
     config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")
-    return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline, topology)
+    with sigterm_as_interrupt():  # outside a run's own clean stop (runner.py), SIGTERM unwinds like Ctrl-C
+        return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline, topology)
 
 
 def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
@@ -145,7 +149,9 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
     for violation in report["violations"]:
         console.print(f"ddiloco: chaos: {violation}", markup=False, highlight=False)
     if outcome.stopped:
-        return 128 + int(signal.Signals[outcome.stopped])
+        console.print(f"ddiloco: interrupted by {outcome.stopped}: stopped cleanly (chaos.json and final checkpoints "
+                      "written)", highlight=False)
+        return 130
     return 1 if report["violations"] else 0
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from ddiloco.commands.display import console, print_table, progress_bar, summary_table
+from ddiloco.commands.display import compare_story, console, print_report, progress_bar
+from ddiloco.commands.interrupt import sigterm_as_interrupt
 from ddiloco.commands.options import add_cluster_options, config_from_args
-from ddiloco.config import MODES
-from ddiloco.experiment import run_virtual
-from ddiloco.reporting import plot_runs, prepare_out, write_run
+from ddiloco.config import MODES, Config
+from ddiloco.experiment import Interrupted, run_virtual
+from ddiloco.run_plot import plot_runs
+from ddiloco.reporting import prepare_out
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.workload import Workload
 
@@ -32,16 +36,33 @@ def run(args: argparse.Namespace) -> int:
     out = prepare_out(args.out or "runs/compare")
     workload = Workload.build(base, device)
     summaries, curves = [], {}
-    for mode in MODES:
-        config = replace(base, run=replace(base.run, mode=mode)).validate()
-        with progress_bar(f"{mode:<10}") as progress:
-            summary, rows = run_virtual(config, workload=workload, progress=progress)
-        write_run(out / mode, config, summary, rows)
-        summaries.append(summary)
-        curves[mode] = rows
-    (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
-    plot_runs(out / "compare.png", curves, title=f"M={base.run.learners}, seed {base.run.seed}, "
-              f"MTBF {base.faults.mtbf_s:g}s, downtime {base.faults.downtime_s:g}s")
-    print_table(summary_table(summaries, title="ddiloco compare"))
+    try:
+        with sigterm_as_interrupt():
+            for mode in MODES:
+                config = replace(base, run=replace(base.run, mode=mode)).validate()
+                with progress_bar(f"{mode:<10}") as progress:
+                    summary, rows = run_virtual(config, workload=workload, progress=progress, out=out / mode)
+                summaries.append(summary)
+                curves[mode] = rows
+    except Interrupted as stop:
+        summaries.append(stop.summary)
+        curves[stop.summary["mode"]] = stop.rows
+        write_compare(out, base, summaries, curves)
+        console.print(f"ddiloco: interrupted during {stop.summary['mode']}: wrote what was done to {out}/compare.json "
+                      "and compare.png", highlight=False, soft_wrap=True)
+        return 130
+    write_compare(out, base, summaries, curves)
+    story = compare_story(summaries, slow_factor=base.cluster.slow_factor, mtbf_s=base.faults.mtbf_s,
+                          downtime_s=base.faults.downtime_s)
+    print_report(summaries, "ddiloco compare", story, beside=False)
     console.print(f"wrote {out}/compare.json and compare.png")
     return 0
+
+
+def write_compare(out: Path, base: Config, summaries: list[dict[str, Any]], curves: dict[str, list[dict[str, Any]]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    plot_runs(out / "compare.png", curves, events={s["mode"]: s.get("events") for s in summaries},
+              slow_factor=base.cluster.slow_factor,
+              title=f"M={base.run.learners}, seed {base.run.seed}, MTBF {base.faults.mtbf_s:g}s, "
+              f"downtime {base.faults.downtime_s:g}s")

@@ -19,6 +19,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ddiloco.config import check_seed
 from ddiloco.errors import ConfigError
 from ddiloco.sim import goodput as gp
 
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.horizon_hours > 0 and math.isfinite(args.horizon_hours)):
         raise ConfigError(f"horizon-hours must be positive, got {args.horizon_hours}")
     horizon_s = args.horizon_hours * 3600
+    check_seed(args.seed, "--seed")
     models = [_model(args, d) for d in mtbis]
     for name in configs:
         gp.parse_config(name)

@@ -20,8 +20,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
-from ddiloco.config import Config, apply_section
+from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options, config_from_args
+from ddiloco.config import PRESETS, Config, apply_section, check_seed
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(preset=None)
     for action in parser._actions:  # noqa: SLF001 - the shared option's help names another default
         if action.dest == "preset":
-            action.help = "size preset: tiny, default (default: the synchronizer's whole configuration)"
+            action.help = f"size preset: {', '.join(PRESETS)} (default: the synchronizer's whole configuration)"
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--secret-file", metavar="FILE",
                         help="this learner's own secret, when the synchronizer has --credentials (else $DDILOCO_SECRET)")
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="pad every inner step to at least this long (emulates slower hardware)")
     parser.add_argument("--join-timeout", type=float, metavar="SECONDS",
                         help="give up if the synchronizer stays unreachable this long at start (default: never)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level_option(parser)
     parser.add_argument("--progress-file", metavar="FILE",
                         help="keep this learner's own step count in FILE (JSON, rewritten about twice a second)")
     parser.add_argument("--tensorboard-dir", metavar="DIR",
@@ -90,6 +90,8 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.seed is not None:
+        check_seed(args.seed, "--seed")  # before waiting for a synchronizer, not after it answers
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     rank = int(os.environ.get("RANK", "0"))

@@ -78,14 +78,13 @@ class _Watch:
         r = self.row
         if r is None:
             return "starting: building the workload and evaluating the initial model"
+        counts = "".join(f" · {key} {r[key]}" for key in ("failures", "rejoins", "merges") if key in r)
         return (f"virtual t={r['virtual_time_s']:.0f} s · eval loss {r['eval_loss']:.3f} · "
-                f"goodput so far {r['goodput']:.0%}")
+                f"goodput so far {r['goodput']:.0%}{counts}")
 
     def plain_line(self) -> str:
-        """One line per evaluation where nothing can be redrawn."""
-        s = self.snapshot
-        counts = f" · failures {s.failures} · rejoins {s.rejoins} · merges {s.merges}" if s else ""
-        return f"{self.label}  {self.fraction:>4.0%}  {self._row_line()}{counts}"
+        """One line per evaluation where nothing can be redrawn: the row's own figures."""
+        return f"{self.label}  {self.fraction:>4.0%}  {self._row_line()}"
 
 
 @contextlib.contextmanager

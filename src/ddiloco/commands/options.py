@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING
 
-from ddiloco.config import MODES, PRESETS, Config, build_config
+from ddiloco.config import MAIN_JOB, MODES, PRESETS, Config, FaultConfig, build_config
 from ddiloco.errors import ConfigError
 from ddiloco.workload.device import DEVICE_CHOICES
 
@@ -29,15 +30,40 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
                         help=f"where learners train: {DEVICE_CHOICES} (default: auto, the first of cuda, mps, cpu)")
 
 
-def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True) -> None:
-    """Everything a virtual run needs on top of the workload."""
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (argparse turns the error into one line, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_log_level_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="log messages of this level and above, on stderr (default: info)")
+
+
+def _by_preset(key: str) -> str:
+    return ", ".join(f"{p} {MAIN_JOB[p]['faults'][key]:g}" for p in PRESETS)
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True, main_job: bool = False) -> None:
+    """Everything a virtual run needs on top of the workload; ``main_job``: the failure
+    defaults are ``ddiloco run``'s (:data:`ddiloco.config.MAIN_JOB`), else none."""
     add_workload_options(parser)
     if with_mode:
         parser.add_argument("--mode", help=f"one of {', '.join(MODES)} (default: decoupled)")
     parser.add_argument("--learners", type=int, metavar="M", help="number of learners (default 4)")
+    defaults = FaultConfig()
     parser.add_argument("--mtbf", type=float, metavar="SECONDS",
-                        help="mean virtual seconds between failures of each learner; 0 = none")
-    parser.add_argument("--downtime", type=float, metavar="SECONDS", help="mean virtual seconds a failed learner stays down")
+                        help="mean virtual seconds between failures of each learner; 0 = none (default: "
+                        + (f"{_by_preset('mtbf_s')}; real processes: 0)" if main_job else "0)"))
+    parser.add_argument("--downtime", type=float, metavar="SECONDS",
+                        help="mean virtual seconds a failed learner stays down (default: "
+                        + (f"{_by_preset('downtime_s')})" if main_job else f"{defaults.downtime_s:g})"))
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--tokens", type=int, metavar="N", help="budget: tokens over all learners (preset's by default)")
     budget.add_argument("--time", type=float, metavar="SECONDS", help="budget: virtual seconds instead of tokens")

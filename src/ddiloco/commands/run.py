@@ -6,20 +6,20 @@ without M processes fighting over its cores. ``--runtime processes`` runs the sa
 configuration as a real gRPC synchronizer and M learner processes on localhost (``--mode dp``:
 M data-parallel ranks), or with ``--hosts netns`` each in its own network namespace behind a
 capped link. SIGINT or SIGTERM stops a process run cleanly: its files are written and the
-exit code is 128 + the signal's number.
+exit code is 130, as for an interrupted virtual run.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 
-from ddiloco.commands.display import console, print_table, progress_bar, summary_table, what_happened
+from ddiloco.commands.display import console, print_report, progress_bar, what_happened
+from ddiloco.commands.interrupt import sigterm_as_interrupt
 from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
 from ddiloco.errors import ConfigError
+from ddiloco.experiment import Interrupted, run_virtual
 from ddiloco.runtime.placement import Hosts
-from ddiloco.experiment import run_virtual
 from ddiloco.reporting import prepare_out, write_run
 from ddiloco.workload.device import resolve_device
 
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train the reference byte-level transformer with Decoupled DiLoCo (or a baseline) "
         "on a deterministic virtual cluster: real PyTorch training, virtual time, seeded failures.",
     )
-    add_cluster_options(parser)
+    add_cluster_options(parser, main_job=True)
     parser.add_argument("--runtime", choices=("virtual", "processes"), default="virtual",
                         help="virtual cluster (default, deterministic) or real processes on this host (gRPC)")
     add_hosts_options(parser)
@@ -50,19 +50,26 @@ def run(args: argparse.Namespace) -> int:
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     label = f"{config.run.mode} M={config.run.learners}"
     if virtual:
-        with live_view(label, console) as (progress, observer):
-            summary, rows = run_virtual(config, device=device, progress=progress, observer=observer)
+        try:
+            with sigterm_as_interrupt(), live_view(label, console) as (progress, observer):
+                summary, rows = run_virtual(config, device=device, progress=progress, observer=observer, out=out)
+        except Interrupted as stop:
+            s = stop.summary
+            console.print(f"ddiloco: interrupted at {s['done']:.0%} of the budget (virtual t={s['virtual_time_s']:.0f} s): "
+                          f"kept {out}/metrics.jsonl ({len(stop.rows)} rows), TensorBoard events, config.toml and "
+                          "a partial summary.json", highlight=False, soft_wrap=True)
+            return 130
     else:
         from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
 
         with progress_bar(label) as progress:
             summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
-    write_run(out, config, summary, rows)
-    print_table(summary_table([summary], title=f"ddiloco run ({args.preset} preset, seed {config.run.seed})"),
-                beside=what_happened(summary, slow_factor=config.cluster.slow_factor))
+        write_run(out, config, summary, rows)
+    print_report([summary], f"ddiloco run ({args.preset} preset, seed {config.run.seed})",
+                 what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
     if summary.get("stopped"):
-        signum = signal.Signals[summary["stopped"]]
-        console.print(f"stopped by {signum.name}: the run was cut short (final checkpoint and files written)")
-        return 128 + int(signum)
+        console.print(f"ddiloco: interrupted by {summary['stopped']}: stopped cleanly (final checkpoint and files "
+                      "written)", highlight=False)
+        return 130
     return 0

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddiloco.commands.display import print_table
+from ddiloco.commands.options import positive_seconds
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import Refused, Unreachable
@@ -28,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--tls-ca", metavar="FILE", help="trust this certificate authority (TLS)")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="SECONDS",
+                        help="give up when the synchronizer has not answered within this many seconds (default 5)")
     parser.add_argument("--page", type=int, default=0, metavar="K",
                         help="which page of learners to show (%d a page, in id order; default 0)" % LEARNERS_PAGE)
     parser.set_defaults(func=run)

@@ -11,7 +11,7 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
-from ddiloco.commands.options import add_workload_options, config_from_args
+from ddiloco.commands.options import add_log_level_option, add_workload_options, config_from_args
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import (
     Address,
@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "port); beyond loopback it needs the token")
     parser.add_argument("--exit-when-finished", action="store_true",
                         help="exit once the budget is spent and the last contributions are merged")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_log_level_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -38,7 +38,7 @@ from ddiloco.measures import Direction, fragment_shares
 from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.snapshot import SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
-from ddiloco.sim.timeline import Happening, Timeline
+from ddiloco.sim.timeline import Happening, RunEvents, Timeline
 from ddiloco.workload.workload import Workload, weights_sha256
 
 _AT_LEARNER = {Ev.STEP_END, Ev.REPLY, Ev.PUSH, Ev.CALL_TIMEOUT, Ev.LEARNER_TICK}
@@ -300,8 +300,17 @@ class VirtualCluster:
             now=self.queue.now,
             tokens=self.tokens,
             model=self.eval_model,
-            extra={"fragment_versions": self.versions(), "alive": len(alive)},
+            extra={"fragment_versions": self.versions(), "alive": len(alive), **self.events().counters()},
         )
+
+    def events(self) -> RunEvents:
+        """What happened up to now (``summary.json``'s ``events``)."""
+        return self.timeline.summarize(self.queue.now, self.recorder.timer.slow_learners())
+
+    def so_far(self) -> dict[str, Any]:
+        """An interrupted run's summary figures (:meth:`ddiloco.sim.harness.Recorder.so_far`)."""
+        return {**self.recorder.so_far(self.queue.now, self.tokens), "fragment_versions": self.versions(),
+                "events": self.events().to_dict()}
 
     def finish(self) -> dict[str, Any]:
         rounds: Counter[str] = Counter()
@@ -324,8 +333,7 @@ class VirtualCluster:
             "faults": {**{str(k): v for k, v in self.network.injected.items()}, **self.injected},
             "merge_coherence": _mean(c for _, c in self.coherence),
             "merge_width": _mean(n for n, _ in self.coherence),
-            "events": self.timeline.summarize(
-                self.queue.now, tuple(m for m, slow in enumerate(self.recorder.timer.slow) if slow)).to_dict(),
+            "events": self.events().to_dict(),
         }
 
 

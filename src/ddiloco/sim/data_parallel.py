@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from ddiloco.sim.harness import Recorder
-from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.measures import Direction
 from ddiloco.sim.network import HEADER_BYTES
+from ddiloco.sim.timeline import Happening, Rollback, RunEvents, Timeline
+from ddiloco.workload.workload import Workload, weights_sha256
 
 BF16_BYTES = 2
 
@@ -46,6 +47,8 @@ class DataParallel:
         self._steps = [0] * self.replicas
         self._uncommitted: list[tuple[int, int]] = []  # (replica, step) awaiting a checkpoint
         self._checkpoint = self._snapshot()
+        self.timeline = Timeline()
+        """Its steps (the model advancing), restarts from a checkpoint and, at the end, its replicas' outages."""
 
     # ---- time ----------------------------------------------------------------------------
 
@@ -105,6 +108,7 @@ class DataParallel:
             if live != previous_live:
                 previous_live = live
                 self.reconfigurations += 1
+                self.timeline.reconfigurations += 1
                 self.now += self.config.faults.reconfigure_s
                 continue  # re-check who is alive after the pause
             self._step(live)
@@ -113,6 +117,7 @@ class DataParallel:
 
     def _wait_for_everyone(self) -> None:
         """Non-elastic: the job is down until every replica is back, then restarts from a checkpoint."""
+        failed_at = self.now
         while True:
             outages = [self.recorder.trace.outage_at(r, self.now) for r in range(self.replicas)]
             pending = [o.up_s for o in outages if o is not None]
@@ -121,7 +126,10 @@ class DataParallel:
             self.now = max(pending)
         self.now += self.config.faults.restart_s
         self.restarts += 1
+        lost = self.committed_steps - self._checkpoint["committed_steps"]
         self._restore()
+        self.timeline.rollbacks.append(Rollback(round(failed_at, 3), round(self.now, 3),
+                                                round(self._checkpoint["at_s"], 3), lost))
 
     def _step(self, live: tuple[int, ...]) -> None:
         durations = {r: self.recorder.timer.draw(r) for r in live}
@@ -149,6 +157,7 @@ class DataParallel:
                 for direction in Direction:
                     self.recorder.bytes.add(f"learner-{r}", -1, direction, int(per_replica) + HEADER_BYTES)
         self.now = end
+        self.timeline.add(end, Happening.MERGE)
         if not self.elastic and self.now - self._checkpoint["at_s"] >= self.config.faults.checkpoint_interval_s:
             self._commit()
             self._checkpoint = self._snapshot()
@@ -165,8 +174,24 @@ class DataParallel:
             now=self.now,
             tokens=self.tokens,
             model=self.model,
-            extra={"fragment_versions": [self.committed_steps], "alive": self.replicas},
+            extra={"fragment_versions": [self.committed_steps], "alive": self.replicas, **self.events().counters()},
         )
+
+    def events(self) -> RunEvents:
+        """What happened up to now: its steps and rollbacks, and its replicas' outages (from the failure trace)."""
+        timeline = Timeline(list(self.timeline.entries), rollbacks=list(self.timeline.rollbacks),
+                            reconfigurations=self.timeline.reconfigurations)
+        for outage in self.recorder.trace.all():
+            if outage.down_s <= self.now:
+                timeline.add(outage.down_s, Happening.FAILURE, outage.learner)
+                if outage.up_s <= self.now:
+                    timeline.add(outage.up_s, Happening.RESTART, outage.learner)
+        return timeline.summarize(self.now, self.recorder.timer.slow_learners())
+
+    def so_far(self) -> dict[str, Any]:
+        """An interrupted run's summary figures (:meth:`ddiloco.sim.harness.Recorder.so_far`)."""
+        return {**self.recorder.so_far(self.now, self.tokens), "fragment_versions": [self.committed_steps],
+                "events": self.events().to_dict()}
 
     def _result(self) -> dict[str, Any]:
         return {
@@ -176,4 +201,5 @@ class DataParallel:
             "restarts": self.restarts,
             "reconfigurations": self.reconfigurations,
             "steps_per_learner": list(self._steps),
+            "events": self.events().to_dict(),
         }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ddiloco.config import Config
-from ddiloco.reporting import ProgressFn
+from ddiloco.reporting import ProgressFn, RowFn
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.measures import ByteLedger, Direction
@@ -29,6 +29,8 @@ class Recorder:
     config: Config
     workload: Workload
     progress: ProgressFn | None = None
+    on_row: RowFn | None = None
+    """Called with every metrics row as soon as it is recorded (the run's files grow as it goes)."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     accounting: Accounting = field(init=False)
     bytes: ByteLedger = field(default_factory=ByteLedger)
@@ -78,34 +80,40 @@ class Recorder:
         return start + (end - start) * self.fraction_done(tokens, now)
 
     def eval_due(self, tokens: int, now: float) -> bool:
-        return self.fraction_done(tokens, now) >= self._next_eval / self.config.train.evals
+        """``train.evals`` evaluations spread over the run, the first at its start; the
+        driver's closing evaluation (after the last merges) is the one at 100%."""
+        evals = self.config.train.evals
+        return self._next_eval < evals and self.fraction_done(tokens, now) >= self._next_eval / evals
 
-    def record(self, *, now: float, tokens: int, model: torch.nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
-        """Evaluate the global model and append a metrics row."""
-        self._next_eval += 1
-        row = {
+    def figures(self, now: float, tokens: int) -> dict[str, Any]:
+        """The run's figures at ``now``, one definition for the metrics rows, the live view,
+        the table and an interrupted run's summary. Goodput and uptime count the work that has
+        reached the global model by ``now`` (credits arrive at merges and checkpoints, so
+        during a run they trail the work; the closing row has every credit)."""
+        return {
             "virtual_time_s": round(now, 6),
             "tokens": tokens,
-            "eval_loss": self.workload.evaluate(model),
             "goodput": self.accounting.goodput(now),
             "uptime": self.accounting.uptime(now),
             "bytes_up": self.bytes.total(Direction.UP),
             "bytes_down": self.bytes.total(Direction.DOWN),
-            **extra,
         }
+
+    def record(self, *, now: float, tokens: int, model: torch.nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate the global model and append a metrics row (handed to ``on_row``, then ``progress``)."""
+        self._next_eval += 1
+        figures = self.figures(now, tokens)
+        row = {"virtual_time_s": figures.pop("virtual_time_s"), "tokens": figures.pop("tokens"),
+               "eval_loss": self.workload.evaluate(model), **figures, **extra}
         self.rows.append(row)
+        if self.on_row:
+            self.on_row(row)
         if self.progress:
             self.progress(self.fraction_done(tokens, now), row)
         return row
 
-
-    def settle(self) -> None:
-        """After the run: restate every row's goodput and uptime with the final credits.
-
-        During a run, work is credited only when it reaches the model (a merge, a
-        checkpoint), so the live figures lag; the rows written to disk say how much of the
-        work done up to each point ended up in the model.
-        """
-        for row in self.rows:
-            row["goodput"] = self.accounting.goodput(row["virtual_time_s"])
-            row["uptime"] = self.accounting.uptime(row["virtual_time_s"])
+    def so_far(self, now: float, tokens: int) -> dict[str, Any]:
+        """An interrupted run's figures: those at ``now`` and the latest evaluation (with its time)."""
+        latest = self.rows[-1] if self.rows else {"eval_loss": None, "virtual_time_s": None}
+        return {**self.figures(now, tokens), "eval_loss": latest["eval_loss"],
+                "eval_at_s": latest["virtual_time_s"], "done": round(self.fraction_done(tokens, now), 4)}

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ddiloco.config import Config, apply_override, apply_section
+from ddiloco.config import Config, apply_override, apply_section, check_seed
 from ddiloco.core.learner import LearnerPhase
 from ddiloco.errors import ConfigError
 from ddiloco.sim.cluster import VirtualCluster
@@ -212,6 +212,8 @@ def run_simtest(seeds: int = DEFAULT_SEEDS, *, first_seed: int = 0, workers: int
     """Run ``seeds`` seeds from ``first_seed``; several worker processes when ``workers`` > 1."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
+    check_seed(first_seed, "--first-seed")
+    check_seed(first_seed + seeds - 1, "--first-seed + --seeds - 1 (the last seed)")
     kinds = tuple(kinds)
     unknown = sorted(set(kinds) - set(FAULT_KINDS))
     if unknown:

@@ -19,6 +19,9 @@ class StepTimer:
         self.jitter = jitter
         self._rngs = [np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x57E9]).spawn(learners)]
 
+    def slow_learners(self) -> tuple[int, ...]:
+        return tuple(m for m, slow in enumerate(self.slow) if slow)
+
     def draw(self, learner: int) -> float:
         noise = float(self._rngs[learner].lognormal(0.0, self.jitter)) if self.jitter else 1.0
         return self.base_s[learner] * noise

@@ -72,7 +72,8 @@ class SyntheticWorkload:
 
     def new_trainer(self, model: nn.Module) -> WalkTrainer:
         self._learner += 1
-        return WalkTrainer(model, torch.Generator().manual_seed(self.config.run.seed * 7919 + self._learner))
+        seed = (self.config.run.seed * 7919 + self._learner) % 2**64  # any seed up to 2**63 - 1; unchanged below 2**51
+        return WalkTrainer(model, torch.Generator().manual_seed(seed))
 
     def sampler(self, learner: int) -> ConstantSampler:
         return ConstantSampler()

@@ -1,9 +1,11 @@
-"""What happened in a virtual run, in order: failures, restarts, (re)joins and merges.
+"""What happened in a virtual run, in order: failures, restarts, (re)joins, merges, rollbacks.
 
 The cluster and its learner nodes append an entry when the failure trace strikes or a
-learner's core reports a state change; nothing here decides anything. The closing summary
-(:class:`RunEvents`, ``summary.json``'s ``events``) and the live view's counters are
-computed from these entries, so what the user reads is what the run did.
+learner's core reports a state change; the data-parallel baselines append their steps,
+the outages of their replicas and their restarts from a checkpoint. Nothing here decides
+anything. The closing summary (:class:`RunEvents`, ``summary.json``'s ``events``), the
+metrics rows' counters, the live view, the "what happened" panels and the marks on
+``plot.png`` are all computed from these entries, so what the user reads is what the run did.
 """
 
 from __future__ import annotations
@@ -24,7 +26,20 @@ class Happening(enum.StrEnum):
     REJOINED = "rejoined"
     """A learner holds the global state again: after a restart, or after losing its session."""
     MERGE = "merge"
-    """A round closed: one fragment of the global model advanced."""
+    """The global model advanced: a round closed (one fragment, DiLoCo) or a synchronous step was applied (data parallel)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Non-elastic data parallel: a failure stopped the job, which restarted from its last checkpoint."""
+
+    failed_at_s: float
+    resumed_at_s: float
+    """When every replica was back and the checkpoint loaded: training went on from here."""
+    checkpoint_s: float
+    """When the checkpoint it went back to was taken."""
+    lost_steps: int
+    """Steps trained since that checkpoint, thrown away."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +61,22 @@ class RunEvents:
     (before the first merge no round could have closed yet: that is the first period, not a pause)."""
     longest_pause_from_s: float
     slow_learners: tuple[int, ...]
+    outages: tuple[tuple[int, float, float | None], ...] = ()
+    """(learner, down at, back at) of every failure in time order; back at None: still down at the end."""
+    rejoined_at: tuple[tuple[int, float], ...] = ()
+    """(learner, when) of every rejoin."""
+    rollbacks: tuple[Rollback, ...] = ()
+    reconfigurations: int = 0
+    """Elastic data parallel: pauses to let a replica leave or return."""
+
+    def counters(self) -> dict[str, int]:
+        """The counts a metrics row carries (and the live view and the final table show)."""
+        return {"failures": self.failures, "rejoins": self.rejoins, "merges": self.merges}
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "slow_learners": list(self.slow_learners)}
+        return {**asdict(self), "slow_learners": list(self.slow_learners),
+                "outages": [list(o) for o in self.outages], "rejoined_at": [list(r) for r in self.rejoined_at],
+                "rollbacks": [asdict(r) for r in self.rollbacks]}
 
 
 @dataclass(slots=True)
@@ -57,6 +85,8 @@ class Timeline:
     counts: Counter[Happening] = field(default_factory=Counter)
     by_learner: Counter[tuple[Happening, int]] = field(default_factory=Counter)
     last_s: dict[tuple[Happening, int], float] = field(default_factory=dict)
+    rollbacks: list[Rollback] = field(default_factory=list)
+    reconfigurations: int = 0
 
     def add(self, time_s: float, kind: Happening, learner: int | None = None) -> None:
         self.entries.append(Entry(time_s, kind, learner))
@@ -85,4 +115,23 @@ class Timeline:
             longest_pause_s=round(pause_s, 3),
             longest_pause_from_s=round(pause_from_s, 3),
             slow_learners=slow_learners,
+            outages=self._outages(),
+            rejoined_at=tuple((e.learner, round(e.time_s, 3)) for e in self.entries
+                              if e.kind is Happening.REJOINED and e.learner is not None),
+            rollbacks=tuple(self.rollbacks),
+            reconfigurations=self.reconfigurations,
         )
+
+    def _outages(self) -> tuple[tuple[int, float, float | None], ...]:
+        """Each FAILURE paired with the same learner's next RESTART."""
+        down: dict[int, float] = {}
+        spans: list[tuple[int, float, float | None]] = []
+        for e in sorted(self.entries, key=lambda e: e.time_s):
+            if e.learner is None:
+                continue
+            if e.kind is Happening.FAILURE:
+                down[e.learner] = e.time_s
+            elif e.kind is Happening.RESTART and e.learner in down:
+                spans.append((e.learner, round(down.pop(e.learner), 3), round(e.time_s, 3)))
+        spans += [(m, round(t, 3), None) for m, t in down.items()]
+        return tuple(sorted(spans, key=lambda span: (span[1], span[0])))
