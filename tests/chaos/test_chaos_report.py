@@ -7,7 +7,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins, write_events
-from ddiloco.chaos.runner import ChaosOutcome, FaultRecord, Sample, SyncRestart
+from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, SyncRestart
 from ddiloco.chaos.schedule import Fault, FaultKind
 from ddiloco.config import build_config
 
@@ -34,8 +34,8 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
     kill = FaultRecord(Fault(at_s=2, kind=FaultKind.SYNC_KILL, target="sync", duration_s=1), started_s=2.0,
                        ended_s=3.0)
-    restart = SyncRestart(killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200, answering_at_s=6.0,
-                          versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
+    restart = SyncRestart(target="sync", killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200,
+                          answering_at_s=6.0, versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
     samples = [sample(0, "a", (0, 0)), sample(1, "a", (5, 5), pause=0.4, rejected={"stale": 2}),
                sample(6, "b", (3, 4), pause=0.0, rejected={"stale": 1, "unknown_learner": 2}),
                sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4})]

@@ -109,3 +109,17 @@ def test_seeds_draw_different_schedules() -> None:
     drawn = {tuple(seeded_schedule(window_s=180, learners=3, lease_s=10, fragment_bytes=5_000, seed=s))
              for s in range(5)}
     assert len(drawn) == 5
+
+
+def test_a_sharded_run_names_the_shard_it_kills() -> None:
+    kill = Fault(at_s=1, kind=FaultKind.SYNC_KILL, target="sync-1", duration_s=1)
+    check_targets([kill], learners=2, window_s=60, shards=2)
+    with pytest.raises(ConfigError, match="targets 'sync', which does not exist.*sync-0 .. sync-1"):
+        check_targets([Fault(at_s=1, kind=FaultKind.SYNC_KILL, target="sync", duration_s=1)], 2, 60, shards=2)
+    with pytest.raises(ConfigError, match="targets 'sync-1', which does not exist.*synchronizer is sync\\)"):
+        check_targets([kill], learners=2, window_s=60)
+    with pytest.raises(ConfigError, match="only sync_kill targets the synchronizer"):
+        Fault(at_s=1, kind=FaultKind.FREEZE, target="sync-0", duration_s=1)
+    faults = seeded_schedule(window_s=600, learners=3, lease_s=10, fragment_bytes=5_000, seed=1, shards=2)
+    check_targets(faults, learners=3, window_s=600, shards=2)
+    assert {f.target for f in faults if f.kind is FaultKind.SYNC_KILL} == {"sync-0", "sync-1"}

@@ -9,12 +9,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from chaos_helpers import process_state, session_pids
-from runtime_helpers import status_of, wait_for
+from runtime_helpers import (ddiloco_session, netns_unavailable, process_state, session_pids, stop_session, wait_for,
+                             wait_until_running)
 
 from ddiloco.cli import main
 
@@ -23,9 +22,7 @@ TINY = ["--preset", "tiny", "--set", "protocol.lease_s=5", "--set", "protocol.he
 
 def chaos(*args: str, out: Path) -> subprocess.Popen:
     """``ddiloco chaos`` as a session leader: every process it starts shares its session id."""
-    return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "chaos", *args, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return ddiloco_session("chaos", *args, out=out)
 
 
 def schedule(tmp_path: Path, text: str) -> str:
@@ -54,7 +51,7 @@ def test_an_unknown_fault_kind_is_one_line_and_exit_2_with_nothing_started(tmp_p
     ("[[fault]\n", (), "is not valid TOML"),
     ("", ("--time", "-5"), "--time must be a positive number"),
     ("", ("--learners", "1"), "needs at least 2 learners"),
-    ("", ("--set", "protocol.shards=2"), "protocol.shards=2 is not supported"),
+    ("", ("--link-rate", "5mbit"), "--link-rate needs --hosts netns"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, text, args, message) -> None:
     before = set(os.listdir("/proc"))
@@ -142,25 +139,79 @@ def test_a_short_run_with_every_fault_kind_keeps_its_promises(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_no_process_behind(tmp_path) -> None:
-    """SIGTERM unwinds like Ctrl-C (SIGINT raises the same KeyboardInterrupt), killing every child."""
+def test_sigterm_stops_the_run_cleanly_and_leaves_no_process_behind(tmp_path) -> None:
+    """SIGTERM (what Slurm, systemd and Kubernetes send) stops the run in order: the frozen learner is
+    woken and stopped with the other, the synchronizer writes its final checkpoint, chaos.json is written."""
     out = tmp_path / "out"
-    # learner-1 is frozen (SIGSTOP) when the interrupt comes: a stopped child must go too.
+    # learner-1 is frozen (SIGSTOP) when the signal comes: a stopped child must go too.
     text = '[[fault]]\ntime = 0\nfault = "freeze"\ntarget = "learner-1"\nduration = 50\n'
     proc = chaos(*TINY, "--learners", "2", "--time", "60", "--no-baseline", "--schedule", schedule(tmp_path, text),
                  out=out)
-    try:
-        port = int(wait_for(lambda: (out / "sync.port").exists() and (out / "sync.port").read_text().strip(),
-                            "the synchronizer's port file"))
-        wait_for(lambda: (s := status_of(port)) and any(lr["alive"] for lr in s["learners"]), "a learner to join")
-        children = wait_for(lambda: (p := session_pids(proc.pid) - {proc.pid}) and len(p) >= 3 and p,
-                            "the synchronizer and both learners")
-        wait_for(lambda: any(process_state(pid) == "T" for pid in children), "learner-1 to be frozen")
-        os.kill(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130 and "ddiloco: interrupted" in stderr, stderr
+    children = wait_until_running(proc, out)
+    wait_for(lambda: any(process_state(pid) == "T" for pid in children), "learner-1 to be frozen")
+    stdout, stderr = stop_session(proc, signal.SIGTERM)
+    assert proc.returncode == 130 and "interrupted by SIGTERM: stopped cleanly" in stdout + stderr, stdout + stderr
+    report = json.loads((out / "chaos.json").read_text())
+    assert report["stopped"] == "SIGTERM" and not report["completed"] and report["eval_loss"] is not None
+    assert report["violations"][0] == "the run did not complete: stopped by SIGTERM"
+    assert (out / "sync-state" / "synchronizer.safetensors").exists()  # the final checkpoint
     assert not session_pids(proc.pid)  # the chaos process reaps its children before it exits
+
+
+NETNS_SCHEDULE = """
+[[fault]]
+time = 3
+fault = "partition"
+target = "learner-0"
+duration = 3
+
+[[fault]]
+time = 3
+fault = "bandwidth"
+target = "learner-1"
+duration = 3
+rate_bytes_per_s = 4000
+
+[[fault]]
+time = 8
+fault = "sync_kill"
+target = "sync-1"
+duration = 0.5
+
+[[fault]]
+time = 10
+fault = "latency"
+target = "learner-0"
+duration = 2
+delay_s = 0.1
+
+[[fault]]
+time = 10
+fault = "reset"
+target = "learner-1"
+duration = 1
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(netns_unavailable()), reason=netns_unavailable() or "network namespaces available")
+def test_a_sharded_run_in_namespaces_survives_a_shard_kill_and_faults_on_real_links(tmp_path) -> None:
+    from ddiloco.runtime.netns import leftovers, tag_of
+
+    out = tmp_path / "out"
+    proc = chaos(*TINY, "--set", "protocol.shards=2", "--learners", "2", "--time", "13", "--settle", "10",
+                 "--no-baseline", "--hosts", "netns", "--link-rate", "5mbit",
+                 "--schedule", schedule(tmp_path, NETNS_SCHEDULE), out=out)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout + stderr
+    report = json.loads((out / "chaos.json").read_text())
+    assert report["faults"] == {"kill": 0, "freeze": 0, "sync_kill": 1, "latency": 1, "bandwidth": 1, "reset": 1,
+                                "partition": 1}
+    assert report["completed"] and report["violations"] == [] and report["learners_alive_at_end"] == 2
+    restart = report["sync_restarts"][0]
+    assert restart["target"] == "sync-1" and len(restart["versions_resumed"]) == 1  # shard 1 owns one fragment
+    assert len(report["fragment_versions"]) == 3 and min(report["fragment_versions"]) > 0
+    assert all(report["link_bytes"][name]["up"] > 0 for name in ("sync", "learner-0", "learner-1"))
+    assert (out / "sync-state-0" / "synchronizer.safetensors").exists()
+    assert (out / "sync-state-1" / "synchronizer.safetensors").exists()
+    assert leftovers(tag_of(proc.pid)) == [] and not session_pids(proc.pid)

@@ -1,4 +1,5 @@
-"""Helpers for runtime tests: free ports, child processes, polling, an in-process synchronizer."""
+"""Helpers for runtime tests: free ports, child processes, polling, an in-process synchronizer, and every
+process of a session (to prove none is left behind)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,48 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+
+def netns_unavailable() -> str:
+    """Why this machine cannot run ``--hosts netns`` (not root, no ``ip netns``), or "" where it can."""
+    from ddiloco.errors import ConfigError
+    from ddiloco.runtime.netns import check_available
+
+    try:
+        check_available()
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def wait_until_running(proc: subprocess.Popen, out: Path) -> set[int]:
+    """A local run of ``proc`` writing into ``out``, once a learner has joined its synchronizer and it has
+    at least three children (the synchronizer and two learners); returns their pids."""
+    port = int(wait_for(lambda: (out / "sync.port").exists() and (out / "sync.port").read_text().strip(),
+                        "the synchronizer's port file", timeout_s=180))
+    wait_for(lambda: (s := status_of(port)) and any(lr["alive"] for lr in s["learners"]), "a learner to join",
+             timeout_s=180)
+    return wait_for(lambda: (p := session_pids(proc.pid) - {proc.pid}) and len(p) >= 3 and p,
+                    "the synchronizer and both learners", timeout_s=180)
+
+
+def stop_session(proc: subprocess.Popen, sig: signal.Signals, timeout_s: float = 180) -> tuple[str, str]:
+    """Send ``sig`` to the session leader ``proc`` and wait for it to exit; (stdout, stderr). Whatever
+    happens, nothing of its session is left running."""
+    try:
+        os.kill(proc.pid, sig)
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def ddiloco_session(*args: str, out: Path | None = None) -> subprocess.Popen:
+    """``ddiloco ARGS`` as a session leader (every process it starts shares its session id), output piped."""
+    return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *(["--out", str(out)] if out else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
 
 DEADLINE_S = 90.0
 """Generous bound for anything a test waits for: on a loaded 2-core machine, never a timing claim."""
@@ -176,3 +219,27 @@ class Honest:
 def versions(client: SyncClient) -> list[int]:
     """Every fragment's version, as the synchronizer's status says."""
     return [f["version"] for f in client.status_dict()["fragments"]]
+
+
+def session_pids(session: int) -> set[int]:
+    """Live processes whose session id is ``session`` (a child started with start_new_session leads one)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited while we looked
+        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+        state, sid = fields[0], int(fields[3])
+        if sid == session and state != "Z":
+            pids.add(int(stat.parent.name))
+    return pids - {os.getpid()}
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` (R, S, T for stopped, ...), or "" once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return text[text.rindex(")") + 2]

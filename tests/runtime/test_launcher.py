@@ -1,8 +1,10 @@
-"""`ddiloco run --runtime processes` and a learner that is a torchrun job of two ranks."""
+"""`ddiloco run --runtime processes` (Decoupled DiLoCo and real data parallel), how it ends when killed or
+told to stop, and a learner that is a torchrun job of two ranks."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -10,10 +12,13 @@ import signal
 import subprocess
 
 import pytest
-from runtime_helpers import free_port, learner_args, sync_args, wait_for
+from runtime_helpers import (ddiloco_session, free_port, learner_args, session_pids, stop_session, sync_args,
+                             wait_for, wait_until_running)
 
 from ddiloco.config import build_config
 from ddiloco.reporting import SUMMARY_KEYS
+from ddiloco.runtime.checkpoint import load_checkpoint
+from ddiloco.runtime.dp_worker import CHECKPOINT
 from ddiloco.runtime.launcher import run_processes
 from ddiloco.workload.workload import Workload
 
@@ -70,3 +75,50 @@ def test_a_learner_under_torchrun_keeps_its_two_ranks_identical(procs, tmp_path)
     done = re.search(r"done: (\d+) steps", text)
     tokens = int(re.search(r"run finished: (\d+) tokens", procs.log("sync")).group(1))
     assert done and tokens == int(done.group(1)) * 2 * 256
+
+
+def test_data_parallel_on_real_processes_trains_the_same_model_from_the_same_start(tmp_path) -> None:
+    config = build_config(preset="tiny", overrides=("run.learners=2", "run.tokens=12288", "run.mode='dp'"))
+    summary, rows = run_processes(config, tmp_path, timeout_s=240)
+    assert set(SUMMARY_KEYS) <= set(summary) and summary["mode"] == "dp" and summary["runtime"] == "processes"
+    # 12288 tokens / (2 ranks x 256 tokens per step): 24 steps, every rank the same, every step all-reduced.
+    assert summary["own_steps_per_learner"] == [24, 24] and summary["fragment_versions"] == [24]
+    assert summary["tokens"] == 12288 and summary["bytes_up"] == summary["bytes_down"] > 0
+    workload = Workload.build(config)
+    assert rows[0]["eval_loss"] == workload.evaluate(workload.new_model())
+    assert rows[-1]["eval_loss"] == summary["eval_loss"] < rows[0]["eval_loss"]
+    state = load_checkpoint(tmp_path / CHECKPOINT)  # the final checkpoint, model and optimizer
+    assert state["steps"] == 24 and set(state["model"]) == set(workload.initial_state)
+
+
+def _running_run(out, *extra: str) -> subprocess.Popen:
+    """A process run of the tiny preset, once the synchronizer answers and both learners are started."""
+    proc = ddiloco_session("run", "--runtime", "processes", "--preset", "tiny", "--learners", "2", *extra, out=out)
+    wait_until_running(proc, out)
+    return proc
+
+
+def test_kill_9_of_the_launcher_leaves_no_process_behind(tmp_path) -> None:
+    proc = _running_run(tmp_path / "out", "--time", "120")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait_for(lambda: not session_pids(proc.pid), "the launcher's children to die with it")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_of_the_launcher_stops_the_run_cleanly(tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = _running_run(out, "--time", "120")
+    stdout, stderr = stop_session(proc, signal.SIGTERM)
+    assert proc.returncode == 130, stdout + stderr
+    assert "ddiloco: interrupted by SIGTERM: stopped cleanly" in stderr and "Traceback" not in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "SIGTERM" and summary["tokens"] > 0
+    assert (out / "metrics.jsonl").read_text() and (out / "plot.png").exists()
+    assert (out / "sync-state" / "synchronizer.safetensors").exists()  # its final checkpoint
+    for name in ("sync", "learner-0", "learner-1"):
+        assert "Traceback" not in (out / "logs" / f"{name}.log").read_text(), name
+    assert not session_pids(proc.pid)

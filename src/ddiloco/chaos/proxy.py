@@ -70,10 +70,11 @@ def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
 
 
 class FaultProxy:
-    """Listens on 127.0.0.1:<port> and forwards every connection to ``upstream``; faults are set on the loop."""
+    """Listens on ``listen_host``:<port> and forwards every connection to ``upstream``; faults are set on the loop."""
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    def __init__(self, upstream_host: str, upstream_port: int, listen_host: str = "127.0.0.1") -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.listen_host = listen_host
         self.delay_s = 0.0
         self.buckets = {"up": TokenBucket(), "down": TokenBucket()}
         self._healed = asyncio.Event()
@@ -88,7 +89,7 @@ class FaultProxy:
         self.connections_reset = 0
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._accept, self.listen_host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -217,11 +218,12 @@ class ProxyHost:
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
 
-    def add(self, name: str, upstream_port: int, upstream_host: str = "127.0.0.1") -> int:
-        """Start a proxy named ``name`` in front of ``upstream``; returns the port to connect to."""
+    def add(self, name: str, upstream_port: int, upstream_host: str = "127.0.0.1",
+            listen_host: str = "127.0.0.1") -> int:
+        """Start a proxy named ``name`` on ``listen_host`` in front of ``upstream``; returns the port to connect to."""
 
         async def start() -> int:
-            proxy = FaultProxy(upstream_host, upstream_port)
+            proxy = FaultProxy(upstream_host, upstream_port, listen_host)
             self.proxies[name] = proxy
             return await proxy.start()
 

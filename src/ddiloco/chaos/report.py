@@ -10,8 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
-from ddiloco.chaos.runner import ChaosOutcome, Sample
-from ddiloco.chaos.schedule import SYNC_TARGET, FaultKind, learner_name
+from ddiloco.chaos.outcome import ChaosOutcome, Sample
+from ddiloco.chaos.schedule import FaultKind, is_sync_target, learner_name
 from ddiloco.config import Config
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
@@ -103,6 +103,8 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "wall_s": round(outcome.wall_s, 1),
         "connections_reset": outcome.connections_reset,
         "proxy_bytes": outcome.proxy_bytes,
+        "link_bytes": outcome.link_bytes,
+        "stopped": outcome.stopped,
         "schedule": [{**r.fault.to_dict(),
                       "started_s": None if r.started_s is None else round(r.started_s, 2),
                       "ended_s": None if r.ended_s is None else round(r.ended_s, 2),
@@ -207,10 +209,10 @@ def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: st
     top.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     top.set_title(title, pad=40, fontsize=10)
 
-    rows = [learner_name(i) for i in range(learners)] + [SYNC_TARGET]
+    rows = [learner_name(i) for i in range(learners)] + list(outcome.sync_names)
     for y, name in enumerate(rows):
-        if name == SYNC_TARGET:
-            spans = [(down, up - down) for down, up in outcome.sync_down]
+        if is_sync_target(name):
+            spans = [(down, up - down) for down, up in outcome.sync_down_of(name)]
             bottom.broken_barh([(0, end_s)], (y - 0.3, 0.6), color="#2ca02c", alpha=0.6)
             bottom.broken_barh(spans, (y - 0.3, 0.6), color="0.3")
             continue

@@ -1,11 +1,13 @@
 """Run a real cluster on this host and break it on schedule: the engine of ``ddiloco chaos``.
 
-The processes are the launcher's (:mod:`ddiloco.runtime.launcher`): one ``ddiloco sync``
-and M ``ddiloco learner`` processes, except that every learner reaches the synchronizer
-through its own fault-injecting proxy (:mod:`ddiloco.chaos.proxy`). The tool only injects
-faults and observes: who rejoins, when and how is the protocol core's business, and the
-only way the tool learns about it is the synchronizer's status, polled a few times a
-second, and its log.
+The processes and how faults reach them are :mod:`ddiloco.chaos.cluster`'s: one
+``ddiloco sync`` per shard and M ``ddiloco learner`` processes, each learner behind
+fault-injecting proxies, on loopback or (``--hosts netns``) each in its own network
+namespace on a real capped link. The tool only injects faults and observes: who rejoins,
+when and how is the protocol core's business, and the only way the tool learns about it is
+the synchronizer's status, polled a few times a second, and its log. SIGINT or SIGTERM
+stops the run cleanly: links healed, learners stopped (they flush), the final model
+evaluated, every synchronizer stopped with its final checkpoint.
 """
 
 from __future__ import annotations
@@ -14,18 +16,23 @@ import collections
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ddiloco.chaos.cluster import ChaosCluster
+from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
 from ddiloco.chaos.proxy import ProxyHost
-from ddiloco.chaos.schedule import SYNC_TARGET, Fault, FaultKind, learner_name
+from ddiloco.chaos.schedule import Fault, FaultKind, learner_name
 from ddiloco.config import Config
-from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import Refused, Unreachable
-from ddiloco.runtime.launcher import (GlobalEvaluator, Processes, RunFiles, free_port, learner_command,
-                                      learner_threads, prepare_files, sync_command, wait_for_port)
-from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.runtime.launcher import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
+                                      learner_threads, prepare_files, wait_for_port)
+from ddiloco.runtime.netns import SYNC_HOST
+from ddiloco.runtime.placement import placed
+from ddiloco.runtime.processes import Processes, StopSignals
+from ddiloco.runtime.sharded import ShardedClient, merge_statuses
+from ddiloco.runtime.topology import Topology
 
 POLL_S = 0.25
 START_TIMEOUT_S = 180.0
@@ -33,151 +40,42 @@ START_TIMEOUT_S = 180.0
 FINISH_SLACK_S = 120.0
 """How long past its budget (plus the synchronizer's downtime) the run may take to finish."""
 
-
-@dataclass
-class FaultRecord:
-    """A scheduled fault and what became of it (times in seconds after the first join)."""
-
-    fault: Fault
-    started_s: float | None = None
-    ended_s: float | None = None
-    skipped: str = ""
-    """Why nothing was injected (the target was not running), else empty."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One poll of the synchronizer's status."""
-
-    t_s: float
-    """Seconds after the first join (negative before it)."""
-    instance_id: str
-    phase: str
-    versions: tuple[int, ...]
-    alive: dict[str, bool]
-    tokens: int
-    grace_window_s: float
-    longest_pause_s: float
-    rejections: dict[str, int]
+Action = Callable[[ChaosCluster], None]
 
 
 @dataclass
-class LiveState:
-    """What the live view shows after each poll."""
+class _Shard:
+    """What the tool knows of one synchronizer process (``sync`` or ``sync-I``)."""
 
-    clock_s: float
-    """The schedule's clock (seconds since the first join while the synchronizer was up)."""
-    window_s: float
-    run_s: float
-    phase: str
-    faults_so_far: collections.Counter
-    active: list[str]
-    max_version: int
-    alive: int
-    learners: int
-    sync_up: bool
-    longest_pause_s: float
-    status_url: str
-
-
-@dataclass
-class SyncRestart:
-    """One kill -9 of the synchronizer, and what the restarted one resumed from (times after the first join)."""
-
-    killed_at_s: float
-    versions_at_kill: tuple[int, ...]
-    """Fragment versions at the last poll before the kill."""
-    tokens_at_kill: int
-    answering_at_s: float | None = None
-    versions_resumed: tuple[int, ...] = ()
-    """The checkpoint's versions, as the restarted synchronizer first reported them."""
-    tokens_resumed: int = 0
-    first_merge_after_s: float | None = None
-    """From answering again to its first merge: the restart's own pause."""
+    client: ShardedClient
+    address: str
+    status: dict[str, Any] | None = None
+    killed: str | None = None
+    """The killed incarnation's id, while it is down or restarting."""
+    restart: SyncRestart | None = None
+    restart_at: tuple[float, FaultRecord] | None = None
+    """Killed: (restart it at, the fault)."""
+    awaiting: SyncRestart | None = None
+    """Restarted, no merge seen yet."""
 
     @property
-    def rounds_lost(self) -> int:
-        """Rounds merged after the last checkpoint: what docs/runtime.md says a crash loses."""
-        return sum(max(0, a - b) for a, b in zip(self.versions_at_kill, self.versions_resumed))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"killed_at_s": round(self.killed_at_s, 2),
-                "answering_at_s": None if self.answering_at_s is None else round(self.answering_at_s, 2),
-                "first_merge_after_s": None if self.first_merge_after_s is None else round(self.first_merge_after_s, 2),
-                "versions_at_kill": list(self.versions_at_kill), "versions_resumed": list(self.versions_resumed),
-                "rounds_lost": self.rounds_lost, "tokens_at_kill": self.tokens_at_kill,
-                "tokens_resumed": self.tokens_resumed}
-
-
-@dataclass
-class ChaosOutcome:
-    """Everything a report needs; times in seconds after the first join."""
-
-    completed: bool
-    failure: str
-    records: list[FaultRecord]
-    samples: list[Sample]
-    sync_restarts: list[SyncRestart]
-    final_status: dict[str, Any]
-    eval_loss: float | None
-    wall_s: float
-    sync_log: Path
-    status_url: str
-    proxy_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    connections_reset: int = 0
-
-    @property
-    def sync_down(self) -> list[tuple[float, float]]:
-        """(killed, answering again) of every synchronizer kill; one still down at the end lasts to the end."""
-        end_s = max([s.t_s for s in self.samples] + [0.0])
-        return [(r.killed_at_s, r.answering_at_s if r.answering_at_s is not None else end_s)
-                for r in self.sync_restarts]
-
-    @property
-    def restart_pauses_s(self) -> list[float]:
-        return [r.first_merge_after_s for r in self.sync_restarts if r.first_merge_after_s is not None]
-
-
-@dataclass
-class _Cluster:
-    """The running pieces that faults act on."""
-
-    procs: Processes
-    proxies: ProxyHost
-    files: RunFiles
-    port: int
-    http_port: int
-    threads: int
-    learner_cmds: dict[str, list[str]]
-
-    def start_learner(self, name: str) -> None:
-        self.procs.start(name, self.learner_cmds[name], env={"OMP_NUM_THREADS": str(self.threads)})
-
-    def start_sync(self, *, resume: bool) -> None:
-        self.files.port_files[0].unlink(missing_ok=True)
-        self.procs.start(SYNC_TARGET, sync_command(self.files, 0, port=self.port if resume else 0,
-                                                   http_port=self.http_port, resume=resume),
-                         env={"OMP_NUM_THREADS": "1"})
-
-
-Action = Callable[[_Cluster], None]
+    def versions(self) -> tuple[int, ...]:
+        return tuple(f["version"] for f in (self.status or {}).get("fragments", []))
 
 
 class ChaosRun:
     """One run of the cluster in ``out`` with ``faults`` injected; :meth:`run` returns what was observed."""
 
     def __init__(self, config: Config, out: Path, faults: list[Fault], *, window_s: float, device: str,
-                 min_step_s: float = 0.0,
+                 min_step_s: float = 0.0, topology: Topology | None = None,
                  on_sample: Callable[[LiveState], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
-        if config.protocol.shards != 1:
-            raise DdilocoError(f"ddiloco chaos runs one synchronizer; protocol.shards={config.protocol.shards} "
-                               "is not supported yet")
         self.config = config
         self.out = out
         self.window_s = window_s
         self.device = device
         self.min_step_s = min_step_s
+        self.topology = topology
         self.on_sample = on_sample
         self.on_event = on_event or (lambda text: None)
         self.records = [FaultRecord(f) for f in faults]
@@ -185,139 +83,177 @@ class ChaosRun:
         self.samples: list[Sample] = []
         self.sync_restarts: list[SyncRestart] = []
         self._t0: float | None = None
-        self._address = ""
-        self._killed_instance: str | None = None  # set while the synchronizer is down or restarting
-        self._awaiting_merge: SyncRestart | None = None  # restarted, no merge seen yet
-        self._sync_restart: tuple[float, FaultRecord] | None = None  # killed: (restart at, its fault)
+        self._shards: dict[str, _Shard] = {}
 
     def now_s(self) -> float:
         """Wall seconds since the first join."""
         return time.monotonic() - self._t0 if self._t0 is not None else 0.0
 
     def clock_s(self) -> float:
-        """The schedule's clock: seconds since the first join while the synchronizer was up.
+        """The schedule's clock: seconds since the first join while every synchronizer process was up.
 
         The synchronizer's time budget does not run while it is down either, so a schedule
         keeps its place in the run however long a restart takes on a loaded machine, and no
         fault is spent on a cluster that is already down.
         """
-        down = sum((r.answering_at_s if r.answering_at_s is not None else self.now_s()) - r.killed_at_s
-                   for r in self.sync_restarts)
+        down, covered_to = 0.0, float("-inf")
+        for start, end in sorted((r.killed_at_s, r.answering_at_s if r.answering_at_s is not None else self.now_s())
+                                 for r in self.sync_restarts):
+            down += max(0.0, end - max(start, covered_to))
+            covered_to = max(covered_to, end)
         return self.now_s() - down
+
+    def _any_down(self) -> bool:
+        return any(s.killed is not None for s in self._shards.values())
+
+    def _finished(self) -> bool:
+        """The run is over once one synchronizer process says so: the learners leave then (a shard
+        whose time budget stood still while it was down would finish later, with nobody left)."""
+        return any(s.status is not None and s.status["finished"] for s in self._shards.values())
 
     def run(self) -> ChaosOutcome:
         files = prepare_files(self.config, self.out)
-        sync = files.sync_names[0]
-        procs = Processes(files.logs)
-        proxies = ProxyHost()
-        client: ShardedClient | None = None
+        learners = [learner_name(i) for i in range(self.m)]
+        with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
+            shards = len(files.sync_names)
+            http_ports = [free_port() if place.net is None else NETNS_HTTP_PORT + i for i in range(shards)]
+            cluster = ChaosCluster(Processes(files.logs), ProxyHost(), files, place, http_ports,
+                                   learner_threads(self.m))
+            try:
+                return self._run(cluster, stop)
+            finally:
+                for shard in self._shards.values():
+                    shard.client.close()
+                cluster.procs.close()
+                cluster.proxies.close()
+
+    def _run(self, cluster: ChaosCluster, stop: StopSignals) -> ChaosOutcome:
+        procs, files, place = cluster.procs, cluster.files, cluster.place
         launched = time.monotonic()
-        cluster = _Cluster(procs, proxies, files, 0, free_port(), learner_threads(self.m), {})
-        status_url = f"http://127.0.0.1:{cluster.http_port}/"
-        try:
-            cluster.start_sync(resume=False)
-            cluster.port = port = wait_for_port(files.port_files[0], procs, sync)
-            for i in range(self.m):
-                name = learner_name(i)
-                link = proxies.add(name, port)
-                cluster.learner_cmds[name] = learner_command([f"127.0.0.1:{link}"], name, cluster.threads,
-                                                             self.device, self.min_step_s)
-                cluster.start_learner(name)
-            self._address = f"127.0.0.1:{port}"
-            client = ShardedClient([self._address])
-            actions = self._actions()
-            failure, status = "", {}
-            while True:
-                status = self._poll(client) or status
-                if self._t0 is None and time.monotonic() - launched > START_TIMEOUT_S:
-                    failure = f"no learner joined within {START_TIMEOUT_S:.0f}s (logs in {files.logs})"
-                    break
-                if self._t0 is not None:
-                    while actions and actions[0][0] <= self.clock_s() and self._killed_instance is None:
-                        _, act = actions.pop(0)
-                        act(cluster)
-                    if self._sync_restart is not None and self._sync_restart[0] <= self.now_s():
-                        self._end(self._sync_restart[1], cluster)
-                        self._sync_restart = None
-                if status.get("finished") and self._killed_instance is None:
-                    break
-                failure = self._check_processes(procs, sync)
-                if failure:
-                    break
-                if self._t0 is not None and self.clock_s() > self.config.run.time_s + FINISH_SLACK_S:
-                    failure = f"the run did not finish within {FINISH_SLACK_S:.0f}s of its budget"
-                    break
-                if self.on_sample is not None:
-                    self.on_sample(self._live(status, status_url))
-                time.sleep(POLL_S)
-            eval_loss = None
-            if not failure:
+        for i in range(len(cluster.syncs)):
+            cluster.start_sync(i, resume=False)
+        cluster.ports = [wait_for_port(pf, procs, name, stop) for pf, name in zip(files.port_files, cluster.syncs)]
+        for i, name in enumerate(cluster.syncs):
+            address = cluster.sync_address(i)
+            self._shards[name] = _Shard(ShardedClient([address], token=place.token), address)
+        for i in range(self.m):
+            cluster.add_learner(learner_name(i), self.device, self.min_step_s)
+            cluster.start_learner(learner_name(i))
+        first_links = place.counters()
+        actions = self._actions()
+        failure, status = "", {}
+        while True:
+            if stop.requested is not None:
+                failure = f"stopped by {stop.requested.name}"
+                break
+            status = self._poll(place.token) or status
+            if self._t0 is None and time.monotonic() - launched > START_TIMEOUT_S:
+                failure = f"no learner joined within {START_TIMEOUT_S:.0f}s (logs in {files.logs})"
+                break
+            if self._t0 is not None:
+                while actions and actions[0][0] <= self.clock_s() and not self._any_down():
+                    _, act = actions.pop(0)
+                    act(cluster)
+                for shard in self._shards.values():
+                    if shard.restart_at is not None and shard.restart_at[0] <= self.now_s():
+                        record, shard.restart_at = shard.restart_at[1], None
+                        self._end(record, cluster)
+            if self._finished() and not self._any_down():
+                break
+            failure = self._check_processes(procs, cluster.syncs)
+            if failure:
+                break
+            if self._t0 is not None and self.clock_s() > self.config.run.time_s + FINISH_SLACK_S:
+                failure = f"the run did not finish within {FINISH_SLACK_S:.0f}s of its budget"
+                break
+            if self.on_sample is not None:
+                self.on_sample(self._live(status, cluster.status_url()))
+            time.sleep(POLL_S)
+        eval_loss = None
+        if stop.requested is not None:
+            self._leave(cluster)
+        clean = not failure or stop.requested is not None
+        if clean and not self._any_down():
+            with ShardedClient([s.address for s in self._shards.values()], token=place.token) as client:
                 eval_loss, _ = GlobalEvaluator(self.config, client).evaluate()
-                for i in range(self.m):
-                    name = learner_name(i)
-                    if procs.running(name):
-                        try:
-                            procs.children[name].wait(30)
-                        except subprocess.TimeoutExpired:  # a learner slow to leave is stopped
-                            procs.stop(name)
-                procs.stop(sync)
-            return ChaosOutcome(
-                completed=not failure and bool(status.get("finished")),
-                failure=failure,
-                records=self.records,
-                samples=self.samples,
-                sync_restarts=self.sync_restarts,
-                final_status=status,
-                eval_loss=eval_loss,
-                wall_s=time.monotonic() - launched,
-                sync_log=files.logs / f"{sync}.log",
-                status_url=status_url,
-                proxy_bytes=proxies.call(lambda: {n: dict(p.bytes) for n, p in proxies.proxies.items()}),
-                connections_reset=proxies.call(lambda: sum(p.connections_reset for p in proxies.proxies.values())),
-            )
-        finally:
-            if client is not None:
-                client.close()
-            procs.close()
-            proxies.close()
+                status = client.status_dict() if stop.requested is not None else status
+            if stop.requested is None:
+                self._wait_for_learners(procs)
+        if clean:
+            procs.stop_all(cluster.syncs, LEAVE_TIMEOUT_S)  # SIGTERM: each writes its final checkpoint
+        last_links = place.counters()
+        return ChaosOutcome(
+            completed=not failure and self._finished(),
+            failure=failure,
+            records=self.records,
+            samples=self.samples,
+            sync_restarts=self.sync_restarts,
+            final_status=status,
+            eval_loss=eval_loss,
+            wall_s=time.monotonic() - launched,
+            sync_log=files.logs / f"{cluster.syncs[0]}.log",
+            status_url=cluster.status_url(),
+            sync_names=tuple(cluster.syncs),
+            proxy_bytes=cluster.proxies.call(lambda: {n: dict(p.bytes) for n, p in cluster.proxies.proxies.items()}),
+            link_bytes={name: {d: last_links[name][d] - first_links[name][d] for d in ("up", "down")}
+                        for name in last_links},
+            connections_reset=cluster.proxies.call(lambda: sum(p.connections_reset
+                                                               for p in cluster.proxies.proxies.values())),
+            stopped=stop.requested.name if stop.requested is not None else None,
+        )
+
+    def _wait_for_learners(self, procs: Processes) -> None:
+        for i in range(self.m):
+            name = learner_name(i)
+            if procs.running(name):
+                try:
+                    procs.children[name].wait(LEAVE_TIMEOUT_S)
+                except subprocess.TimeoutExpired:  # a learner slow to leave is stopped
+                    procs.stop(name)
+
+    def _leave(self, cluster: ChaosCluster) -> None:
+        """Stopped by a signal: heal every link fault in force, then stop the learners (they flush)."""
+        for record in self.records:
+            if record.started_s is not None and record.ended_s is None and record.fault.kind.on_link \
+                    and not record.skipped:
+                cluster.heal_link(record.fault)
+        self.on_event(f"t={self.now_s():6.1f}s  stopping: learners, then the synchronizer (final checkpoint)")
+        cluster.procs.stop_all([learner_name(i) for i in range(self.m)], LEAVE_TIMEOUT_S)
 
     # ---- observing ------------------------------------------------------------------------
 
-    def _poll(self, client: ShardedClient) -> dict[str, Any] | None:
-        try:
-            if self._killed_instance is None:
-                status = client.status_dict(timeout_s=5.0)
-            else:  # a fresh channel: the old one's reconnect backoff would see the restart seconds late
-                with ShardedClient([self._address]) as fresh:
-                    status = fresh.status_dict(timeout_s=5.0)
-        except (Unreachable, Refused):
-            return None
-        if self._killed_instance is not None:
-            if status["instance_id"] == self._killed_instance:
-                return None  # the old incarnation's last answer, racing its kill
-            restart = self.sync_restarts[-1]
-            restart.answering_at_s = self.now_s()
-            restart.versions_resumed = tuple(f["version"] for f in status["fragments"])
-            restart.tokens_resumed = status["tokens"]
-            self._killed_instance = None
-            self._awaiting_merge = restart
-            self.on_event(f"t={restart.answering_at_s:6.1f}s  synchronizer {status['instance_id']} answering "
-                          f"(resumed at versions {list(restart.versions_resumed)}, "
-                          f"down {restart.answering_at_s - restart.killed_at_s:.1f}s)")
+    def _poll(self, token: str | None) -> dict[str, Any] | None:
+        """Every synchronizer process's status, merged; None while any of them does not answer."""
+        for name, shard in self._shards.items():
+            try:
+                if shard.killed is None:
+                    status = shard.client.status_dict(timeout_s=5.0)
+                else:  # a fresh channel: the old one's reconnect backoff would see the restart seconds late
+                    with ShardedClient([shard.address], token=token) as fresh:
+                        status = fresh.status_dict(timeout_s=5.0)
+            except (Unreachable, Refused):
+                return None
+            if shard.killed is not None:
+                if status["instance_id"] == shard.killed:
+                    return None  # the old incarnation's last answer, racing its kill
+                self._answering(name, shard, status)
+            shard.status = status
+        statuses = [s.status for s in self._shards.values() if s.status is not None]
+        status = statuses[0] if len(statuses) == 1 else merge_statuses(statuses)
         if self._t0 is None and status["phase"] != "waiting":
             self._t0 = time.monotonic()
-        versions = tuple(f["version"] for f in status["fragments"])
-        awaiting = self._awaiting_merge
-        if awaiting is not None and sum(versions) > sum(awaiting.versions_resumed):
-            awaiting.first_merge_after_s = self.now_s() - (awaiting.answering_at_s or 0.0)
-            self.on_event(f"t={self.now_s():6.1f}s  first merge after the restart, "
-                          f"{awaiting.first_merge_after_s:.1f}s after it answered")
-            self._awaiting_merge = None
+        for shard in self._shards.values():
+            awaiting = shard.awaiting
+            if awaiting is not None and sum(shard.versions) > sum(awaiting.versions_resumed):
+                awaiting.first_merge_after_s = self.now_s() - (awaiting.answering_at_s or 0.0)
+                self.on_event(f"t={self.now_s():6.1f}s  first merge after the restart of {awaiting.target}, "
+                              f"{awaiting.first_merge_after_s:.1f}s after it answered")
+                shard.awaiting = None
         self.samples.append(Sample(
             t_s=self.now_s() if self._t0 is not None else -1.0,
             instance_id=status["instance_id"],
             phase=status["phase"],
-            versions=versions,
+            versions=tuple(f["version"] for f in status["fragments"]),
             alive={lr["id"]: lr["alive"] for lr in status["learners"]},
             tokens=status["tokens"],
             grace_window_s=status["grace"]["window_s"],
@@ -326,37 +262,54 @@ class ChaosRun:
         ))
         return status
 
-    def _check_processes(self, procs: Processes, sync: str) -> str:
-        """A failure that no fault explains: the synchronizer gone by itself, or every learner gone."""
-        restarted = self._killed_instance is not None and self._sync_restart is None
-        if (self._killed_instance is None or restarted) and not procs.running(sync):
-            return (f"the synchronizer exited by itself with code {procs.children[sync].returncode}"
-                    + (" after its restart" if restarted else "") + ":\n" + procs.tail(sync))
+    def _answering(self, name: str, shard: _Shard, status: dict[str, Any]) -> None:
+        """The restarted process ``name`` answers: record what it resumed from."""
+        restart = shard.restart
+        assert restart is not None
+        restart.answering_at_s = self.now_s()
+        restart.versions_resumed = tuple(f["version"] for f in status["fragments"])
+        restart.tokens_resumed = status["tokens"]
+        shard.killed, shard.awaiting = None, restart
+        self.on_event(f"t={restart.answering_at_s:6.1f}s  synchronizer {name} {status['instance_id']} answering "
+                      f"(resumed at versions {list(restart.versions_resumed)}, "
+                      f"down {restart.answering_at_s - restart.killed_at_s:.1f}s)")
+
+    def _check_processes(self, procs: Processes, syncs: list[str]) -> str:
+        """A failure that no fault explains: a synchronizer gone by itself, or every learner gone."""
+        for name in syncs:
+            shard = self._shards[name]
+            restarted = shard.killed is not None and shard.restart_at is None
+            if (shard.killed is None or restarted) and not procs.running(name):
+                return (f"the synchronizer {name} exited by itself with code {procs.children[name].returncode}"
+                        + (" after its restart" if restarted else "") + ":\n" + procs.tail(name))
         learners = [learner_name(i) for i in range(self.m)]
         left_down = {r.fault.target for r in self.records if not r.fault.restart and r.started_s is not None}
         restarting = any(r.fault.kind is FaultKind.KILL and r.fault.restart and r.started_s is not None
                          and r.ended_s is None for r in self.records)
         if not restarting and not any(procs.running(n) for n in learners):
             crashed = next((n for n in learners if n not in left_down and procs.children[n].returncode), None)
-            if crashed is not None or not self.samples or self.samples[-1].phase not in ("stopping", "finished"):
+            ending = any(sh.status is not None and sh.status["phase"] in ("stopping", "finished")
+                         for sh in self._shards.values())
+            if crashed is not None or not ending:
                 return "every learner exited before the run finished" + (
                     f"; {crashed}:\n{procs.tail(crashed)}" if crashed else "")
         return ""
 
     def _live(self, status: dict[str, Any], status_url: str) -> LiveState:
         done = collections.Counter(str(r.fault.kind) for r in self.records if r.started_s is not None and not r.skipped)
+        down = [name for name, s in self._shards.items() if s.killed is not None]
         return LiveState(
             clock_s=self.clock_s(),
             window_s=self.window_s,
             run_s=self.config.run.time_s,
-            phase=status.get("phase", "starting") if self._killed_instance is None else "synchronizer down",
+            phase=status.get("phase", "starting") if not down else f"synchronizer down ({', '.join(down)})",
             faults_so_far=done,
             active=[r.fault.describe() for r in self.records if r.started_s is not None and r.ended_s is None
                     and not r.skipped],
             max_version=max((f["version"] for f in status.get("fragments", [])), default=0),
             alive=sum(1 for lr in status.get("learners", []) if lr["alive"]),
             learners=self.m,
-            sync_up=self._killed_instance is None,
+            sync_up=not down,
             longest_pause_s=max([s.longest_pause_s for s in self.samples]
                                 + [r.first_merge_after_s or 0.0 for r in self.sync_restarts], default=0.0),
             status_url=status_url,
@@ -374,33 +327,29 @@ class ChaosRun:
         timed.sort(key=lambda a: (a[0], a[1]))
         return [(t, act) for t, _, act in timed]
 
-    def _start(self, record: FaultRecord, cluster: _Cluster) -> None:
+    def _start(self, record: FaultRecord, cluster: ChaosCluster) -> None:
         f, procs = record.fault, cluster.procs
         record.started_s = self.now_s()
         self.on_event(f"t={record.started_s:6.1f}s  {f.describe()}")
         if f.kind is FaultKind.SYNC_KILL:
-            if self._killed_instance is not None or not procs.running(f.target):
-                record.skipped = "the synchronizer was already down"
+            shard = self._shards[f.target]
+            if shard.killed is not None or not procs.running(f.target):
+                record.skipped = f"the synchronizer {f.target} was already down"
                 return
-            last = self.samples[-1]
-            self._killed_instance = last.instance_id
-            self.sync_restarts.append(SyncRestart(self.now_s(), last.versions, last.tokens))
-            self._awaiting_merge = None
-            self._sync_restart = (self.now_s() + f.duration_s, record)
+            assert shard.status is not None
+            shard.killed = shard.status["instance_id"]
+            shard.restart = SyncRestart(f.target, self.now_s(), shard.versions, shard.status["tokens"])
+            self.sync_restarts.append(shard.restart)
+            shard.awaiting = None
+            shard.restart_at = (self.now_s() + f.duration_s, record)
             procs.signal(f.target, signal.SIGKILL)
         elif f.kind in (FaultKind.KILL, FaultKind.FREEZE):
             if not procs.signal(f.target, signal.SIGKILL if f.kind is FaultKind.KILL else signal.SIGSTOP):
                 record.skipped = f"{f.target} was not running"
         else:
-            proxy = cluster.proxies.proxies[f.target]
-            cluster.proxies.call({
-                FaultKind.LATENCY: lambda: proxy.set_latency(f.delay_s),
-                FaultKind.BANDWIDTH: lambda: proxy.set_bandwidth(f.rate_bytes_per_s),
-                FaultKind.RESET: lambda: proxy.reset(f.duration_s),
-                FaultKind.PARTITION: lambda: proxy.set_partitioned(True),
-            }[f.kind])
+            cluster.break_link(f)
 
-    def _end(self, record: FaultRecord, cluster: _Cluster) -> None:
+    def _end(self, record: FaultRecord, cluster: ChaosCluster) -> None:
         f = record.fault
         record.ended_s = self.now_s()
         if record.skipped:
@@ -410,15 +359,10 @@ class ChaosRun:
                       + {FaultKind.SYNC_KILL: ": restarting it with --resume", FaultKind.KILL: ": restarting it",
                          FaultKind.FREEZE: ": SIGCONT"}.get(f.kind, ""))
         if f.kind is FaultKind.SYNC_KILL:
-            cluster.start_sync(resume=True)
+            cluster.start_sync(cluster.syncs.index(f.target), resume=True)
         elif f.kind is FaultKind.KILL:
             cluster.start_learner(f.target)
         elif f.kind is FaultKind.FREEZE:
             cluster.procs.signal(f.target, signal.SIGCONT)
-        elif f.kind is not FaultKind.RESET:  # a reset's hold runs out by itself
-            proxy = cluster.proxies.proxies[f.target]
-            cluster.proxies.call({
-                FaultKind.LATENCY: lambda: proxy.set_latency(0.0),
-                FaultKind.BANDWIDTH: lambda: proxy.set_bandwidth(0.0),
-                FaultKind.PARTITION: lambda: proxy.set_partitioned(False),
-            }[f.kind])
+        else:
+            cluster.heal_link(f)

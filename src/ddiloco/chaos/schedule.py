@@ -10,7 +10,7 @@ A schedule file is TOML, one ``[[fault]]`` table per entry::
     [[fault]]
     time = 20.0           # seconds after the first join
     fault = "kill"        # kill, freeze, sync_kill, latency, bandwidth, reset, partition
-    target = "learner-1"  # "sync" for sync_kill (the default there)
+    target = "learner-1"  # "sync" for sync_kill (the default there); "sync-I" for shard I of a sharded one
     duration = 4.0        # seconds down, frozen, or with the link degraded
     # delay_s = 0.2             latency: added one-way delay per direction
     # rate_bytes_per_s = 20000  bandwidth: the cap, per direction
@@ -22,14 +22,22 @@ from __future__ import annotations
 import enum
 import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddiloco.config import read_toml
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.placement import sync_names
 
 SYNC_TARGET = "sync"
+_SHARD_TARGET = re.compile(r"sync-\d+")
+
+
+def is_sync_target(target: str) -> bool:
+    """``sync``, or ``sync-I`` (shard I when ``protocol.shards`` > 1): the launcher's names of synchronizers."""
+    return target == SYNC_TARGET or _SHARD_TARGET.fullmatch(target) is not None
 
 
 class FaultKind(enum.StrEnum):
@@ -40,19 +48,22 @@ class FaultKind(enum.StrEnum):
     FREEZE = "freeze"
     """SIGSTOP of a learner for ``duration``, then SIGCONT (longer than the lease: it must rejoin)."""
     SYNC_KILL = "sync_kill"
-    """kill -9 of the synchronizer, restarted with --resume on the same state directory and port."""
+    """kill -9 of the synchronizer (or of one shard of it), restarted with --resume on the same state
+    directory and port."""
     LATENCY = "latency"
     """``delay_s`` added to every byte of the learner's link, both ways."""
     BANDWIDTH = "bandwidth"
-    """The learner's link capped at ``rate_bytes_per_s`` each way (token bucket)."""
+    """The learner's link capped at ``rate_bytes_per_s`` each way (the proxy's token bucket; with
+    ``--hosts netns`` the link's own ``tc`` qdisc)."""
     RESET = "reset"
     """The learner's connections reset (RST); new ones too, for ``duration``."""
     PARTITION = "partition"
-    """Blackhole: nothing passes either way on the learner's link for ``duration``."""
+    """Nothing passes either way on the learner's link for ``duration`` (the proxy holds the bytes;
+    with ``--hosts netns`` the link itself goes down)."""
 
     @property
     def on_link(self) -> bool:
-        """Injected by the learner's proxy rather than by a signal."""
+        """Injected on the learner's link rather than by a signal."""
         return self in NETWORK_KINDS
 
 
@@ -73,7 +84,7 @@ class Fault:
     """When to inject it: seconds after the run's first join."""
     kind: FaultKind
     target: str
-    """``learner-N``, or ``sync`` for ``sync_kill``."""
+    """``learner-N``, or ``sync`` (``sync-I`` for shard I) for ``sync_kill``."""
     duration_s: float
     """Seconds down (kill, sync_kill), frozen (freeze), or with the link degraded (network kinds)."""
     delay_s: float = 0.0
@@ -88,10 +99,11 @@ class Fault:
                             ("rate_bytes_per_s", self.rate_bytes_per_s)):
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{self.kind} fault: {name} must be a finite number >= 0, got {value}")
-        if self.kind is FaultKind.SYNC_KILL and self.target != SYNC_TARGET:
-            raise ConfigError(f"sync_kill fault: target must be {SYNC_TARGET!r}, got {self.target!r}")
-        if self.kind is not FaultKind.SYNC_KILL and self.target == SYNC_TARGET:
-            raise ConfigError(f"{self.kind} fault: target must be a learner, got {SYNC_TARGET!r} "
+        if self.kind is FaultKind.SYNC_KILL and not is_sync_target(self.target):
+            raise ConfigError(f"sync_kill fault: target must be {SYNC_TARGET!r} (or 'sync-I', shard I), "
+                              f"got {self.target!r}")
+        if self.kind is not FaultKind.SYNC_KILL and is_sync_target(self.target):
+            raise ConfigError(f"{self.kind} fault: target must be a learner, got {self.target!r} "
                               "(only sync_kill targets the synchronizer)")
         if self.kind is FaultKind.LATENCY and self.delay_s <= 0:
             raise ConfigError(f"latency fault at {self.at_s:g}s: delay_s must be > 0")
@@ -128,11 +140,16 @@ class Fault:
         return entry
 
 
-def check_targets(faults: list[Fault], learners: int, window_s: float) -> None:
-    """Every target exists in a run of ``learners`` learners and every fault is over within ``window_s``."""
+def check_targets(faults: list[Fault], learners: int, window_s: float, shards: int = 1) -> None:
+    """Every target exists in a run of ``learners`` learners and ``shards`` synchronizer shards, and
+    every fault is over within ``window_s``."""
     names = {learner_name(i) for i in range(learners)}
+    syncs = sync_names(shards)
     for f in faults:
-        if f.target != SYNC_TARGET and f.target not in names:
+        if is_sync_target(f.target) and f.target not in syncs:
+            raise ConfigError(f"{f.kind} fault at {f.at_s:g}s targets {f.target!r}, which does not exist "
+                              f"(this run's synchronizer is {' .. '.join(dict.fromkeys([syncs[0], syncs[-1]]))})")
+        if not is_sync_target(f.target) and f.target not in names:
             raise ConfigError(f"{f.kind} fault at {f.at_s:g}s targets {f.target!r}, which does not exist "
                               f"(this run has learner-0 .. learner-{learners - 1})")
         if f.end_s > window_s:
@@ -194,14 +211,15 @@ SYNC_RECOVER_S = 12.0
 
 
 def seeded_schedule(*, window_s: float, learners: int, lease_s: float, fragment_bytes: int,
-                    seed: int) -> list[Fault]:
+                    seed: int, shards: int = 1) -> list[Fault]:
     """Faults one after another in [FIRST_FAULT_S, window_s]: every kind once (in a seeded order), then more.
 
     One fault at a time, each followed by a quiet spell, so at least one learner is always
     healthy and the pause bound (one grace window plus one lease) is the property under test,
     not an outage the schedule made unavoidable. Freezes outlast the lease (the learner must
     rejoin); partitions fall on both sides of it; bandwidth caps let a fragment's contribution
-    (``fragment_bytes``) through in 0.5-2 s.
+    (``fragment_bytes``) through in 0.5-2 s. A synchronizer sharded ``shards`` ways loses one
+    shard, drawn at random, per sync_kill.
     """
     rng = random.Random(f"chaos-schedule-{seed}")
     kinds = list(FaultKind)
@@ -210,7 +228,7 @@ def seeded_schedule(*, window_s: float, learners: int, lease_s: float, fragment_
     t = FIRST_FAULT_S
     while True:
         kind = kinds.pop(0) if kinds else rng.choice(list(FaultKind))
-        fault = _draw(rng, kind, t, learners, lease_s, fragment_bytes)
+        fault = _draw(rng, kind, t, learners, lease_s, fragment_bytes, sync_names(shards))
         if fault.end_s > window_s:
             return faults
         faults.append(fault)
@@ -218,8 +236,11 @@ def seeded_schedule(*, window_s: float, learners: int, lease_s: float, fragment_
 
 
 def _draw(rng: random.Random, kind: FaultKind, at_s: float, learners: int, lease_s: float,
-          fragment_bytes: int) -> Fault:
-    target = SYNC_TARGET if kind is FaultKind.SYNC_KILL else learner_name(rng.randrange(learners))
+          fragment_bytes: int, syncs: list[str]) -> Fault:
+    if kind is FaultKind.SYNC_KILL:  # an unsharded run draws nothing here: its seeded schedules stay as they were
+        target = syncs[0] if len(syncs) == 1 else rng.choice(syncs)
+    else:
+        target = learner_name(rng.randrange(learners))
     duration = {
         FaultKind.KILL: rng.uniform(2.0, 6.0),
         FaultKind.FREEZE: rng.uniform(1.3, 1.8) * lease_s,

@@ -6,7 +6,10 @@ seeded schedule or a schedule file, watches the synchronizer, then runs the same
 configuration without faults to the same number of tokens as the baseline. Exit code 0
 when the run completed, every learner not deliberately left down was alive at the end, and
 the global model never stood still longer than one grace window plus one lease; 1
-otherwise, naming the property.
+otherwise, naming the property; 130 when SIGINT or SIGTERM stopped it (cleanly: chaos.json
+and every synchronizer's final checkpoint are written). With ``--hosts netns`` every
+process has its own network namespace and capped link, and link faults act on the real
+links (:mod:`ddiloco.chaos.cluster`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from ddiloco.chaos.runner import ChaosRun, LiveState
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
 from ddiloco.commands.display import console, print_table, progress_bar
 from ddiloco.commands.interrupt import sigterm_as_interrupt
-from ddiloco.commands.options import add_device_option, add_workload_options, config_from_args
+from ddiloco.commands.options import (add_device_option, add_hosts_options, add_workload_options, config_from_args,
+                                      topology_from_args)
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
 from ddiloco.reporting import prepare_out
+from ddiloco.runtime.topology import Topology
 from ddiloco.workload.device import resolve_device
 
 DEFAULT_WINDOW_S = 180.0
@@ -39,11 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "chaos",
         help="inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)",
-        description="Run a synchronizer and M learner processes on 127.0.0.1, as `ddiloco run --runtime "
-        "processes` does, and inject faults on a seeded schedule (every kind within --time 180) or from "
-        "--schedule FILE: kill -9 and restart of learners, SIGSTOP longer than the lease, kill -9 of the "
-        "synchronizer and restart with --resume, and latency, bandwidth caps, resets and partitions on a "
-        "learner's link. Writes OUT/chaos.json and OUT/chaos.png; exit 0 when the run kept its promises.",
+        description="Run a synchronizer and M learner processes on 127.0.0.1 (or each in its own network "
+        "namespace with --hosts netns), as `ddiloco run --runtime processes` does, and inject faults on a seeded "
+        "schedule (every kind within --time 180) or from --schedule FILE: kill -9 and restart of learners, "
+        "SIGSTOP longer than the lease, kill -9 of the synchronizer (or of one shard) and restart with --resume, "
+        "and latency, bandwidth caps, resets and partitions on a learner's link. Writes OUT/chaos.json and "
+        "OUT/chaos.png; exit 0 when the run kept its promises.",
     )
     add_workload_options(parser)
     parser.add_argument("--mode", choices=("decoupled", "diloco"), help="decoupled (default) or diloco")
@@ -64,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="pad every learner's inner step to at least this long, in the run and its baseline "
                         "(leaves CPU for restarts when many processes share a small machine)")
     parser.add_argument("--out", metavar="DIR", help="output directory (default runs/chaos)")
+    add_hosts_options(parser)
     add_device_option(parser)
     parser.set_defaults(func=run)
 
@@ -78,9 +85,6 @@ def chaos_config(args: argparse.Namespace) -> Config:
     if config.run.learners < 2:
         raise ConfigError(f"ddiloco chaos needs at least 2 learners, got {config.run.learners} "
                           "(a fault on the only learner stops training by design)")
-    if config.protocol.shards != 1:
-        raise ConfigError(f"ddiloco chaos runs one synchronizer; protocol.shards={config.protocol.shards} "
-                          "is not supported yet")
     settle_s = SETTLE_S + config.protocol.lease_s if args.settle is None else args.settle
     if not math.isfinite(settle_s) or settle_s < 0:
         raise ConfigError(f"--settle must be a number of seconds >= 0, got {settle_s}")
@@ -91,33 +95,36 @@ def chaos_config(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     config = chaos_config(args)
     window_s = args.time
+    shards = config.protocol.shards
     if args.schedule:
         faults = load_schedule(args.schedule)
-        check_targets(faults, config.run.learners, window_s)
+        check_targets(faults, config.run.learners, window_s, shards)
     else:
         from ddiloco.runtime.layout import reference_layout  # builds the model: only when a schedule is drawn
 
         plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
         faults = seeded_schedule(window_s=window_s, learners=config.run.learners, lease_s=config.protocol.lease_s,
-                                 fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed)
+                                 fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed,
+                                 shards=shards)
+    topology = topology_from_args(args, config.run.learners)
     device = str(resolve_device(args.device))
     config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")
-    with sigterm_as_interrupt():  # children are killed as on Ctrl-C
-        return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline)
+    with sigterm_as_interrupt():  # outside a run's own clean stop (runner.py), SIGTERM unwinds like Ctrl-C
+        return _run(config, out, faults, window_s, device, args.min_step_s, args.no_baseline, topology)
 
 
 def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
-         no_baseline: bool) -> int:
+         no_baseline: bool, topology: Topology | None) -> int:
     console.print(f"ddiloco chaos: {len(faults)} faults in {window_s:.0f}s, run budget {config.run.time_s:.0f}s "
                   f"after the first join, M={config.run.learners}, seed {config.run.seed}; logs in {out}/logs")
     with Live(_live_view(None), console=console, refresh_per_second=4, transient=False) as live:
         chaos = ChaosRun(config, out, faults, window_s=window_s, device=device, min_step_s=min_step_s,
-                         on_sample=lambda state: live.update(_live_view(state)),
+                         topology=topology, on_sample=lambda state: live.update(_live_view(state)),
                          on_event=lambda text: live.console.print(text))
         outcome = chaos.run()
     baseline = None
-    if not no_baseline and outcome.completed:
+    if not no_baseline and outcome.completed:  # on the same hosts and links
         from ddiloco.runtime.launcher import run_processes
 
         # The same number of tokens, not the same time: the budget's clock stops while the synchronizer
@@ -127,7 +134,7 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
         same_tokens = replace(config, run=replace(config.run, tokens=tokens, time_s=0.0)).validate()
         with progress_bar(f"baseline (no faults, {tokens:,} tokens) M={config.run.learners}") as progress:
             summary, _ = run_processes(same_tokens, out / "baseline", progress, device=device,
-                                       min_step_s=min_step_s)
+                                       min_step_s=min_step_s, topology=topology)
         baseline = {"eval_loss": summary["eval_loss"], "tokens": summary["tokens"]}
     report = build_report(outcome, config, window_s=window_s, seed=config.run.seed, baseline=baseline,
                           min_step_s=min_step_s)
@@ -141,6 +148,10 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
     console.print(f"wrote {path}, {out / 'chaos.png'} and TensorBoard events")
     for violation in report["violations"]:
         console.print(f"ddiloco: chaos: {violation}", markup=False, highlight=False)
+    if outcome.stopped:
+        console.print(f"ddiloco: interrupted by {outcome.stopped}: stopped cleanly (chaos.json and final checkpoints "
+                      "written)", highlight=False)
+        return 130
     return 1 if report["violations"] else 0
 
 

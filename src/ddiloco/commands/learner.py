@@ -12,7 +12,9 @@ import faulthandler
 import logging
 import signal
 import os
+import threading
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import torch
@@ -24,6 +26,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner_runtime import LearnerRuntime, probe_with_backoff
+from ddiloco.runtime.progress import ProgressFile
 from ddiloco.workload.workload import Workload, weights_sha256
 from ddiloco.workload.device import process_group_backend, resolve_device
 
@@ -60,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--join-timeout", type=float, metavar="SECONDS",
                         help="give up if the synchronizer stays unreachable this long at start (default: never)")
     add_log_level_option(parser)
+    parser.add_argument("--progress-file", metavar="FILE",
+                        help="keep this learner's own step count in FILE (JSON, rewritten about twice a second)")
     parser.add_argument("--tensorboard-dir", metavar="DIR",
                         help="also write the progress lines as TensorBoard scalars into DIR (rank 0)")
     parser.set_defaults(func=run)
@@ -140,13 +145,17 @@ def run(args: argparse.Namespace) -> int:
     log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
              config.run.learners, sum(p.numel() for p in model.parameters()), device)
     steps, started = 0, time.perf_counter()
+    progress = ProgressFile(Path(args.progress_file) if rank == 0 and args.progress_file else None)
+    stop = threading.Event()  # SIGTERM (a launcher, Slurm, systemd): finish the step, flush, leave
+    if world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     events = None
     if rank == 0 and args.tensorboard_dir:
         from ddiloco.tb_log import EventLog
 
         events = EventLog(args.tensorboard_dir)
     try:
-        while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
+        while not runtime.should_stop and not stop.is_set() and (args.max_steps is None or steps < args.max_steps):
             step_started = time.perf_counter()
             x, y = sampler.next_batch()
             loss = trainer.step(x, y)
@@ -154,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - step_started)))
             runtime.step(tokens=x.numel())
             steps += 1
+            if progress.due(steps):
+                progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
+                               updates_applied=runtime.stats.updates_applied)
             if rank == 0 and steps % 50 == 0:
                 loss_value = float(loss)  # waits for this step: only when it is logged
                 st = runtime.stats
@@ -168,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                                        "unreachable": st.unreachable})
     finally:
         runtime.close()
+        progress.write(steps, steps * config.train.batch_size * config.model.seq_len)
         if events is not None:
             events.close()
     elapsed = time.perf_counter() - started

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
 from ddiloco.config import MAIN_JOB, MODES, PRESETS, Config, FaultConfig, build_config
+from ddiloco.errors import ConfigError
 from ddiloco.workload.device import DEVICE_CHOICES
+
+if TYPE_CHECKING:
+    from ddiloco.runtime.topology import Topology
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -84,3 +89,37 @@ def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Con
         faults__downtime_s=getattr(args, "downtime", None),
         train__corpus=args.corpus,
     )
+
+
+def add_hosts_options(parser: argparse.ArgumentParser) -> None:
+    """Where the processes of a local run live, and how fast their links are (--hosts netns)."""
+    from ddiloco.runtime.placement import Hosts
+
+    parser.add_argument("--hosts", choices=[str(h) for h in Hosts], default=str(Hosts.LOCAL),
+                        help="local: every process on 127.0.0.1 (default); netns: the synchronizer and each "
+                        "learner in its own network namespace behind a capped link (root)")
+    links = parser.add_mutually_exclusive_group()
+    links.add_argument("--link-rate", metavar="RATE",
+                       help="with --hosts netns: cap every learner's link at RATE each way, e.g. 20mbit, 500kbit")
+    links.add_argument("--topology", metavar="FILE.toml",
+                       help="with --hosts netns: regions of learners and their link rates (docs/bandwidth.md)")
+
+
+def topology_from_args(args: argparse.Namespace, learners: int) -> "Topology | None":
+    """The run's topology for --hosts netns (None for local), checked before anything is created."""
+    from ddiloco.runtime.netns import check_available
+    from ddiloco.runtime.placement import Hosts
+    from ddiloco.runtime.topology import load_topology, parse_rate, uniform
+
+    if args.hosts != Hosts.NETNS:
+        given = "--link-rate" if args.link_rate is not None else "--topology" if args.topology else None
+        if given:
+            raise ConfigError(f"{given} needs --hosts netns (links are capped between network namespaces)")
+        return None
+    names = [f"learner-{i}" for i in range(learners)]
+    if args.topology:
+        topology = load_topology(args.topology, names)
+    else:
+        topology = uniform(names, None if args.link_rate is None else parse_rate(args.link_rate, "--link-rate"))
+    check_available()
+    return topology

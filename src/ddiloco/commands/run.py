@@ -3,7 +3,10 @@
 The virtual cluster is the default runtime: it is deterministic (same seed, same weights),
 it expresses failures, mixed hardware and slow links, and it runs M learners on a laptop
 without M processes fighting over its cores. ``--runtime processes`` runs the same
-configuration as a real gRPC synchronizer and M learner processes on localhost.
+configuration as a real gRPC synchronizer and M learner processes on localhost (``--mode dp``:
+M data-parallel ranks), or with ``--hosts netns`` each in its own network namespace behind a
+capped link. SIGINT or SIGTERM stops a process run cleanly: its files are written and the
+exit code is 130, as for an interrupted virtual run.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import argparse
 from ddiloco.commands.display import console, print_report, progress_bar, what_happened
 from ddiloco.commands.interrupt import sigterm_as_interrupt
 from ddiloco.commands.live_view import live_view
-from ddiloco.commands.options import add_cluster_options, config_from_args
+from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
+from ddiloco.errors import ConfigError
 from ddiloco.experiment import Interrupted, run_virtual
+from ddiloco.runtime.placement import Hosts
 from ddiloco.reporting import prepare_out, write_run
 from ddiloco.workload.device import resolve_device
 
@@ -28,13 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_cluster_options(parser, main_job=True)
     parser.add_argument("--runtime", choices=("virtual", "processes"), default="virtual",
-                        help="virtual cluster (default, deterministic) or real processes on localhost (gRPC)")
+                        help="virtual cluster (default, deterministic) or real processes on this host (gRPC)")
+    add_hosts_options(parser)
     parser.set_defaults(func=run, out=None)
 
 
 def run(args: argparse.Namespace) -> int:
     virtual = args.runtime == "virtual"
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
+    if virtual and args.hosts != Hosts.LOCAL:
+        raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")
+    topology = topology_from_args(args, config.run.learners)
     if not virtual:
         config.validate_for_processes()
     device = resolve_device(args.device)
@@ -54,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
 
         with progress_bar(label) as progress:
-            summary, rows = run_processes(config, out, progress, device=str(device))
+            summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
         write_run(out, config, summary, rows)
     print_report([summary], f"ddiloco run ({args.preset} preset, seed {config.run.seed})",
                  what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
+    if summary.get("stopped"):
+        console.print(f"ddiloco: interrupted by {summary['stopped']}: stopped cleanly (final checkpoint and files "
+                      "written)", highlight=False)
+        return 130
     return 0

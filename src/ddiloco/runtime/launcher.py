@@ -1,4 +1,4 @@
-"""One machine, real processes: a synchronizer and M learners on localhost.
+"""One machine, real processes: a synchronizer and M learners, on loopback or in network namespaces.
 
 :func:`run_processes` is ``ddiloco run --runtime processes``: it starts ``ddiloco sync`` and
 M ``ddiloco learner`` processes with the run's configuration, watches the synchronizer's
@@ -7,15 +7,20 @@ cluster does, and returns the same summary and metrics rows. The learners take t
 synchronizer's configuration, so the model, initial weights, data shards and data order
 are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seconds). Each
 synchronizer serves its status page (``--http-port``) and the launcher prints its address.
+With a topology (``--hosts netns``, :mod:`ddiloco.runtime.placement`) every process runs in
+its own network namespace behind a capped link; ``--mode dp`` runs real data parallel on
+the same hosts instead (:mod:`ddiloco.runtime.dp_launch`). ``timeline.jsonl``
+(:mod:`ddiloco.runtime.run_log`) records the run once a second.
 
-The pieces (the process table, the command lines, the evaluator of the global model) are
+SIGINT or SIGTERM stops the run cleanly: learners first (they flush), then the final model
+is read and evaluated, then the synchronizer (its final checkpoint); the summary says which
+signal stopped it. The pieces (the command lines, the evaluator of the global model) are
 public: ``ddiloco chaos`` (:mod:`ddiloco.chaos.runner`) runs the same processes and breaks them.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,76 +36,20 @@ from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize, write_config
 from ddiloco.runtime.client import Refused, Unreachable
-from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.runtime.layout import reference_layout
+from ddiloco.runtime.netns import SYNC_HOST
+from ddiloco.runtime.placement import Placement, placed, sync_names
+from ddiloco.runtime.processes import Processes, StopSignals
+from ddiloco.runtime.run_log import RunTimeline
+from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.runtime.topology import Topology
 from ddiloco.workload.workload import Workload, weights_sha256
 
 POLL_S = 0.25
 START_TIMEOUT_S = 120.0
-
-
-class Processes:
-    """The children of one run; every one of them is killed on close, whatever happens.
-
-    A name may be started again once its process has exited (a restart after a crash):
-    its log file is appended to, so one file tells a learner's or synchronizer's whole story.
-    ``ddiloco chaos`` kills, stops and restarts children through this table.
-    """
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.children: dict[str, subprocess.Popen] = {}
-        self._files: list[Any] = []
-
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        previous = self.children.get(name)
-        if previous is not None and previous.poll() is None:
-            raise DdilocoError(f"{name} is still running (pid {previous.pid}): cannot start it again")
-        log = open(self.logs / f"{name}.log", "ab")
-        self._files.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
-        self.children[name] = proc
-        return proc
-
-    def running(self, name: str) -> bool:
-        proc = self.children.get(name)
-        return proc is not None and proc.poll() is None
-
-    def signal(self, name: str, sig: signal.Signals) -> bool:
-        """Send ``sig`` to ``name`` if it is running; SIGKILL also reaps it. Returns whether it was sent."""
-        proc = self.children.get(name)
-        if proc is None or proc.poll() is not None:
-            return False
-        proc.send_signal(sig)
-        if sig is signal.SIGKILL:
-            proc.wait()
-        return True
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        try:
-            return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, name: str, timeout_s: float = 10.0) -> None:
-        proc = self.children.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def close(self) -> None:
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
-                proc.wait()
-        for f in self._files:
-            f.close()
+LEAVE_TIMEOUT_S = 30.0
+"""How long learners told to stop (or told the run is over) may take to flush and leave."""
+NETNS_HTTP_PORT = 8080
 
 
 @dataclass(frozen=True)
@@ -116,50 +65,55 @@ class RunFiles:
     @property
     def sync_names(self) -> list[str]:
         """``sync``, or ``sync-<i>`` per shard: the children's and the logs' names."""
-        return [f"sync{_shard_suffix(i, len(self.port_files))}" for i in range(len(self.port_files))]
-
-
-def _shard_suffix(i: int, shards: int) -> str:
-    return "" if shards == 1 else f"-{i}"
+        return sync_names(len(self.port_files))
 
 
 def prepare_files(config: Config, out: Path) -> RunFiles:
-    """Create ``out`` and ``out/logs``, write the configuration; forget the ports and checkpoints of a previous run."""
+    """Create ``out`` and ``out/logs``, write the configuration; forget the logs, ports and checkpoints of a
+    previous run."""
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()
     config_file = out / "runtime-config.toml"
     write_config(config_file, config)
-    shards = config.protocol.shards
-    files = RunFiles(out, logs, config_file,
-                     [out / f"sync{_shard_suffix(i, shards)}.port" for i in range(shards)],
-                     [out / f"sync-state{_shard_suffix(i, shards)}" for i in range(shards)])
+    names = sync_names(config.protocol.shards)
+    files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
+                     [out / name.replace(SYNC_HOST, "sync-state", 1) for name in names])
     for port_file, state_dir in zip(files.port_files, files.state_dirs):
         port_file.unlink(missing_ok=True)
         (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
     return files
 
 
-def sync_command(files: RunFiles, shard: int, *, port: int = 0, http_port: int | None = None,
-                 resume: bool = False) -> list[str]:
+def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: int = 0,
+                 http_port: int | None = None, resume: bool = False, token_file: Path | None = None) -> list[str]:
     """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
     shards = len(files.port_files)
-    return ["sync", "--config", str(files.config_file), "--listen", f"127.0.0.1:{port}",
+    return ["sync", "--config", str(files.config_file), "--listen", f"{host}:{port}",
             *([] if shards == 1 else ["--shard", f"{shard}/{shards}"]),
             "--port-file", str(files.port_files[shard]), "--state-dir", str(files.state_dirs[shard]),
             *([] if http_port is None else ["--http-port", str(http_port)]),
-            *(["--resume"] if resume else [])]
+            *(["--resume"] if resume else []), *(["--token-file", str(token_file)] if token_file else [])]
 
 
 def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
-                    min_step_s: float = 0.0) -> list[str]:
+                    min_step_s: float = 0.0, *, token_file: Path | None = None,
+                    progress_file: Path | None = None) -> list[str]:
     """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
 
     ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
     for restarts when chaos runs many processes on a small machine.
     """
     return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
-            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else [])]
+            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else []),
+            *(["--token-file", str(token_file)] if token_file else []),
+            *(["--progress-file", str(progress_file)] if progress_file else [])]
+
+
+def learner_names(learners: int) -> list[str]:
+    return [f"learner-{i}" for i in range(learners)]
 
 
 def learner_threads(learners: int) -> int:
@@ -168,7 +122,8 @@ def learner_threads(learners: int) -> int:
 
 
 def free_port() -> int:
-    """A port free right now on 127.0.0.1 (for the status page, whose port must survive restarts)."""
+    """A port free right now on 127.0.0.1 (for the status page, whose port must survive restarts;
+    in a network namespace every port is free: :data:`NETNS_HTTP_PORT`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -206,36 +161,62 @@ def run_processes(
     timeout_s: float | None = None,
     device: str = "cpu",
     min_step_s: float = 0.0,
+    topology: Topology | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run ``config`` as one synchronizer and M learner processes on 127.0.0.1 (learners train on ``device``,
-    each inner step padded to at least ``min_step_s``).
+    """Run ``config`` as one synchronizer and M learner processes (learners train on ``device``,
+    each inner step padded to at least ``min_step_s``), on 127.0.0.1 or, given a ``topology``,
+    each in its own network namespace on its capped link.
 
-    Writes the children's logs to ``out/logs`` and the synchronizer's checkpoints to
+    Writes the children's logs to ``out/logs``, the synchronizer's checkpoints to
     ``out/sync-state`` (``sync-state-<i>`` per shard when ``protocol.shards`` > 1: one
-    synchronizer process per shard); returns (summary, metrics rows) like the virtual cluster.
+    synchronizer process per shard) and ``out/timeline.jsonl``; returns (summary, metrics
+    rows) like the virtual cluster. ``--mode dp`` runs data parallel on the same hosts.
     """
+    if config.run.mode == "dp":
+        from ddiloco.runtime.dp_launch import run_data_parallel
+
+        return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
     if config.run.mode not in ("decoupled", "diloco"):
-        raise DdilocoError(f"--runtime processes runs modes decoupled and diloco, not {config.run.mode!r} "
-                           "(data-parallel baselines run on the virtual cluster)")
+        raise DdilocoError(f"--runtime processes runs modes decoupled, diloco and dp, not {config.run.mode!r} "
+                           "(elastic data parallel runs on the virtual cluster)")
     files = prepare_files(config, out)
+    learners = learner_names(config.run.learners)
+    with StopSignals() as stop, placed(topology, [SYNC_HOST, *learners], out) as place:
+        procs = Processes(files.logs)
+        timeline = RunTimeline(out, learners, place)
+        try:
+            return _run(config, files, place, procs, timeline, stop, progress, timeout_s, device, min_step_s)
+        finally:
+            procs.close()
+            timeline.close()
+
+
+def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, timeline: RunTimeline,
+         stop: StopSignals, progress: ProgressFn | None, timeout_s: float | None, device: str,
+         min_step_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     m = config.run.learners
     threads = learner_threads(m)
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    procs = Processes(files.logs)
-    client: ShardedClient | None = None
     syncs = files.sync_names
+    for i, name in enumerate(syncs):
+        host, port = place.sync_listen(i)
+        http_port = free_port() if place.net is None else NETNS_HTTP_PORT + i
+        procs.start(name, sync_command(files, i, host=host, port=port, http_port=http_port,
+                                       token_file=place.token_file),
+                    env={"OMP_NUM_THREADS": "1"}, prefix=place.prefix(SYNC_HOST))
+        announce(f"{name}: status page at http://{host}:{http_port}/"
+                 + (f" (?token= the one in {place.token_file})" if place.token_file else ""))
+    addresses = [f"{place.sync_listen(i)[0]}:{wait_for_port(pf, procs, name, stop)}"
+                 for i, (pf, name) in enumerate(zip(files.port_files, syncs))]
+    client = ShardedClient(addresses, token=place.token)
     try:
-        for i, name in enumerate(syncs):
-            http_port = free_port()
-            procs.start(name, sync_command(files, i, http_port=http_port), env={"OMP_NUM_THREADS": "1"})
-            announce(f"{name}: status page at http://127.0.0.1:{http_port}/")
-        addresses = [f"127.0.0.1:{wait_for_port(pf, procs, name)}" for pf, name in zip(files.port_files, syncs)]
-        client = ShardedClient(addresses)
         evaluator = GlobalEvaluator(config, client)
-        for i in range(m):
-            procs.start(f"learner-{i}", learner_command(addresses, f"learner-{i}", threads, device, min_step_s),
-                        env={"OMP_NUM_THREADS": str(threads)})
+        for name in timeline.learners:
+            procs.start(name, learner_command(addresses, name, threads, device, min_step_s,
+                                              token_file=place.token_file,
+                                              progress_file=timeline.progress_file(name)),
+                        env={"OMP_NUM_THREADS": str(threads)}, prefix=place.prefix(name))
 
         def evaluate(status: dict[str, Any]) -> dict[str, Any]:
             eval_loss, versions = evaluator.evaluate()
@@ -258,7 +239,7 @@ def run_processes(
         status = client.status_dict()
         evaluate(status)
         evals_done = 1
-        while True:
+        while stop.requested is None:
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {files.logs})")
             dead = next((name for name in syncs if not procs.running(name)), None)
@@ -270,11 +251,11 @@ def run_processes(
             except (Unreachable, Refused):
                 time.sleep(POLL_S)
                 continue
+            timeline.record(status)
             if status["finished"]:
                 break
-            learners = [p for name, p in procs.children.items() if name not in syncs]
-            if all(p.poll() is not None for p in learners):
-                bad = next((n for n, p in procs.children.items() if n not in syncs and p.returncode), None)
+            if all(not procs.running(name) for name in timeline.learners):
+                bad = next((n for n in timeline.learners if procs.children[n].returncode), None)
                 raise DdilocoError("every learner exited before the run finished"
                                    + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
             fraction = _fraction(config, status, time.monotonic() - started)
@@ -282,20 +263,20 @@ def run_processes(
                 evaluate(status)
                 evals_done += 1
             time.sleep(POLL_S)
+        if stop.requested is not None:
+            announce(f"{stop.requested.name}: stopping the learners, then the synchronizer (final checkpoint)")
+        # Learners leave by themselves at the end of the run; told to stop, they flush and leave.
+        if stop.requested is not None:
+            procs.stop_all(timeline.learners, LEAVE_TIMEOUT_S)
+        else:
+            _wait_all(procs, timeline.learners)
+        status = client.status_dict()
+        timeline.record(status, force=True)
         final = evaluate(status)
         wall = time.monotonic() - started
-        for name in list(procs.children):
-            if name not in syncs:
-                try:
-                    procs.children[name].wait(30)
-                except subprocess.TimeoutExpired:
-                    procs.stop(name)
-        for name in syncs:
-            procs.stop(name)
+        procs.stop_all(syncs, LEAVE_TIMEOUT_S)
     finally:
-        if client is not None:
-            client.close()
-        procs.close()
+        client.close()
     tokens_per_step = config.train.batch_size * config.model.seq_len
     by_id = {lr["id"]: lr for lr in status["learners"]}
     summary = summarize(
@@ -307,9 +288,23 @@ def run_processes(
         fragment_versions=final["fragment_versions"],
         rounds_closed=status["quorum"]["rounds_closed"],
         rejections=status["rejections"],
-        steps_per_learner=[by_id.get(f"learner-{i}", {}).get("tokens", 0) // tokens_per_step for i in range(m)],
+        steps_per_learner=[by_id.get(name, {}).get("tokens", 0) // tokens_per_step for name in timeline.learners],
+        own_steps_per_learner=list(timeline.steps().values()),
+        links=timeline.link_totals(),
+        stopped=stop.requested.name if stop.requested else None,
+        **place.describe(),
     )
     return summary, rows
+
+
+def _wait_all(procs: Processes, names: list[str]) -> None:
+    """Wait for ``names`` to exit by themselves; one slow to leave is stopped."""
+    deadline = time.monotonic() + LEAVE_TIMEOUT_S
+    for name in names:
+        try:
+            procs.children[name].wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            procs.stop(name)
 
 
 def _fraction(config: Config, status: dict[str, Any], elapsed_s: float) -> float:
@@ -318,10 +313,12 @@ def _fraction(config: Config, status: dict[str, Any], elapsed_s: float) -> float
     return min(1.0, status["tokens"] / max(1, config.run.tokens))
 
 
-def wait_for_port(port_file: Path, procs: Processes, name: str) -> int:
+def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignals | None = None) -> int:
     """The port the synchronizer ``name`` bound, once it has written ``port_file``; fails if it exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
+        if stop is not None and stop.requested is not None:
+            raise KeyboardInterrupt  # nothing to stop cleanly yet
         if port_file.exists():
             text = port_file.read_text().strip()
             if text:

@@ -1,0 +1,117 @@
+"""The running pieces of a chaos run, and how each fault reaches them.
+
+Processes are the launcher's (:mod:`ddiloco.runtime.launcher`): one ``ddiloco sync`` per
+shard and M ``ddiloco learner`` processes, the learners reaching every shard through a
+fault-injecting proxy of their own (:mod:`ddiloco.chaos.proxy`). Signals (kill, freeze,
+sync_kill) go to processes. Link faults go to the learner's proxies on loopback; with
+``--hosts netns`` (:mod:`ddiloco.runtime.netns`) a partition takes the learner's real link
+down and a bandwidth fault replaces its ``tc`` qdisc, while the proxies (listening on the
+launcher's bridge address, on the path of every learner's link) keep latency and resets.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ddiloco.chaos.proxy import ProxyHost
+from ddiloco.chaos.schedule import Fault, FaultKind
+from ddiloco.runtime.launcher import RunFiles, learner_command, sync_command
+from ddiloco.runtime.netns import SYNC_HOST
+from ddiloco.runtime.placement import Placement
+from ddiloco.runtime.processes import Processes
+
+
+@dataclass
+class ChaosCluster:
+    """Processes, proxies and hosts of one chaos run; ``ports[i]`` is shard i's gRPC port once bound."""
+
+    procs: Processes
+    proxies: ProxyHost
+    files: RunFiles
+    place: Placement
+    http_ports: list[int]
+    threads: int
+    ports: list[int] = field(default_factory=list)
+    learner_cmds: dict[str, list[str]] = field(default_factory=dict)
+    links: dict[str, list[str]] = field(default_factory=dict)
+    """Learner -> the names of its proxies (one per synchronizer shard)."""
+
+    @property
+    def syncs(self) -> list[str]:
+        return self.files.sync_names
+
+    def sync_address(self, shard: int) -> str:
+        return f"{self.place.sync_listen(shard)[0]}:{self.ports[shard]}"
+
+    def status_url(self, shard: int = 0) -> str:
+        return f"http://{self.place.sync_listen(shard)[0]}:{self.http_ports[shard]}/"
+
+    def start_sync(self, shard: int, *, resume: bool) -> None:
+        """Start shard ``shard``; a restart (``resume``) binds the port its learners' proxies forward to."""
+        self.files.port_files[shard].unlink(missing_ok=True)
+        host, port = self.place.sync_listen(shard)
+        if resume:
+            port = self.ports[shard]
+        self.procs.start(self.syncs[shard], sync_command(self.files, shard, host=host, port=port,
+                                                         http_port=self.http_ports[shard], resume=resume,
+                                                         token_file=self.place.token_file),
+                         env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
+
+    def add_learner(self, name: str, device: str, min_step_s: float) -> None:
+        """A proxy per shard in front of ``name``'s connections, and its command line."""
+        host, _ = self.place.sync_listen(0)
+        self.links[name] = [name if len(self.ports) == 1 else f"{name}/{sync}" for sync in self.syncs]
+        gateway = self.place.gateway
+        addresses = [f"{gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=gateway)}"
+                     for proxy, port in zip(self.links[name], self.ports)]
+        self.learner_cmds[name] = learner_command(addresses, name, self.threads, device, min_step_s,
+                                                  token_file=self.place.token_file)
+
+    def start_learner(self, name: str) -> None:
+        self.procs.start(name, self.learner_cmds[name], env={"OMP_NUM_THREADS": str(self.threads)},
+                         prefix=self.place.prefix(name))
+
+    # ---- link faults ---------------------------------------------------------------------------
+
+    def break_link(self, f: Fault) -> None:
+        """Start link fault ``f`` on its learner's link."""
+        net = self.place.net
+        if net is not None and f.kind is FaultKind.PARTITION:
+            net.set_down(f.target, True)
+        elif net is not None and f.kind is FaultKind.BANDWIDTH:
+            net.set_rate(f.target, f.rate_bytes_per_s * 8)
+        else:
+            self._each_proxy(f.target, {
+                FaultKind.LATENCY: lambda p: p.set_latency(f.delay_s),
+                FaultKind.BANDWIDTH: lambda p: p.set_bandwidth(f.rate_bytes_per_s),
+                FaultKind.RESET: lambda p: p.reset(f.duration_s),
+                FaultKind.PARTITION: lambda p: p.set_partitioned(True),
+            }[f.kind])
+
+    def heal_link(self, f: Fault) -> None:
+        """End link fault ``f`` (a reset's hold runs out by itself)."""
+        net = self.place.net
+        if net is not None and f.kind is FaultKind.PARTITION:
+            net.set_down(f.target, False)
+        elif net is not None and f.kind is FaultKind.BANDWIDTH:
+            net.set_rate(f.target, None)
+        elif f.kind is not FaultKind.RESET:
+            self._each_proxy(f.target, {
+                FaultKind.LATENCY: lambda p: p.set_latency(0.0),
+                FaultKind.BANDWIDTH: lambda p: p.set_bandwidth(0.0),
+                FaultKind.PARTITION: lambda p: p.set_partitioned(False),
+            }[f.kind])
+
+    def _each_proxy(self, learner: str, act: Callable) -> None:
+        proxies = [self.proxies.proxies[name] for name in self.links[learner]]
+
+        def run() -> None:
+            for proxy in proxies:
+                act(proxy)
+
+        self.proxies.call(run)
+
+    def signal(self, name: str, sig: signal.Signals) -> bool:
+        return self.procs.signal(name, sig)

@@ -1,0 +1,69 @@
+"""``timeline.jsonl``: once a second, what a local run looked like from outside its processes.
+
+Each line: seconds since launch, each learner's own step count (its progress file: it counts
+steps the synchronizer may never see), what the synchronizer merged (fragment versions,
+accepted contributions per learner), and the bytes so far on every link of ``--hosts
+netns``. ``benchmarks/bench_wan.py`` computes its rates from these lines; a person can
+read where a run starved.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ddiloco.runtime.placement import Placement
+from ddiloco.runtime.progress import read_progress
+
+RECORD_EVERY_S = 1.0
+
+
+class RunTimeline:
+    def __init__(self, out: Path, learners: list[str], placement: Placement) -> None:
+        self.progress_dir = out / "progress"
+        self.progress_dir.mkdir(exist_ok=True)
+        for stale in self.progress_dir.glob("*.json"):
+            stale.unlink()
+        self.learners = learners
+        self.placement = placement
+        self.started = time.monotonic()
+        self._file = (out / "timeline.jsonl").open("w")
+        self._last = -RECORD_EVERY_S
+        self.first_links = placement.counters()
+        self.last_links = self.first_links
+
+    def progress_file(self, learner: str) -> Path:
+        return self.progress_dir / f"{learner}.json"
+
+    def steps(self) -> dict[str, int]:
+        """Each learner's own step count so far (0 before its first report)."""
+        return {name: (read_progress(self.progress_file(name)) or {}).get("steps", 0) for name in self.learners}
+
+    def record(self, status: dict[str, Any] | None, *, force: bool = False) -> None:
+        """Append a line if a second has passed since the last one (or ``force``)."""
+        t = time.monotonic() - self.started
+        if not force and t - self._last < RECORD_EVERY_S:
+            return
+        self._last = t
+        self.last_links = self.placement.counters()
+        row: dict[str, Any] = {"t": round(t, 3), "time": round(time.time(), 3), "steps": self.steps(),
+                               "links": self.last_links}
+        if status is not None:
+            row.update(tokens=status["tokens"], versions=[f["version"] for f in status["fragments"]],
+                       accepted={lr["id"]: lr["accepted"] for lr in status["learners"]},
+                       alive={lr["id"]: lr["alive"] for lr in status["learners"]})
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def link_totals(self) -> dict[str, dict[str, int]]:
+        """Bytes per link and direction over the run so far."""
+        return {name: {d: now[d] - self.first_links[name][d] for d in now} for name, now in self.last_links.items()}
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_timeline(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
