@@ -39,8 +39,8 @@ from ddiloco.core.actions import RoundClosed
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
-from ddiloco.runtime.learner_runtime import LearnerRuntime
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
+from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision
@@ -174,7 +174,7 @@ def bench_upload(repeats: int) -> None:
             started = time.perf_counter()
             try:
                 client.contribute(c)
-            except Refused as err:
+            except CallRefused as err:
                 assert err.reason == "future_version", err
             transport.append(time.perf_counter() - started)
             c = _contribution("bench", session, frag.index, frag.numel, "fp32", i, version)
@@ -276,7 +276,7 @@ def main() -> None:
             bench_merge(4, args.repeats)
         if "wire" in chosen:
             bench_wire(200)
-    except (Unreachable, Refused) as err:
+    except (Unreachable, CallRefused) as err:
         sys.exit(f"benchmark failed talking to the synchronizer: {err}")
     except ConfigError as err:
         print(f"bench_runtime: {err}", file=sys.stderr)

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from ddiloco.core.messages import Join
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 PACE = ("--min-step-s", "0.05")
 """Honest learners pace their steps, so the measurement is the synchronizer's, not the cores' contention."""
@@ -58,7 +58,7 @@ def outcome(call) -> str:
     try:
         call()
         return "ok"
-    except Refused as err:
+    except CallRefused as err:
         return err.reason
     except Unreachable:
         return "unreachable"

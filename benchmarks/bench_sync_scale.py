@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import Contribution, Join
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 M = 8
 P = 24
@@ -91,7 +92,7 @@ def rss_bytes(pid: int, field: str = "VmHWM") -> int:
 
 
 def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: float, seconds: float,
-          joined: "multiprocessing.Barrier", out: "multiprocessing.Queue") -> None:
+          joined: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
     """One load-generator process: learners as threads, each its own gRPC channel per shard.
 
     Uploads are pre-serialized (the header chunk is built per call, the payload chunks once)
@@ -123,7 +124,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
                 try:
                     for f in c.status_dict()["fragments"]:
                         versions[f["id"]] = f["version"]
-                except (Unreachable, Refused):
+                except (Unreachable, CallRefused):
                     pass
             stop.wait(0.1)
 
@@ -187,7 +188,6 @@ class Load:
 
 def sustained(init: Path, sizes: list[int], shards: int, seconds: float, tmp: Path) -> Load:
     """What ``shards`` shards sustain, with their resident memory and the CPU the run used."""
-    import multiprocessing
 
     procs, addresses = start_shards(init, shards, tmp)
     try:
@@ -242,7 +242,7 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
                                       payload=payloads[m]) for m in range(M)]
         started = time.perf_counter()
         for c in contributions:
-            actions = sync.handle(c, 1.0 + r)
+            sync.handle(c, 1.0 + r)
         rounds.append(time.perf_counter() - started)
         assert sync.versions() == (r + 1,), "the round closes with the last contribution"
     src = np.random.default_rng(0).standard_normal(M * numel, dtype=np.float32)

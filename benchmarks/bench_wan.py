@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.config import Config, build_config
-from ddiloco.runtime.launcher import run_processes
+from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.runtime.layout import reference_layout
-from ddiloco.runtime.run_log import read_timeline
-from ddiloco.runtime.topology import format_rate, parse_rate, uniform
+from ddiloco.runtime.launch.run_log import read_timeline
+from ddiloco.runtime.launch.topology import format_rate, parse_rate, uniform
 from ddiloco.sim import bandwidth as bw
 
 MODES = ("decoupled", "dp")

@@ -44,7 +44,7 @@ from transformers import (
 )
 
 from ddiloco.errors import DdilocoError
-from ddiloco.runtime.learner_runtime import LearnerRuntime, save_initial_state
+from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 PROG = "hf_causal_lm.py"
 VOCAB_SIZE = 256

@@ -29,7 +29,7 @@ from byte_text import ByteBatches, TextError, learner_seed, load_bytes
 from torch import nn
 
 from ddiloco.errors import DdilocoError
-from ddiloco.runtime.learner_runtime import LearnerRuntime, save_initial_state
+from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 PROG = "own_loop.py"
 VOCAB_SIZE = 256

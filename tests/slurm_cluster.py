@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from runtime.runtime_helpers import free_port, wait_for

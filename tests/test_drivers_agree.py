@@ -222,7 +222,7 @@ class GrpcDriver:
 
         from ddiloco.runtime.client import SyncClient
         from ddiloco.runtime.layout import model_layout
-        from ddiloco.runtime.service import ServiceOptions
+        from ddiloco.runtime.sync.service import ServiceOptions
 
         self._now = 0.0
         layout = model_layout(PROTOCOL, MODEL.named_parameters(), MODEL.embedding_param_names())
@@ -236,7 +236,7 @@ class GrpcDriver:
         return self._now
 
     def request(self, name: str, message: Any) -> Any:
-        from ddiloco.runtime.client import Refused as WireRefused
+        from ddiloco.runtime.client import CallRefused
 
         try:
             if isinstance(message, Join):
@@ -249,7 +249,7 @@ class GrpcDriver:
             assert isinstance(message, Leave)
             self.client.leave(message)
             return Accepted(name, message)
-        except WireRefused as err:
+        except CallRefused as err:
             from ddiloco.core.messages import RejectReason
 
             return Refused(name, message, RejectReason(err.reason), err.detail)

@@ -4,7 +4,8 @@ The virtual cluster and the gRPC runtime each count bytes per learner, fragment 
 and each derive model uptime from intervals of work that reached the global model; these are
 the one definition of both (the protocol core measures nothing of the kind). A message's
 framing is the driver's to add (the runtime's 5-byte gRPC prefix, the simulator's nominal
-header).
+header). Data parallel's bytes per step are defined here too, for the simulated baseline and
+real data parallel alike.
 """
 
 from __future__ import annotations
@@ -70,3 +71,13 @@ def fragment_shares(numels: Iterable[int]) -> list[float]:
     numels = list(numels)
     total = sum(numels)
     return [n / total for n in numels]
+
+
+BF16_BYTES = 2
+"""Data parallel all-reduces its gradients in bf16."""
+
+
+def all_reduce_bytes(numel: int, world: int) -> float:
+    """Bytes one rank sends (and receives) per step in a ring all-reduce of ``numel`` bf16 values
+    among ``world`` ranks; nothing for a world of one."""
+    return 2 * (world - 1) / world * numel * BF16_BYTES if world > 1 else 0.0

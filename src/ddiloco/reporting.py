@@ -1,7 +1,7 @@
 """What a run writes and shows, whichever driver ran it: summary, metrics rows, config, plot.
 
 The virtual cluster (:mod:`ddiloco.experiment`) and the process launcher
-(:mod:`ddiloco.runtime.launcher`) both end in :func:`summarize` and write through
+(:mod:`ddiloco.runtime.launch.launcher`) both end in :func:`summarize` and write through
 :class:`RunWriter`, so a simulated run and a real one produce the same files with the same
 keys (and the same TensorBoard event file, :mod:`ddiloco.tb_log`).
 """

@@ -196,7 +196,7 @@ duration = 1
 @pytest.mark.slow
 @pytest.mark.skipif(bool(netns_unavailable()), reason=netns_unavailable() or "network namespaces available")
 def test_a_sharded_run_in_namespaces_survives_a_shard_kill_and_faults_on_real_links(tmp_path) -> None:
-    from ddiloco.runtime.netns import leftovers, tag_of
+    from ddiloco.runtime.launch.netns import leftovers, tag_of
 
     out = tmp_path / "out"
     proc = chaos(*TINY, "--set", "protocol.shards=2", "--learners", "2", "--time", "13", "--settle", "10",

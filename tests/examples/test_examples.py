@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import unflatten_into
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.layout import layout_from_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -85,7 +85,7 @@ def status(port: int) -> dict | None:
     try:
         with SyncClient(f"127.0.0.1:{port}") as client:
             return client.status_dict(timeout_s=5.0)
-    except (Unreachable, Refused):
+    except (Unreachable, CallRefused):
         return None
 
 

@@ -25,7 +25,7 @@ def inproc_sync() -> Iterator[Callable[..., InProcessSync]]:
     started: list[InProcessSync] = []
 
     def start(config: Any, options: Any = None) -> InProcessSync:
-        from ddiloco.runtime.service import ServiceOptions
+        from ddiloco.runtime.sync.service import ServiceOptions
 
         s = InProcessSync(config, options or ServiceOptions())
         started.append(s)

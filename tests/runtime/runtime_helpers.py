@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 def netns_unavailable() -> str:
     """Why this machine cannot run ``--hosts netns`` (not root, no ``ip netns``), or "" where it can."""
     from ddiloco.errors import ConfigError
-    from ddiloco.runtime.netns import check_available
+    from ddiloco.runtime.launch.netns import check_available
 
     try:
         check_available()
@@ -95,7 +95,7 @@ def status_of(port: int, token: str | None = None) -> dict | None:
     try:
         with SyncClient(f"127.0.0.1:{port}", token=token) as client:
             return client.status_dict(timeout_s=5.0)
-    except (Unreachable, Refused):
+    except (Unreachable, CallRefused):
         return None
 
 
@@ -149,8 +149,8 @@ class InProcessSync:
         import threading
 
         from ddiloco.runtime.auth import Address
-        from ddiloco.runtime.server import SyncServer
-        from ddiloco.runtime.service import SyncService
+        from ddiloco.runtime.sync.server import SyncServer
+        from ddiloco.runtime.sync.service import SyncService
 
         self.service = SyncService(config, options, layout=layout)
         self.loop = asyncio.new_event_loop()
@@ -186,7 +186,7 @@ class Honest:
     """A learner training the reference workload in a thread, as a user's loop would."""
 
     def __init__(self, config: Any, port: int, name: str, index: int, **credentials: str) -> None:
-        from ddiloco.runtime.learner_runtime import LearnerRuntime
+        from ddiloco.runtime.learner.runtime import LearnerRuntime
         from ddiloco.workload.workload import Workload
 
         self.workload = Workload.build(config)

@@ -29,7 +29,7 @@ from ddiloco.core.messages import Join
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.service import SERVICE_NAME, ServiceOptions
+from ddiloco.runtime.sync.service import SERVICE_NAME, ServiceOptions
 
 MESSAGES = 10_000
 SEED = 16

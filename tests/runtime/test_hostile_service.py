@@ -22,9 +22,9 @@ from ddiloco.core.messages import Join, Leave, Progress, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import Address, client_metadata
-from ddiloco.runtime.client import Refused, SyncClient, Unreachable
+from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.service import ServiceOptions
+from ddiloco.runtime.sync.service import ServiceOptions
 
 TOKEN = "shared-token"
 UNHANDLED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -44,7 +44,7 @@ def code_of(call) -> grpc.StatusCode:
                 pass
     except grpc.RpcError as err:
         return err.code()
-    except Refused as err:  # an AuthenticationError too (UNAUTHENTICATED)
+    except CallRefused as err:  # an AuthenticationError too (UNAUTHENTICATED)
         return err.code
     except Unreachable:
         return grpc.StatusCode.UNAVAILABLE
@@ -226,7 +226,7 @@ def test_registrations_are_kept_across_resume_and_status_comes_in_pages(inproc_s
 
 def test_metrics_are_served_on_the_services_interface_and_behind_its_token_beyond_loopback():
     """Finding 10 of issue 12: --metrics-port listened on 0.0.0.0 without the token."""
-    from ddiloco.runtime.metrics import ServiceMetrics
+    from ddiloco.runtime.sync.metrics import ServiceMetrics
 
     metrics = ServiceMetrics()
     with pytest.raises(ConfigError, match="token"):

@@ -18,8 +18,8 @@ from runtime_helpers import (ddiloco_session, free_port, learner_args, session_p
 from ddiloco.config import build_config
 from ddiloco.reporting import SUMMARY_KEYS
 from ddiloco.runtime.checkpoint import load_checkpoint
-from ddiloco.runtime.dp_worker import CHECKPOINT
-from ddiloco.runtime.launcher import run_processes
+from ddiloco.runtime.launch.dp_worker import CHECKPOINT
+from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.workload.workload import Workload
 
 pytestmark = pytest.mark.slow

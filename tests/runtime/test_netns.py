@@ -19,8 +19,8 @@ import time
 import pytest
 from runtime_helpers import ddiloco_session, netns_unavailable, session_pids, wait_for
 
-from ddiloco.runtime.netns import MIN_BURST_BYTES, NetnsHosts, leftovers, remove_stale, tag_of
-from ddiloco.runtime.topology import Link, Region, Topology
+from ddiloco.runtime.launch.netns import MIN_BURST_BYTES, NetnsHosts, leftovers, remove_stale, tag_of
+from ddiloco.runtime.launch.topology import Link, Region, Topology
 
 UNAVAILABLE = netns_unavailable()
 pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE or "network namespaces available")
@@ -95,8 +95,8 @@ def test_link_faults_take_the_link_down_and_change_its_cap() -> None:
 
 OWNER = """
 import sys, time
-from ddiloco.runtime.netns import NetnsHosts
-from ddiloco.runtime.topology import uniform
+from ddiloco.runtime.launch.netns import NetnsHosts
+from ddiloco.runtime.launch.topology import uniform
 NetnsHosts.create(uniform(["learner-0"], 1e6), ["sync", "learner-0"])
 print("ready", flush=True)
 time.sleep(600)

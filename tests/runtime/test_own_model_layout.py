@@ -14,13 +14,13 @@ from torch import nn
 from ddiloco.config import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.learner_runtime import (
+from ddiloco.runtime.learner.runtime import (
     LayoutMismatch,
     LearnerRuntime,
     save_initial_state,
 )
 from ddiloco.runtime.layout import layout_from_file, model_layout
-from ddiloco.runtime.service import ServiceOptions
+from ddiloco.runtime.sync.service import ServiceOptions
 
 
 class TiedLM(nn.Module):

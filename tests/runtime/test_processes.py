@@ -15,7 +15,7 @@ from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Leave, Progress
 from ddiloco.runtime.auth import client_metadata
-from ddiloco.runtime.client import AuthenticationError, Refused, SyncClient
+from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +142,7 @@ def test_hostile_messages_are_rejected_by_reason_and_the_run_goes_on(procs, tmp_
             try:
                 client.contribute(c)
                 reasons.append("accepted")
-            except Refused as err:
+            except CallRefused as err:
                 reasons.append(err.reason)
         client.leave(Leave("mallory", joined.state.session, Progress("boot", 256, 1)))
     assert reasons == ["bad_size", "non_finite", "accepted", "duplicate"]

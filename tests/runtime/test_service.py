@@ -15,10 +15,10 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import client_metadata
-from ddiloco.runtime.client import AuthenticationError, Refused, SyncClient
-from ddiloco.runtime.learner_runtime import LayoutMismatch, LearnerRuntime
+from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
+from ddiloco.runtime.learner.runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.service import ServiceOptions, SyncService
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.workload.workload import Workload
 from ddiloco.workload.model import ByteTransformer
 
@@ -39,8 +39,8 @@ def make_contribution(sync: SyncService, learner: str, session: Session, fragmen
                         tokens=256, steps=1, compute_s=0.01, step_time_s=0.01, codec=codec, payload=payload)
 
 
-def refused(call) -> Refused:
-    with pytest.raises(Refused) as info:
+def refused(call) -> CallRefused:
+    with pytest.raises(CallRefused) as info:
         call()
     return info.value
 
@@ -226,7 +226,7 @@ def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync
                 stream.cancel()
         assert received == [(0, 1), (0, 2)]
         # A learner from another incarnation of the synchronizer must join again first.
-        with pytest.raises(Refused) as info:
+        with pytest.raises(CallRefused) as info:
             list(client.updates("learner-0", [0, 0, 0], Session(session.incarnation + 1, session.number)))
         assert info.value.reason == "unknown_learner"
 
@@ -288,7 +288,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
     from runtime_helpers import InProcessSync
 
-    from ddiloco.runtime.learner_runtime import save_initial_state
+    from ddiloco.runtime.learner.runtime import save_initial_state
     from ddiloco.runtime.layout import layout_from_file
 
     torch.manual_seed(0)

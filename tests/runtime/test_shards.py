@@ -12,8 +12,8 @@ from runtime_helpers import InProcessSync, free_port, status_of, sync_args, trai
 from ddiloco import cli
 from ddiloco.config import build_config
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.learner_runtime import LearnerRuntime
-from ddiloco.runtime.service import ServiceOptions
+from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.workload.workload import Workload
 
 

@@ -23,8 +23,8 @@ from ddiloco.core.fragments import flatten, plan_fragments
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.runtime.learner_runtime import LearnerRuntime
-from ddiloco.runtime.staging import HostStaging
+from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.learner.staging import HostStaging
 from ddiloco.workload.workload import Workload
 from runtime_helpers import train_steps
 

@@ -21,7 +21,7 @@ from runtime_helpers import DEADLINE_S, free_port, learner_args, sync_args, wait
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import Address
-from ddiloco.runtime.status_page import StatusPage
+from ddiloco.runtime.sync.status_page import StatusPage
 
 PACE = ("--min-step-s", "0.02")
 """Pace the tiny learners so that two of them, a synchronizer and a browser share 2 cores calmly."""

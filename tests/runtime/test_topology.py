@@ -9,8 +9,8 @@ import pytest
 
 from ddiloco.cli import main
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.netns import NS_PREFIX, tag_of
-from ddiloco.runtime.topology import Link, load_topology, parse_rate, uniform
+from ddiloco.runtime.launch.netns import NS_PREFIX, tag_of
+from ddiloco.runtime.launch.topology import Link, load_topology, parse_rate, uniform
 
 LEARNERS = ["learner-0", "learner-1", "learner-2"]
 

@@ -25,14 +25,14 @@ from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, 
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, FaultKind, learner_name
 from ddiloco.config import Config
-from ddiloco.runtime.client import Refused, Unreachable
-from ddiloco.runtime.launcher import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
-                                      learner_threads, prepare_files, wait_for_port)
-from ddiloco.runtime.netns import SYNC_HOST
-from ddiloco.runtime.placement import placed
-from ddiloco.runtime.processes import Processes, StopSignals
+from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
+                                              learner_threads, prepare_files, wait_for_port)
+from ddiloco.runtime.launch.netns import SYNC_HOST
+from ddiloco.runtime.launch.placement import placed
+from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.sharded import ShardedClient, merge_statuses
-from ddiloco.runtime.topology import Topology
+from ddiloco.runtime.launch.topology import Topology
 
 POLL_S = 0.25
 START_TIMEOUT_S = 180.0
@@ -231,7 +231,7 @@ class ChaosRun:
                 else:  # a fresh channel: the old one's reconnect backoff would see the restart seconds late
                     with ShardedClient([shard.address], token=token) as fresh:
                         status = fresh.status_dict(timeout_s=5.0)
-            except (Unreachable, Refused):
+            except (Unreachable, CallRefused):
                 return None
             if shard.killed is not None:
                 if status["instance_id"] == shard.killed:

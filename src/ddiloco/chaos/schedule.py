@@ -29,7 +29,7 @@ from typing import Any
 
 from ddiloco.config import read_toml
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.placement import sync_names
+from ddiloco.runtime.launch.placement import sync_names
 
 SYNC_TARGET = "sync"
 _SHARD_TARGET = re.compile(r"sync-\d+")

@@ -32,7 +32,7 @@ from ddiloco.commands.options import (add_device_option, add_hosts_options, add_
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
 from ddiloco.reporting import prepare_out
-from ddiloco.runtime.topology import Topology
+from ddiloco.runtime.launch.topology import Topology
 from ddiloco.workload.device import resolve_device
 
 DEFAULT_WINDOW_S = 180.0
@@ -125,7 +125,7 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
         outcome = chaos.run()
     baseline = None
     if not no_baseline and outcome.completed:  # on the same hosts and links
-        from ddiloco.runtime.launcher import run_processes
+        from ddiloco.runtime.launch.launcher import run_processes
 
         # The same number of tokens, not the same time: the budget's clock stops while the synchronizer
         # is down, and learners train on meanwhile (work the rollback discards), so at equal time the

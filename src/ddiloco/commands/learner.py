@@ -1,36 +1,18 @@
 """``ddiloco learner``: train the reference workload as one learner of a real run.
 
 Run it once per learner (``--id`` names it); under ``torchrun`` it is one data-parallel job
-of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer.
+of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer. The process itself
+is :mod:`ddiloco.runtime.learner.process`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
-import logging
-import signal
-import os
-import threading
-import time
-from pathlib import Path
 from dataclasses import replace
 
-import torch
-import torch.distributed as dist
-
 from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options, config_from_args
-from ddiloco.config import PRESETS, Config, apply_section, check_seed
-from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import load_secret, load_token, parse_address
-from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.learner_runtime import LearnerRuntime, probe_with_backoff
-from ddiloco.runtime.progress import ProgressFile
-from ddiloco.workload.workload import Workload, weights_sha256
-from ddiloco.workload.device import process_group_backend, resolve_device
-
-log = logging.getLogger("ddiloco.learner")
+from ddiloco.config import PRESETS, Config, apply_section
+from ddiloco.runtime.learner import process
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,105 +72,4 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.seed is not None:
-        check_seed(args.seed, "--seed")  # before waiting for a synchronizer, not after it answers
-    with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
-        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {args.id}" + (f"/{rank}" if rank else "") + " %(levelname)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(args.device)
-    if device.type == "cuda" and device.index is None and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(process_group_backend(device))
-    addresses = [parse_address(a.strip(), option="--connect") for a in args.connect.split(",") if a.strip()]
-    if not addresses:
-        raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT[,HOST:PORT...]")
-    clients: list[SyncClient] = []
-    if rank == 0:
-        # Probe first (no lease yet): building the workload may take longer than a lease.
-        secret = load_secret(args.secret_file)
-        token = secret or load_token(args.token_file)
-        clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
-                   for a in addresses]
-        probe = probe_with_backoff(clients[0], args.id, timeout_s=args.join_timeout)
-        box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
-    else:
-        box = [None, None]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    config = _resolve_config(args, box[0]).validate_for_processes()
-    if not args.threads and config.train.threads:
-        torch.set_num_threads(config.train.threads)
-    index = int(box[1])
-    if not 0 <= index < config.run.learners:
-        raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
-    workload = Workload.build(config, device)
-    model = workload.new_model()
-    trained = model
-    if world > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    trainer = workload.new_trainer(trained)
-    sampler = workload.sampler(index, rank)
-    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
-                             tokens_per_step=workload.tokens_per_step)
-    if runtime.should_stop:  # the synchronizer refused our join: the run is over
-        log.info("the run is already finished")
-        runtime.close(flush=False)
-        return 0
-    log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
-             config.run.learners, sum(p.numel() for p in model.parameters()), device)
-    steps, started = 0, time.perf_counter()
-    progress = ProgressFile(Path(args.progress_file) if rank == 0 and args.progress_file else None)
-    stop = threading.Event()  # SIGTERM (a launcher, Slurm, systemd): finish the step, flush, leave
-    if world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
-        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    events = None
-    if rank == 0 and args.tensorboard_dir:
-        from ddiloco.tb_log import EventLog
-
-        events = EventLog(args.tensorboard_dir)
-    try:
-        while not runtime.should_stop and not stop.is_set() and (args.max_steps is None or steps < args.max_steps):
-            step_started = time.perf_counter()
-            x, y = sampler.next_batch()
-            loss = trainer.step(x, y)
-            if args.min_step_s:
-                time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - step_started)))
-            runtime.step(tokens=x.numel())
-            steps += 1
-            if progress.due(steps):
-                progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
-                               updates_applied=runtime.stats.updates_applied)
-            if rank == 0 and steps % 50 == 0:
-                loss_value = float(loss)  # waits for this step: only when it is logged
-                st = runtime.stats
-                log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
-                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
-                         st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
-                if events is not None:
-                    events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
-                                       "contributions_sent": st.contributions_sent,
-                                       "updates_applied": st.updates_applied, "backlog": runtime.backlog,
-                                       "contributions_dropped": st.contributions_dropped,
-                                       "unreachable": st.unreachable})
-    finally:
-        runtime.close()
-        progress.write(steps, steps * config.train.batch_size * config.model.seq_len)
-        if events is not None:
-            events.close()
-    elapsed = time.perf_counter() - started
-    if rank == 0:
-        s = runtime.stats
-        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
-                 steps, elapsed, s.contributions_sent, s.updates_applied, s.joins, dict(s.rejected) or "none")
-    if world > 1:
-        log.info("rank %d of %d: weights sha256 %s", rank, world, weights_sha256(model))
-        dist.destroy_process_group()
-    return 0
+    return process.run(args, lambda sync_config: _resolve_config(args, sync_config))

@@ -11,7 +11,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.workload.device import DEVICE_CHOICES
 
 if TYPE_CHECKING:
-    from ddiloco.runtime.topology import Topology
+    from ddiloco.runtime.launch.topology import Topology
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +93,7 @@ def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Con
 
 def add_hosts_options(parser: argparse.ArgumentParser) -> None:
     """Where the processes of a local run live, and how fast their links are (--hosts netns)."""
-    from ddiloco.runtime.placement import Hosts
+    from ddiloco.runtime.launch.placement import Hosts
 
     parser.add_argument("--hosts", choices=[str(h) for h in Hosts], default=str(Hosts.LOCAL),
                         help="local: every process on 127.0.0.1 (default); netns: the synchronizer and each "
@@ -107,9 +107,9 @@ def add_hosts_options(parser: argparse.ArgumentParser) -> None:
 
 def topology_from_args(args: argparse.Namespace, learners: int) -> "Topology | None":
     """The run's topology for --hosts netns (None for local), checked before anything is created."""
-    from ddiloco.runtime.netns import check_available
-    from ddiloco.runtime.placement import Hosts
-    from ddiloco.runtime.topology import load_topology, parse_rate, uniform
+    from ddiloco.runtime.launch.netns import check_available
+    from ddiloco.runtime.launch.placement import Hosts
+    from ddiloco.runtime.launch.topology import load_topology, parse_rate, uniform
 
     if args.hosts != Hosts.NETNS:
         given = "--link-rate" if args.link_rate is not None else "--topology" if args.topology else None

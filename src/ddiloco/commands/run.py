@@ -19,7 +19,7 @@ from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import Interrupted, run_virtual
-from ddiloco.runtime.placement import Hosts
+from ddiloco.runtime.launch.placement import Hosts
 from ddiloco.reporting import prepare_out, write_run
 from ddiloco.workload.device import resolve_device
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                           "a partial summary.json", highlight=False, soft_wrap=True)
             return 130
     else:
-        from ddiloco.runtime.launcher import run_processes  # grpc only when asked for
+        from ddiloco.runtime.launch.launcher import run_processes  # grpc only when asked for
 
         with progress_bar(label) as progress:
             summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)

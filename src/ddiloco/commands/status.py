@@ -13,9 +13,9 @@ from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
-from ddiloco.runtime.client import Refused, Unreachable
+from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.sharded import ShardedClient
-from ddiloco.runtime.status_reply import LEARNERS_PAGE
+from ddiloco.runtime.sync.status_reply import LEARNERS_PAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                                         learner_limit=LEARNERS_PAGE)
         except Unreachable as err:
             raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
-        except Refused as err:
+        except CallRefused as err:
             raise DdilocoError(f"the synchronizer at {args.address} refused: {err.detail}") from None
     if args.json:
         json.dump(status, sys.stdout, indent=2)

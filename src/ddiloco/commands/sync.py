@@ -22,9 +22,9 @@ from ddiloco.runtime.auth import (
     server_credentials,
 )
 from ddiloco.runtime.layout import layout_from_file
-from ddiloco.runtime.server import serve
-from ddiloco.runtime.service import ServiceOptions, SyncService
-from ddiloco.runtime.status_page import StatusPage
+from ddiloco.runtime.sync.server import serve
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+from ddiloco.runtime.sync.status_page import StatusPage
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 

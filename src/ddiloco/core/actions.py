@@ -215,7 +215,7 @@ class Send:
     """The synchronizer shard that owns the fragment."""
     ready: Callable[[], object] | None = None
     """Waits until ``delta`` holds its values, when a driver copies it from an accelerator
-    asynchronously (``runtime/staging.py``); None: it already does."""
+    asynchronously (``runtime/learner/staging.py``); None: it already does."""
 
     @property
     def fragment(self) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch

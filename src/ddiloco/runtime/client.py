@@ -3,10 +3,10 @@
 Every call has a deadline. Failures come back as three kinds of exception, because a
 learner reacts to each differently:
 
-- :class:`Refused`: the synchronizer answered and rejected the message, with the core's
+- :class:`CallRefused`: the synchronizer answered and rejected the message, with the core's
   :class:`~ddiloco.core.messages.RejectReason` (what it means for a learner is the learner
   core's decision, ``core/learner.py``, a refused secret included);
-- :class:`AuthenticationError`, a :class:`Refused` (``unauthenticated``) that command-line
+- :class:`AuthenticationError`, a :class:`CallRefused` (``unauthenticated``) that command-line
   callers print as one line;
 - :class:`Unreachable`: no answer (down, restarting, network) — retry later.
 
@@ -61,7 +61,7 @@ class Unreachable(Exception):
     """The synchronizer did not answer (down, restarting, deadline exceeded)."""
 
 
-class Refused(Exception):
+class CallRefused(Exception):
     """The synchronizer rejected the message, for ``reason``."""
 
     def __init__(self, reason: RejectReason, detail: str, code: grpc.StatusCode) -> None:
@@ -71,7 +71,7 @@ class Refused(Exception):
         self.code = code
 
 
-class AuthenticationError(Refused, DdilocoError):
+class AuthenticationError(CallRefused, DdilocoError):
     """Refused as ``unauthenticated``: a wrong token or secret; retrying cannot help."""
 
 
@@ -102,7 +102,7 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
             "$DDILOCO_TOKEN, or --secret-file / $DDILOCO_SECRET, on both sides)", code)
     if text is None:
         return Unreachable(f"{address}: {code.name}: {err.details()}")
-    return Refused(RejectReason.parse(text), err.details() or text, code)
+    return CallRefused(RejectReason.parse(text), err.details() or text, code)
 
 
 class SyncClient:

@@ -89,7 +89,7 @@ def reference_layout(config: Config, protocol: ProtocolConfig) -> ModelLayout:
 
 
 def layout_from_file(path: str | Path, protocol: ProtocolConfig) -> ModelLayout:
-    """Serve your own model: initial weights written by ``learner_runtime.save_initial_state``."""
+    """Serve your own model: initial weights written by ``save_initial_state`` (:mod:`ddiloco.runtime.learner`)."""
     from safetensors import SafetensorError, safe_open
 
     try:

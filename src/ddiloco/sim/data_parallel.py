@@ -19,13 +19,11 @@ from typing import Any
 
 import torch
 
+from ddiloco.measures import Direction, all_reduce_bytes
 from ddiloco.sim.harness import Recorder
-from ddiloco.measures import Direction
 from ddiloco.sim.network import HEADER_BYTES
 from ddiloco.sim.timeline import Happening, Rollback, RunEvents, Timeline
 from ddiloco.workload.workload import Workload, weights_sha256
-
-BF16_BYTES = 2
 
 
 class DataParallel:
@@ -59,7 +57,7 @@ class DataParallel:
         if live < 2:
             return 0.0
         c = self.config.cluster
-        per_replica = 2 * (live - 1) / live * self.numel * BF16_BYTES
+        per_replica = all_reduce_bytes(self.numel, live)
         return 8 * per_replica / c.bandwidth_bps + 2 * (live - 1) * c.latency_s
 
     def _budget_spent(self) -> bool:
@@ -145,7 +143,7 @@ class DataParallel:
         self.trainer.step(x, y, self.recorder.run_progress(self.tokens, self.now))
         self.tokens += x.numel()
         self.committed_steps += 1
-        per_replica = 2 * (len(live) - 1) / len(live) * self.numel * BF16_BYTES if len(live) > 1 else 0
+        per_replica = all_reduce_bytes(self.numel, len(live))
         for r in live:
             self._steps[r] += 1
             self.recorder.accounting.add_step(r, self._steps[r], self.now, end, busy_s=durations[r])

@@ -3,7 +3,7 @@
 ``--hosts netns`` puts the synchronizer and every learner in a network namespace of its
 own. Namespaces are joined by veth pairs to one bridge in the launcher's namespace (which
 gets the subnet's first address, so the launcher can watch the run and ``ddiloco chaos``
-can put its proxies on the path). A region of several learners (:mod:`ddiloco.runtime.topology`)
+can put its proxies on the path). A region of several learners (:mod:`ddiloco.runtime.launch.topology`)
 has a bridge of its own, joined to the core bridge by one trunk veth pair: its learners
 share that link, as they would share a region's wide-area link.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddiloco.errors import ConfigError, DdilocoError
-from ddiloco.runtime.topology import Link, Topology
+from ddiloco.runtime.launch.topology import Link, Topology
 
 NS_PREFIX = "ddiloco-"
 SYNC_HOST = "sync"

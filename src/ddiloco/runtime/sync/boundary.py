@@ -22,7 +22,7 @@ from ddiloco.core.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
 from ddiloco.measures import ByteLedger, Direction
-from ddiloco.runtime.metrics import ServiceMetrics
+from ddiloco.runtime.sync.metrics import ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 log = logging.getLogger("ddiloco.sync")

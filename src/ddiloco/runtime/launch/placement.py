@@ -1,7 +1,7 @@
 """Where the children of a local run live: all on 127.0.0.1, or each in its own network namespace.
 
 ``--hosts local`` (the default) runs everything on loopback, as before. ``--hosts netns``
-(:mod:`ddiloco.runtime.netns`) gives the synchronizer and every learner a namespace and a
+(:mod:`ddiloco.runtime.launch.netns`) gives the synchronizer and every learner a namespace and a
 capped link; the synchronizer then listens beyond loopback, so the run gets a shared token
 (``OUT/token``, mode 0600) that every child and the launcher present. The launcher itself
 stays in its own namespace and reaches the others over the bridge.
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Iterator
 from contextlib import contextmanager
 
-from ddiloco.runtime.netns import INNER_IFNAME, SYNC_HOST, NetnsHosts
-from ddiloco.runtime.topology import Topology
+from ddiloco.runtime.launch.netns import INNER_IFNAME, SYNC_HOST, NetnsHosts
+from ddiloco.runtime.launch.topology import Topology
 
 SYNC_PORT = 7000
 """A namespace has its ports to itself: shard i of the synchronizer listens on SYNC_PORT + i."""

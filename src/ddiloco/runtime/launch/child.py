@@ -1,6 +1,6 @@
-"""``python -m ddiloco.runtime.child PARENT MODULE ARGS...``: run MODULE as ``__main__``, killed with its parent.
+"""``python -m ddiloco.runtime.launch.child PARENT MODULE ARGS...``: run MODULE as ``__main__``, killed with its parent.
 
-Every child of a local run starts through this module (:class:`ddiloco.runtime.processes.Processes`).
+Every child of a local run starts through this module (:class:`ddiloco.runtime.launch.processes.Processes`).
 It asks the kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``), checks
 that the parent it was started by is still the one it has (if not, the parent died before
 the request took effect), then runs the real entry point. Doing this in the child rather

@@ -40,7 +40,7 @@ StatusFn = Callable[[], dict[str, Any]]
 
 def page_html() -> bytes:
     """The single self-contained page (inline CSS and JS, nothing from the internet)."""
-    return resources.files("ddiloco.runtime").joinpath("static/status.html").read_bytes()
+    return resources.files("ddiloco.runtime.sync").joinpath("static/status.html").read_bytes()
 
 
 class StatusPage:

@@ -3,7 +3,7 @@
 Every child of ``ddiloco run --runtime processes``, ``ddiloco chaos`` and the benchmarks
 that launch real runs is started here, so all of them share two guarantees:
 
-- **They die with their parent.** Each child starts through :mod:`ddiloco.runtime.child`,
+- **They die with their parent.** Each child starts through :mod:`ddiloco.runtime.launch.child`,
   which asks the kernel (``prctl(PR_SET_PDEATHSIG)``) for SIGKILL when the thread that
   started it ends, so ``kill -9`` of the launcher cannot orphan a learner or a
   synchronizer, nor leave a frozen (SIGSTOP) one behind (SIGKILL ends a stopped process;
@@ -36,7 +36,7 @@ class Processes:
     its log file is appended to, so one file tells a learner's or synchronizer's whole story.
     ``ddiloco chaos`` kills, stops and restarts children through this table. ``prefix``
     goes before a child's command line (``ip netns exec NAME`` puts it in its network
-    namespace: :mod:`ddiloco.runtime.netns`).
+    namespace: :mod:`ddiloco.runtime.launch.netns`).
     """
 
     def __init__(self, logs: Path) -> None:
@@ -52,7 +52,7 @@ class Processes:
             raise DdilocoError(f"{name} is still running (pid {previous.pid}): cannot start it again")
         log = open(self.logs / f"{name}.log", "ab")
         self._files.append(log)
-        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ddiloco.runtime.child", str(os.getpid()),
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ddiloco.runtime.launch.child", str(os.getpid()),
                                  module, *args], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, process_group=0)
         self.children[name] = proc

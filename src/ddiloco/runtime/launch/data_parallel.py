@@ -1,6 +1,6 @@
 """``ddiloco run --runtime processes --mode dp``: M data-parallel ranks where the M learners would run.
 
-The ranks (:mod:`ddiloco.runtime.dp_worker`) rendezvous at rank 0 (``learner-0``'s host)
+The ranks (:mod:`ddiloco.runtime.launch.dp_worker`) rendezvous at rank 0 (``learner-0``'s host)
 and all-reduce over the same loopback or capped links a Decoupled DiLoCo run of the same
 configuration would use; there is no synchronizer. The launcher watches their progress
 files, records ``timeline.jsonl`` like any local run, and builds the summary from rank 0's
@@ -20,13 +20,13 @@ from typing import Any
 from ddiloco.config import Config
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize
-from ddiloco.runtime.dp_worker import METRICS_FILE, RESULT_FILE
-from ddiloco.runtime.launcher import (LEAVE_TIMEOUT_S, POLL_S, free_port, learner_names, learner_threads,
-                                      prepare_files)
-from ddiloco.runtime.placement import placed
-from ddiloco.runtime.processes import Processes, StopSignals
-from ddiloco.runtime.run_log import RunTimeline
-from ddiloco.runtime.topology import Topology
+from ddiloco.runtime.launch.dp_worker import METRICS_FILE, RESULT_FILE
+from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, POLL_S, free_port, learner_names, learner_threads,
+                                              prepare_files)
+from ddiloco.runtime.launch.placement import placed
+from ddiloco.runtime.launch.processes import Processes, StopSignals
+from ddiloco.runtime.launch.run_log import RunTimeline
+from ddiloco.runtime.launch.topology import Topology
 
 MASTER_PORT = 29500
 
@@ -53,7 +53,7 @@ def run_data_parallel(config: Config, out: Path, progress: ProgressFn | None = N
                                    "--out", str(out), "--threads", str(threads), "--device", device,
                                    "--ifname", place.ifname, "--epoch", str(epoch)],
                             env={"OMP_NUM_THREADS": str(threads)}, prefix=place.prefix(name),
-                            module="ddiloco.runtime.dp_worker")
+                            module="ddiloco.runtime.launch.dp_worker")
             signalled, shown = False, 0
             while any(procs.running(name) for name in ranks):
                 if timeout_s is not None and time.monotonic() - started > timeout_s:

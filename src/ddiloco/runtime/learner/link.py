@@ -18,7 +18,7 @@ Whatever changes the model's parameters — adopting a joined state, applying an
 queued for the training thread, which hands it to the core between two steps
 (:attr:`LearnerLink.inbox`); an update goes there already decoded by the receiver. Copies
 between host and accelerator are staged so the training stream never waits
-(:mod:`ddiloco.runtime.staging`).
+(:mod:`ddiloco.runtime.learner.staging`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
 from ddiloco.core.messages import Request, Session, StopNotice
 from ddiloco.errors import DdilocoError
-from ddiloco.runtime.client import JoinResult, Refused, SyncClient, Unreachable
-from ddiloco.runtime.staging import HostStaging
+from ddiloco.runtime.client import JoinResult, CallRefused, SyncClient, Unreachable
+from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -199,10 +199,11 @@ class ShardChannel:
             log.info("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
             link.tell_core(lambda core: core.on_undelivered(request, link.clock(), shard=shard))
             return None
-        except Refused as err:  # a wrong secret too: whether to go on is the core's decision
-            link.stats.rejected[err.reason] += 1
+        except CallRefused as err:  # a wrong secret too: whether to go on is the core's decision
+            reason = err.reason
+            link.stats.rejected[reason] += 1
             log.info("%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
-            link.tell_core(lambda core: core.on_refused(request, err.reason, link.clock(), shard=shard))
+            link.tell_core(lambda core: core.on_refused(request, reason, link.clock(), shard=shard))
             return None
         return reply
 
@@ -270,7 +271,7 @@ class ShardChannel:
     def leave(self, action: SendLeave) -> None:
         try:
             self.client.leave(action.message)
-        except (Unreachable, Refused) as err:
+        except (Unreachable, CallRefused) as err:
             log.info("leave of shard %d failed: %s", self.shard, err)
 
     # ---- receiver --------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class ShardChannel:
                     else:
                         link.inbox.put((Inbox.UPDATE, (update, link.staging.decode(update))))
                 self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
-            except (Unreachable, Refused):
+            except (Unreachable, CallRefused):
                 # Not a decision: a broken stream is re-made; whether the session is still ours
                 # (or our secret still good) the core learns from its heartbeats.
                 if self._session_changed.wait(delay):

@@ -7,10 +7,10 @@ cluster does, and returns the same summary and metrics rows. The learners take t
 synchronizer's configuration, so the model, initial weights, data shards and data order
 are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seconds). Each
 synchronizer serves its status page (``--http-port``) and the launcher prints its address.
-With a topology (``--hosts netns``, :mod:`ddiloco.runtime.placement`) every process runs in
+With a topology (``--hosts netns``, :mod:`ddiloco.runtime.launch.placement`) every process runs in
 its own network namespace behind a capped link; ``--mode dp`` runs real data parallel on
-the same hosts instead (:mod:`ddiloco.runtime.dp_launch`). ``timeline.jsonl``
-(:mod:`ddiloco.runtime.run_log`) records the run once a second.
+the same hosts instead (:mod:`ddiloco.runtime.launch.data_parallel`). ``timeline.jsonl``
+(:mod:`ddiloco.runtime.launch.run_log`) records the run once a second.
 
 SIGINT or SIGTERM stops the run cleanly: learners first (they flush), then the final model
 is read and evaluated, then the synchronizer (its final checkpoint); the summary says which
@@ -20,137 +20,37 @@ public: ``ddiloco chaos`` (:mod:`ddiloco.chaos.runner`) runs the same processes 
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddiloco.config import Config
-from ddiloco.core.fragments import unflatten_into
 from ddiloco.errors import DdilocoError
-from ddiloco.reporting import ProgressFn, summarize, write_config
-from ddiloco.runtime.client import Refused, Unreachable
-from ddiloco.runtime.layout import reference_layout
-from ddiloco.runtime.netns import SYNC_HOST
-from ddiloco.runtime.placement import Placement, placed, sync_names
-from ddiloco.runtime.processes import Processes, StopSignals
-from ddiloco.runtime.run_log import RunTimeline
+from ddiloco.reporting import ProgressFn, summarize
+from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.launch.local_run import (
+    LEAVE_TIMEOUT_S,
+    NETNS_HTTP_PORT,
+    POLL_S,
+    GlobalEvaluator,
+    RunFiles,
+    announce,
+    free_port,
+    learner_command,
+    learner_names,
+    learner_threads,
+    prepare_files,
+    sync_command,
+    wait_for_port,
+)
+from ddiloco.runtime.launch.netns import SYNC_HOST
+from ddiloco.runtime.launch.placement import Placement, placed
+from ddiloco.runtime.launch.processes import Processes, StopSignals
+from ddiloco.runtime.launch.run_log import RunTimeline
+from ddiloco.runtime.launch.topology import Topology
 from ddiloco.runtime.sharded import ShardedClient
-from ddiloco.runtime.topology import Topology
-from ddiloco.workload.workload import Workload, weights_sha256
-
-POLL_S = 0.25
-START_TIMEOUT_S = 120.0
-LEAVE_TIMEOUT_S = 30.0
-"""How long learners told to stop (or told the run is over) may take to flush and leave."""
-NETNS_HTTP_PORT = 8080
-
-
-@dataclass(frozen=True)
-class RunFiles:
-    """Where one local run keeps its configuration, logs, port files and checkpoints."""
-
-    out: Path
-    logs: Path
-    config_file: Path
-    port_files: list[Path]
-    state_dirs: list[Path]
-
-    @property
-    def sync_names(self) -> list[str]:
-        """``sync``, or ``sync-<i>`` per shard: the children's and the logs' names."""
-        return sync_names(len(self.port_files))
-
-
-def prepare_files(config: Config, out: Path) -> RunFiles:
-    """Create ``out`` and ``out/logs``, write the configuration; forget the logs, ports and checkpoints of a
-    previous run."""
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    for old in logs.glob("*.log"):
-        old.unlink()
-    config_file = out / "runtime-config.toml"
-    write_config(config_file, config)
-    names = sync_names(config.protocol.shards)
-    files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
-                     [out / name.replace(SYNC_HOST, "sync-state", 1) for name in names])
-    for port_file, state_dir in zip(files.port_files, files.state_dirs):
-        port_file.unlink(missing_ok=True)
-        (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
-    return files
-
-
-def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: int = 0,
-                 http_port: int | None = None, resume: bool = False, token_file: Path | None = None) -> list[str]:
-    """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
-    shards = len(files.port_files)
-    return ["sync", "--config", str(files.config_file), "--listen", f"{host}:{port}",
-            *([] if shards == 1 else ["--shard", f"{shard}/{shards}"]),
-            "--port-file", str(files.port_files[shard]), "--state-dir", str(files.state_dirs[shard]),
-            *([] if http_port is None else ["--http-port", str(http_port)]),
-            *(["--resume"] if resume else []), *(["--token-file", str(token_file)] if token_file else [])]
-
-
-def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
-                    min_step_s: float = 0.0, *, token_file: Path | None = None,
-                    progress_file: Path | None = None) -> list[str]:
-    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
-
-    ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
-    for restarts when chaos runs many processes on a small machine.
-    """
-    return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
-            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else []),
-            *(["--token-file", str(token_file)] if token_file else []),
-            *(["--progress-file", str(progress_file)] if progress_file else [])]
-
-
-def learner_names(learners: int) -> list[str]:
-    return [f"learner-{i}" for i in range(learners)]
-
-
-def learner_threads(learners: int) -> int:
-    """Torch threads per learner: the cores shared by the learners and the synchronizer."""
-    return max(1, (os.cpu_count() or 1) // (learners + 1))
-
-
-def free_port() -> int:
-    """A port free right now on 127.0.0.1 (for the status page, whose port must survive restarts;
-    in a network namespace every port is free: :data:`NETNS_HTTP_PORT`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def announce(text: str) -> None:
-    """One line for the user on stderr (above a progress bar, which redirects it)."""
-    print(text, file=sys.stderr, flush=True)
-
-
-class GlobalEvaluator:
-    """Evaluates the synchronizer's current global model on the workload's held-out data."""
-
-    def __init__(self, config: Config, client: ShardedClient) -> None:
-        self.workload = Workload.build(config)
-        self.model = self.workload.new_model()
-        self.plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
-        self.client = client
-
-    def evaluate(self) -> tuple[float, list[int]]:
-        """(eval loss, fragment versions) of the global model as the synchronizer holds it now."""
-        state = self.client.fetch_state()
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for f in self.plan.fragments:
-                unflatten_into(state.fragments[f.index].values, [params[n] for n in f.param_names])
-        return self.workload.evaluate(self.model), [f.version for f in state.fragments]
+from ddiloco.workload.workload import weights_sha256
 
 
 def run_processes(
@@ -173,7 +73,7 @@ def run_processes(
     rows) like the virtual cluster. ``--mode dp`` runs data parallel on the same hosts.
     """
     if config.run.mode == "dp":
-        from ddiloco.runtime.dp_launch import run_data_parallel
+        from ddiloco.runtime.launch.data_parallel import run_data_parallel
 
         return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
     if config.run.mode not in ("decoupled", "diloco"):
@@ -248,7 +148,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
                                    + procs.tail(dead))
             try:
                 status = client.status_dict()
-            except (Unreachable, Refused):
+            except (Unreachable, CallRefused):
                 time.sleep(POLL_S)
                 continue
             timeline.record(status)
@@ -311,19 +211,3 @@ def _fraction(config: Config, status: dict[str, Any], elapsed_s: float) -> float
     if config.run.time_s:
         return min(1.0, elapsed_s / config.run.time_s)
     return min(1.0, status["tokens"] / max(1, config.run.tokens))
-
-
-def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignals | None = None) -> int:
-    """The port the synchronizer ``name`` bound, once it has written ``port_file``; fails if it exits first."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if stop is not None and stop.requested is not None:
-            raise KeyboardInterrupt  # nothing to stop cleanly yet
-        if port_file.exists():
-            text = port_file.read_text().strip()
-            if text:
-                return int(text)
-        if procs.children[name].poll() is not None:
-            raise DdilocoError(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
-        time.sleep(0.05)
-    raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))

@@ -16,10 +16,10 @@ from ddiloco.core.run import RunPhase
 from ddiloco.core.sync_status import SyncStatus
 from ddiloco.measures import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
-from ddiloco.runtime.boundary import Boundary
-from ddiloco.runtime.checkpoint_writer import CheckpointWriter
+from ddiloco.runtime.sync.boundary import Boundary
+from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.layout import ModelLayout
-from ddiloco.runtime.metrics import GoodputMeter
+from ddiloco.runtime.sync.metrics import GoodputMeter
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 

@@ -1,7 +1,7 @@
 """One rank of real data parallel: the baseline Decoupled DiLoCo is compared with on the same links.
 
 ``ddiloco run --runtime processes --mode dp`` starts one of these per learner (``python -m
-ddiloco.runtime.dp_worker``), each where that learner would run (its own network
+ddiloco.runtime.launch.dp_worker``), each where that learner would run (its own network
 namespace with ``--hosts netns``). They train the same model from the same initial weights
 on the same data shards as the learners (rank r draws learner r's batches), and
 all-reduce every step's gradients with ``torch.distributed`` (gloo) through
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ddiloco.config import Config, build_config
+from ddiloco.measures import BF16_BYTES, all_reduce_bytes
 from ddiloco.runtime.checkpoint import save_checkpoint
 from ddiloco.runtime.progress import ProgressFile
-from ddiloco.sim.data_parallel import BF16_BYTES
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.workload import Workload, weights_sha256
 
@@ -81,7 +81,7 @@ def bf16_allreduce(state: CommTimer, bucket: dist.GradBucket) -> torch.futures.F
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddiloco.runtime.dp_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddiloco.runtime.launch.dp_worker", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's resolved configuration (TOML)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--master", required=True, metavar="HOST:PORT", help="rank 0's rendezvous address")
@@ -128,7 +128,7 @@ def _train(config: Config, args: argparse.Namespace, stop: threading.Event, worl
     sampler = workload.sampler(rank)
     tokens_per_step = workload.tokens_per_step * world
     total_steps = math.ceil(config.run.tokens / tokens_per_step) if config.run.tokens else None
-    payload = 2 * (world - 1) / world * numel * BF16_BYTES  # per rank, step and direction (ring all-reduce)
+    payload = all_reduce_bytes(numel, world)  # per rank, step and direction
     progress = ProgressFile(out / "progress" / f"learner-{rank}.json")
     evaluator = _Evaluator(config, workload, model, out / METRICS_FILE, args.epoch) if rank == 0 else None
     log.info("rank %d of %d: %d parameters, %d-way bf16 all-reduce of %.2f MB per step", rank, world, numel,

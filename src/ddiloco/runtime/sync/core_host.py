@@ -52,7 +52,7 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.runtime.streams import UpdateStreams
+from ddiloco.runtime.sync.streams import UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
 

@@ -11,13 +11,13 @@ after every inner step::
 
 The protocol is the core's :class:`~ddiloco.core.learner.Learner`; this module feeds it the
 training loop's steps and carries out its actions through
-:class:`~ddiloco.runtime.learner_link.LearnerLink` (background threads that compress,
+:class:`~ddiloco.runtime.learner.link.LearnerLink` (background threads that compress,
 upload, heartbeat, rejoin and receive). ``step`` never waits for the network: it takes the
 outer gradients that fell due (a memory copy), hands them to the sender thread, and applies
 the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
 waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU
 it does not wait for the device either: Δ leaves and updates arrive through pinned memory
-on asynchronous copies (:mod:`ddiloco.runtime.staging`).
+on asynchronous copies (:mod:`ddiloco.runtime.learner.staging`).
 
 Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runtime is
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
@@ -49,8 +49,8 @@ from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
-from ddiloco.runtime.learner_link import Inbox, LearnerLink, next_delay
-from ddiloco.runtime.staging import HostStaging
+from ddiloco.runtime.learner.link import Inbox, LearnerLink, next_delay
+from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
 

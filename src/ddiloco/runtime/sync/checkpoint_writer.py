@@ -1,7 +1,7 @@
 """Writing the synchronizer's checkpoints in the background, and restoring from the latest.
 
 The core decides when a checkpoint is due; this writes it (atomically, in the state
-directory: :mod:`ddiloco.runtime.state_dir`) off the event loop, one write at a time. A write
+directory: :mod:`ddiloco.runtime.sync.state_dir`) off the event loop, one write at a time. A write
 that fails — a full disk, a directory that went away — never stops the service: it is
 logged, counted and shown in status with its error, beside the age of the last good
 checkpoint, which is what a restart would resume from.
@@ -15,8 +15,8 @@ import time
 from typing import Any, Callable
 
 from ddiloco.runtime.checkpoint import CheckpointError
-from ddiloco.runtime.metrics import ServiceMetrics
-from ddiloco.runtime.state_dir import StateDir
+from ddiloco.runtime.sync.metrics import ServiceMetrics
+from ddiloco.runtime.sync.state_dir import StateDir
 
 log = logging.getLogger("ddiloco.sync")
 

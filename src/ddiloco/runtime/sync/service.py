@@ -1,18 +1,18 @@
 """The synchronizer as a gRPC service: the handlers, and what the service itself counts.
 
 The protocol is the core's (:class:`~ddiloco.core.synchronizer.Synchronizer`, run by
-:class:`~ddiloco.runtime.core_host.SyncHost` on its own thread, the only one that touches
+:class:`~ddiloco.runtime.sync.core_host.SyncHost` on its own thread, the only one that touches
 it); this module only moves bytes in and out of it:
 
-- it checks what the core cannot see (:mod:`ddiloco.runtime.boundary`): who is calling and
+- it checks what the core cannot see (:mod:`ddiloco.runtime.sync.boundary`): who is calling and
   that a learner speaks only for itself, the protocol version, protobuf syntax, chunk
   assembly and the size of an upload; everything else is the core's decision, answered with
   the reason the core gave;
-- it bounds what callers may hold (:mod:`ddiloco.runtime.call_limits`): calls per peer and
+- it bounds what callers may hold (:mod:`ddiloco.runtime.sync.call_limits`): calls per peer and
   in all, uploads and state transfers at once, a deadline on every stream;
 - it converts messages with :mod:`ddiloco.runtime.wire`, serves update streams
-  (:mod:`ddiloco.runtime.streams`), writes the checkpoints the core asks for
-  (:mod:`ddiloco.runtime.checkpoint_writer`) and counts bytes, goodput and Prometheus metrics.
+  (:mod:`ddiloco.runtime.sync.streams`), writes the checkpoints the core asks for
+  (:mod:`ddiloco.runtime.sync.checkpoint_writer`) and counts bytes, goodput and Prometheus metrics.
 
 Requests are parsed by the service itself (the handlers receive raw bytes), so that a
 malformed message is counted and answered with a named reason instead of a generic error.
@@ -52,17 +52,17 @@ from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import REASON_HEADER, Authenticator
-from ddiloco.runtime.boundary import Abort, Boundary
-from ddiloco.runtime.call_limits import CallLimits, timed_out
-from ddiloco.runtime.checkpoint_writer import CheckpointWriter
-from ddiloco.runtime.core_host import SyncHost
+from ddiloco.runtime.sync.boundary import Abort, Boundary
+from ddiloco.runtime.sync.call_limits import CallLimits, timed_out
+from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
+from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.measures import ByteLedger, fragment_shares
-from ddiloco.runtime.metrics import GoodputMeter, ServiceMetrics
+from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.state_dir import StateDir
-from ddiloco.runtime.status_reply import status_reply
-from ddiloco.runtime.streams import CLOSE, UpdateStreams
+from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.runtime.sync.status_reply import status_reply
+from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
 

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 import grpc
 
 from ddiloco.core.messages import RejectReason
-from ddiloco.runtime.boundary import Abort
+from ddiloco.runtime.sync.boundary import Abort
 
 LEASES_ALLOWED = 3.0
 """What every stream is allowed on top of its bytes at the slowest configured rate, in leases."""

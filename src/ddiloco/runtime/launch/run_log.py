@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddiloco.runtime.placement import Placement
+from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.progress import read_progress
 
 RECORD_EVERY_S = 1.0

@@ -1,4 +1,4 @@
-"""Serving a :class:`~ddiloco.runtime.service.SyncService` over gRPC: bind, run, shut down."""
+"""Serving a :class:`~ddiloco.runtime.sync.service.SyncService` over gRPC: bind, run, shut down."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import grpc
 from ddiloco.core.kernels import compile_kernels
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import Address
-from ddiloco.runtime.service import SyncService
+from ddiloco.runtime.sync.service import SyncService
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger("ddiloco.sync")

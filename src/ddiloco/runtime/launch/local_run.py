@@ -1,0 +1,150 @@
+"""The pieces of a run on one machine, shared by :func:`~ddiloco.runtime.launch.launcher.run_processes`,
+real data parallel (:mod:`~ddiloco.runtime.launch.data_parallel`) and ``ddiloco chaos``: the run's
+files, the command lines of its processes, their threads and ports, and the evaluator of the
+global model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddiloco.config import Config
+from ddiloco.core.fragments import unflatten_into
+from ddiloco.errors import DdilocoError
+from ddiloco.reporting import write_config
+from ddiloco.runtime.launch.netns import SYNC_HOST
+from ddiloco.runtime.launch.placement import sync_names
+from ddiloco.runtime.launch.processes import Processes, StopSignals
+from ddiloco.runtime.layout import reference_layout
+from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.workload.workload import Workload
+
+POLL_S = 0.25
+START_TIMEOUT_S = 120.0
+LEAVE_TIMEOUT_S = 30.0
+"""How long learners told to stop (or told the run is over) may take to flush and leave."""
+NETNS_HTTP_PORT = 8080
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where one local run keeps its configuration, logs, port files and checkpoints."""
+
+    out: Path
+    logs: Path
+    config_file: Path
+    port_files: list[Path]
+    state_dirs: list[Path]
+
+    @property
+    def sync_names(self) -> list[str]:
+        """``sync``, or ``sync-<i>`` per shard: the children's and the logs' names."""
+        return sync_names(len(self.port_files))
+
+
+def prepare_files(config: Config, out: Path) -> RunFiles:
+    """Create ``out`` and ``out/logs``, write the configuration; forget the logs, ports and checkpoints of a
+    previous run."""
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()
+    config_file = out / "runtime-config.toml"
+    write_config(config_file, config)
+    names = sync_names(config.protocol.shards)
+    files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
+                     [out / name.replace(SYNC_HOST, "sync-state", 1) for name in names])
+    for port_file, state_dir in zip(files.port_files, files.state_dirs):
+        port_file.unlink(missing_ok=True)
+        (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
+    return files
+
+
+def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: int = 0,
+                 http_port: int | None = None, resume: bool = False, token_file: Path | None = None) -> list[str]:
+    """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
+    shards = len(files.port_files)
+    return ["sync", "--config", str(files.config_file), "--listen", f"{host}:{port}",
+            *([] if shards == 1 else ["--shard", f"{shard}/{shards}"]),
+            "--port-file", str(files.port_files[shard]), "--state-dir", str(files.state_dirs[shard]),
+            *([] if http_port is None else ["--http-port", str(http_port)]),
+            *(["--resume"] if resume else []), *(["--token-file", str(token_file)] if token_file else [])]
+
+
+def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
+                    min_step_s: float = 0.0, *, token_file: Path | None = None,
+                    progress_file: Path | None = None) -> list[str]:
+    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
+
+    ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
+    for restarts when chaos runs many processes on a small machine.
+    """
+    return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
+            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else []),
+            *(["--token-file", str(token_file)] if token_file else []),
+            *(["--progress-file", str(progress_file)] if progress_file else [])]
+
+
+def learner_names(learners: int) -> list[str]:
+    return [f"learner-{i}" for i in range(learners)]
+
+
+def learner_threads(learners: int) -> int:
+    """Torch threads per learner: the cores shared by the learners and the synchronizer."""
+    return max(1, (os.cpu_count() or 1) // (learners + 1))
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (for the status page, whose port must survive restarts;
+    in a network namespace every port is free: :data:`NETNS_HTTP_PORT`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def announce(text: str) -> None:
+    """One line for the user on stderr (above a progress bar, which redirects it)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class GlobalEvaluator:
+    """Evaluates the synchronizer's current global model on the workload's held-out data."""
+
+    def __init__(self, config: Config, client: ShardedClient) -> None:
+        self.workload = Workload.build(config)
+        self.model = self.workload.new_model()
+        self.plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
+        self.client = client
+
+    def evaluate(self) -> tuple[float, list[int]]:
+        """(eval loss, fragment versions) of the global model as the synchronizer holds it now."""
+        state = self.client.fetch_state()
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f in self.plan.fragments:
+                unflatten_into(state.fragments[f.index].values, [params[n] for n in f.param_names])
+        return self.workload.evaluate(self.model), [f.version for f in state.fragments]
+
+
+def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignals | None = None) -> int:
+    """The port the synchronizer ``name`` bound, once it has written ``port_file``; fails if it exits first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if stop is not None and stop.requested is not None:
+            raise KeyboardInterrupt  # nothing to stop cleanly yet
+        if port_file.exists():
+            text = port_file.read_text().strip()
+            if text:
+                return int(text)
+        if procs.children[name].poll() is not None:
+            raise DdilocoError(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
+        time.sleep(0.05)
+    raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))
