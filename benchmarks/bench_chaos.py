@@ -55,14 +55,14 @@ def kills_schedule(n: int, learners: int) -> tuple[str, float]:
     schedule made, not the protocol.
     """
     gap_s = 9.0
-    text = "\n".join(entry(FIRST_S + k * gap_s, "kill", f"learner-{k % learners}", 1.0) for k in range(n))
+    text = "\n".join(entry(FIRST_S + k * gap_s, "learner_crash", f"learner-{k % learners}", 1.0) for k in range(n))
     return text, FIRST_S + n * gap_s
 
 
 def sync_kills_schedule(n: int) -> tuple[str, float]:
     """n synchronizer kills 15 s apart on the schedule's clock (which stops while it is down), 1 s down each."""
     gap_s = 15.0
-    text = "\n".join(entry(FIRST_S + k * gap_s, "sync_kill", "sync", 1.0) for k in range(n))
+    text = "\n".join(entry(FIRST_S + k * gap_s, "sync_crash", "sync", 1.0) for k in range(n))
     return text, FIRST_S + n * gap_s
 
 
@@ -120,7 +120,7 @@ def kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
     schedule, window = kills_schedule(n, learners)
     report, wall, code = run_chaos("kills", schedule, window, learners, work, baseline, seed)
     skipped = sum(1 for e in report["schedule"] if "skipped" in e)
-    figures = {"kills": report["faults"]["kill"], "skipped": skipped, "wall_s": round(wall, 1), "exit_code": code,
+    figures = {"kills": report["faults"]["learner_crash"], "skipped": skipped, "wall_s": round(wall, 1), "exit_code": code,
                **common_figures(report)}
     figures["rejoins_per_kill"] = round(report["rejoins"] / max(1, figures["kills"]), 3)
     print(f"[kills] {figures['kills']} kills ({skipped} skipped), {report['rejoins']} rejoins "
@@ -140,7 +140,7 @@ def sync_kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
     downs = [r["answering_at_s"] - r["killed_at_s"] for r in resumed]
     firsts = [r["first_merge_after_s"] for r in restarts if r["first_merge_after_s"] is not None]
     figures = {
-        "sync_kills": report["faults"]["sync_kill"], "resumed": len(resumed),
+        "sync_kills": report["faults"]["sync_crash"], "resumed": len(resumed),
         "restarts_with_a_merge_after": len(firsts),
         "rounds_lost_per_crash_max": max(lost, default=0), "rounds_lost_per_crash_mean": _mean(lost),
         "checkpoint_every_rounds": 20,

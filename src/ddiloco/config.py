@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from ddiloco.core.config import Mode, ProtocolConfig, one_of
 from ddiloco.core.run import RunLimits
 from ddiloco.errors import ConfigError
+from ddiloco.fault_kinds import SIMULATED, FaultKind
 from ddiloco.workload.model import ModelConfig
 from ddiloco.workload.trainer import LrSchedule, Precision
 
@@ -124,8 +125,9 @@ class ClusterConfig:
             raise ConfigError(f"cluster.slow_fraction must be in [0, 1], got {self.slow_fraction}")
 
 
-FAULT_RATES = ("loss", "duplicate", "reorder", "partition", "freeze", "sync_crash")
-"""Fault options that are probabilities (in [0, 1])."""
+FAULT_RATES = tuple(str(k) for k in SIMULATED if k is not FaultKind.LEARNER_CRASH)
+"""Fault options that are probabilities (in [0, 1]), one per kind the virtual cluster injects
+(its learners' crashes come from ``faults.mtbf_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

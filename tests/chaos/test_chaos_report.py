@@ -8,8 +8,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins, write_events
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, SyncRestart
-from ddiloco.chaos.schedule import Fault, FaultKind
+from ddiloco.chaos.schedule import Fault
 from ddiloco.config import build_config
+from ddiloco.fault_kinds import FaultKind
 
 
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),
@@ -32,7 +33,7 @@ def outcome(tmp_path: Path, samples: list[Sample], records: list[FaultRecord],
 
 def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(tmp_path) -> None:
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
-    kill = FaultRecord(Fault(at_s=2, kind=FaultKind.SYNC_KILL, target="sync", duration_s=1), started_s=2.0,
+    kill = FaultRecord(Fault(at_s=2, kind=FaultKind.SYNC_CRASH, target="sync", duration_s=1), started_s=2.0,
                        ended_s=3.0)
     restart = SyncRestart(target="sync", killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200,
                           answering_at_s=6.0, versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
@@ -40,7 +41,7 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
                sample(6, "b", (3, 4), pause=0.0, rejected={"stale": 1, "unknown_learner": 2}),
                sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4})]
     report = build_report(outcome(tmp_path, samples, [kill], [restart]), config, window_s=10, seed=3, baseline=None)
-    assert report["faults"]["sync_kill"] == 1 and sum(report["faults"].values()) == 1
+    assert report["faults"]["sync_crash"] == 1 and sum(report["faults"].values()) == 1
     assert report["longest_pause_s"] == 1.5  # the restart's own pause is the longest
     assert report["pause_bound_s"] == 3.2 and report["sync_downtime_s"] == 4.0
     assert report["sync_restarts"][0]["rounds_lost"] == 3
@@ -58,7 +59,7 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
 
 def test_each_broken_property_is_named(tmp_path) -> None:
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
-    left = FaultRecord(Fault(at_s=1, kind=FaultKind.KILL, target="learner-1", duration_s=0, restart=False),
+    left = FaultRecord(Fault(at_s=1, kind=FaultKind.LEARNER_CRASH, target="learner-1", duration_s=0, restart=False),
                        started_s=1.0)
     samples = [sample(0, "a", (0, 0)), sample(9, "a", (1, 1), alive=(False, False), pause=7.5)]
     report = build_report(outcome(tmp_path, samples, [left], []), config, window_s=10, seed=0, baseline=None)

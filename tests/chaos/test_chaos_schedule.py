@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.chaos.schedule import Fault, FaultKind, check_targets, load_schedule, seeded_schedule
+from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
+from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.errors import ConfigError
 
 
@@ -28,18 +29,18 @@ delay_s = 0.2
 
 [[fault]]
 time = 3.5
-fault = "sync_kill"
+fault = "sync_crash"
 duration = 2
 
 [[fault]]
 time = 10
-fault = "kill"
+fault = "learner_crash"
 target = "learner-1"
 duration = 4
 restart = false
 """)
     faults = load_schedule(path)
-    assert [f.kind for f in faults] == [FaultKind.SYNC_KILL, FaultKind.KILL, FaultKind.LATENCY]
+    assert [f.kind for f in faults] == [FaultKind.SYNC_CRASH, FaultKind.LEARNER_CRASH, FaultKind.LATENCY]
     assert faults[0].target == "sync" and faults[0].end_s == 5.5
     assert not faults[1].restart and faults[2].delay_s == 0.2
     check_targets(faults, learners=2, window_s=30)
@@ -50,18 +51,18 @@ restart = false
 
 @pytest.mark.parametrize("body, message", [
     ('time = 1\nfault = "explode"\ntarget = "learner-0"', "unknown fault kind 'explode'"),
-    ('time = -1\nfault = "kill"\ntarget = "learner-0"', "time must be a finite number >= 0"),
+    ('time = -1\nfault = "learner_crash"\ntarget = "learner-0"', "time must be a finite number >= 0"),
     ('time = 1\nfault = "bandwidth"\ntarget = "learner-0"\nduration = 3\nrate_bytes_per_s = -5', "rate_bytes_per_s"),
     ('time = 1\nfault = "bandwidth"\ntarget = "learner-0"\nduration = 3', "rate_bytes_per_s must be > 0"),
     ('time = 1\nfault = "latency"\ntarget = "learner-0"\nduration = 3', "delay_s must be > 0"),
     ('time = 1\nfault = "freeze"\ntarget = "learner-0"', "duration must be > 0"),
-    ('time = 1\nfault = "kill"\ntarget = "learner-0"\nspeed = 3', "unknown key 'speed'"),
-    ('fault = "kill"\ntarget = "learner-0"', "missing key 'time'"),
-    ('time = "soon"\nfault = "kill"\ntarget = "learner-0"', "time must be a number"),
-    ('time = 1\nfault = "kill"', "target must be a learner id"),
-    ('time = 1\nfault = "kill"\ntarget = "sync"', "only sync_kill targets the synchronizer"),
-    ('time = 1\nfault = "sync_kill"\ntarget = "learner-0"', "target must be 'sync'"),
-    ('time = 1\nfault = "freeze"\ntarget = "learner-0"\nduration = 2\nrestart = false', "applies to kill only"),
+    ('time = 1\nfault = "learner_crash"\ntarget = "learner-0"\nspeed = 3', "unknown key 'speed'"),
+    ('fault = "learner_crash"\ntarget = "learner-0"', "missing key 'time'"),
+    ('time = "soon"\nfault = "learner_crash"\ntarget = "learner-0"', "time must be a number"),
+    ('time = 1\nfault = "learner_crash"', "target must be a learner id"),
+    ('time = 1\nfault = "learner_crash"\ntarget = "sync"', "only sync_crash targets the synchronizer"),
+    ('time = 1\nfault = "sync_crash"\ntarget = "learner-0"', "target must be 'sync'"),
+    ('time = 1\nfault = "freeze"\ntarget = "learner-0"\nduration = 2\nrestart = false', "applies to learner_crash only"),
 ])
 def test_a_bad_entry_is_one_error_naming_the_file_and_entry(tmp_path, body, message) -> None:
     path = write(tmp_path, f'[[fault]]\ntime = 0\nfault = "reset"\ntarget = "learner-0"\n\n[[fault]]\n{body}\n')
@@ -86,7 +87,7 @@ def test_a_missing_file_is_one_error(tmp_path) -> None:
 
 
 def test_targets_must_exist_and_faults_end_inside_the_window() -> None:
-    kill = Fault(at_s=1, kind=FaultKind.KILL, target="learner-3", duration_s=2)
+    kill = Fault(at_s=1, kind=FaultKind.LEARNER_CRASH, target="learner-3", duration_s=2)
     with pytest.raises(ConfigError, match="targets 'learner-3', which does not exist.*learner-0 .. learner-2"):
         check_targets([kill], learners=3, window_s=60)
     late = Fault(at_s=55, kind=FaultKind.FREEZE, target="learner-0", duration_s=10)
@@ -97,7 +98,7 @@ def test_targets_must_exist_and_faults_end_inside_the_window() -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_the_seeded_schedule_injects_every_kind_in_180s_one_fault_at_a_time(seed) -> None:
     faults = seeded_schedule(window_s=180, learners=3, lease_s=10, fragment_bytes=5_000, seed=seed)
-    assert {f.kind for f in faults} == set(FaultKind)
+    assert {f.kind for f in faults} == set(REAL)
     check_targets(faults, learners=3, window_s=180)
     for before, after in zip(faults, faults[1:]):
         assert after.at_s > before.end_s  # never two at once: a learner is always healthy
@@ -112,14 +113,14 @@ def test_seeds_draw_different_schedules() -> None:
 
 
 def test_a_sharded_run_names_the_shard_it_kills() -> None:
-    kill = Fault(at_s=1, kind=FaultKind.SYNC_KILL, target="sync-1", duration_s=1)
+    kill = Fault(at_s=1, kind=FaultKind.SYNC_CRASH, target="sync-1", duration_s=1)
     check_targets([kill], learners=2, window_s=60, shards=2)
     with pytest.raises(ConfigError, match="targets 'sync', which does not exist.*sync-0 .. sync-1"):
-        check_targets([Fault(at_s=1, kind=FaultKind.SYNC_KILL, target="sync", duration_s=1)], 2, 60, shards=2)
+        check_targets([Fault(at_s=1, kind=FaultKind.SYNC_CRASH, target="sync", duration_s=1)], 2, 60, shards=2)
     with pytest.raises(ConfigError, match="targets 'sync-1', which does not exist.*synchronizer is sync\\)"):
         check_targets([kill], learners=2, window_s=60)
-    with pytest.raises(ConfigError, match="only sync_kill targets the synchronizer"):
+    with pytest.raises(ConfigError, match="only sync_crash targets the synchronizer"):
         Fault(at_s=1, kind=FaultKind.FREEZE, target="sync-0", duration_s=1)
     faults = seeded_schedule(window_s=600, learners=3, lease_s=10, fragment_bytes=5_000, seed=1, shards=2)
     check_targets(faults, learners=3, window_s=600, shards=2)
-    assert {f.target for f in faults if f.kind is FaultKind.SYNC_KILL} == {"sync-0", "sync-1"}
+    assert {f.target for f in faults if f.kind is FaultKind.SYNC_CRASH} == {"sync-0", "sync-1"}

@@ -37,15 +37,15 @@ def test_an_unknown_fault_kind_is_one_line_and_exit_2_with_nothing_started(tmp_p
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert err.strip().splitlines() == [f"ddiloco: error: schedule file {path}, fault 1: unknown fault kind "
-                                        "'meteor' (kinds: kill, freeze, sync_kill, latency, bandwidth, reset, "
+                                        "'meteor' (kinds: learner_crash, freeze, sync_crash, latency, bandwidth, reset, "
                                         "partition)"]
     assert not session_pids(proc.pid) and not (tmp_path / "out" / "logs").exists()
 
 
 @pytest.mark.parametrize("text, args, message", [
-    ('[[fault]]\ntime = 1\nfault = "kill"\ntarget = "learner-7"\nduration = 1\n', (),
+    ('[[fault]]\ntime = 1\nfault = "learner_crash"\ntarget = "learner-7"\nduration = 1\n', (),
      "targets 'learner-7', which does not exist"),
-    ('[[fault]]\ntime = -3\nfault = "kill"\ntarget = "learner-0"\n', (), "time must be a finite number >= 0"),
+    ('[[fault]]\ntime = -3\nfault = "learner_crash"\ntarget = "learner-0"\n', (), "time must be a finite number >= 0"),
     ('[[fault]]\ntime = 1\nfault = "bandwidth"\ntarget = "learner-0"\nduration = 2\nrate_bytes_per_s = -1\n', (),
      "rate_bytes_per_s must be a finite number >= 0"),
     ("[[fault]\n", (), "is not valid TOML"),
@@ -69,7 +69,7 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, text, args, me
 E2E_SCHEDULE = """
 [[fault]]
 time = 3
-fault = "kill"
+fault = "learner_crash"
 target = "learner-1"
 duration = 2
 
@@ -82,7 +82,7 @@ delay_s = 0.1
 
 [[fault]]
 time = 7
-fault = "sync_kill"
+fault = "sync_crash"
 duration = 0.5
 
 [[fault]]
@@ -120,7 +120,7 @@ def test_a_short_run_with_every_fault_kind_keeps_its_promises(tmp_path) -> None:
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout + stderr
     report = json.loads((out / "chaos.json").read_text())
-    assert report["faults"] == {k: 1 for k in ("kill", "freeze", "sync_kill", "latency", "bandwidth", "reset",
+    assert report["faults"] == {k: 1 for k in ("learner_crash", "freeze", "sync_crash", "latency", "bandwidth", "reset",
                                                "partition")}
     assert report["completed"] and report["violations"] == []
     assert report["learners"] == report["learners_alive_at_end"] == 3
@@ -174,7 +174,7 @@ rate_bytes_per_s = 4000
 
 [[fault]]
 time = 8
-fault = "sync_kill"
+fault = "sync_crash"
 target = "sync-1"
 duration = 0.5
 
@@ -205,7 +205,7 @@ def test_a_sharded_run_in_namespaces_survives_a_shard_kill_and_faults_on_real_li
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout + stderr
     report = json.loads((out / "chaos.json").read_text())
-    assert report["faults"] == {"kill": 0, "freeze": 0, "sync_kill": 1, "latency": 1, "bandwidth": 1, "reset": 1,
+    assert report["faults"] == {"learner_crash": 0, "freeze": 0, "sync_crash": 1, "latency": 1, "bandwidth": 1, "reset": 1,
                                 "partition": 1}
     assert report["completed"] and report["violations"] == [] and report["learners_alive_at_end"] == 2
     restart = report["sync_restarts"][0]

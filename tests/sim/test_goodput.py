@@ -16,13 +16,13 @@ from ddiloco.sim.goodput import (
     PUBLISHED_GOODPUT_1_2M,
     ClusterModel,
     expected_max_normal,
-    fit_recovery_constants,
     parse_config,
     predict_small_cluster,
     simulate_cell,
     simulate_table,
     smallest_learners,
 )
+from ddiloco.sim.goodput_fit import fit_recovery_constants
 
 MODEL = ClusterModel()
 SHORT_S = 6 * 3600.0

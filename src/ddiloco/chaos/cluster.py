@@ -2,8 +2,8 @@
 
 Processes are the launcher's (:mod:`ddiloco.runtime.launch.launcher`): one ``ddiloco sync`` per
 shard and M ``ddiloco learner`` processes, the learners reaching every shard through a
-fault-injecting proxy of their own (:mod:`ddiloco.chaos.proxy`). Signals (kill, freeze,
-sync_kill) go to processes. Link faults go to the learner's proxies on loopback; with
+fault-injecting proxy of their own (:mod:`ddiloco.chaos.proxy`). Signals (learner_crash,
+freeze, sync_crash) go to processes. Link faults go to the learner's proxies on loopback; with
 ``--hosts netns`` (:mod:`ddiloco.runtime.launch.netns`) a partition takes the learner's real link
 down and a bandwidth fault replaces its ``tc`` qdisc, while the proxies (listening on the
 launcher's bridge address, on the path of every learner's link) keep latency and resets.
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddiloco.chaos.proxy import ProxyHost
-from ddiloco.chaos.schedule import Fault, FaultKind
+from ddiloco.chaos.schedule import Fault
+from ddiloco.fault_kinds import FaultKind
 from ddiloco.runtime.launch.local_run import RunFiles, learner_command, sync_command
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement

@@ -11,8 +11,9 @@ from typing import Any
 from rich.table import Table
 
 from ddiloco.chaos.outcome import ChaosOutcome, Sample
-from ddiloco.chaos.schedule import FaultKind, is_sync_target, learner_name
+from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
+from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
 JOINED = re.compile(r"learner (\S+) joined \(")
@@ -20,11 +21,8 @@ JOINED = re.compile(r"learner (\S+) joined \(")
 
 MAX_LABELS = 20
 """Faults named above the plot; beyond this many only their colours mark them."""
-KIND_COLORS = {
-    FaultKind.KILL: "#d62728", FaultKind.FREEZE: "#1f77b4", FaultKind.SYNC_KILL: "#000000",
-    FaultKind.LATENCY: "#ff7f0e", FaultKind.BANDWIDTH: "#9467bd", FaultKind.RESET: "#8c564b",
-    FaultKind.PARTITION: "#e377c2",
-}
+KIND_COLORS = {kind: f"C{i % 10}" for i, kind in enumerate(FaultKind)}
+"""A colour per fault kind, fixed by its place among all kinds (matplotlib's default cycle)."""
 
 
 def by_incarnation(samples: list[Sample]) -> list[list[Sample]]:
@@ -68,7 +66,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
                                    if r.started_s is not None and not r.skipped)
     running = [s for s in outcome.samples if s.phase == "running"]
     left_down = {r.fault.target for r in outcome.records
-                 if r.fault.kind is FaultKind.KILL and not r.fault.restart and r.started_s is not None}
+                 if r.fault.kind is FaultKind.LEARNER_CRASH and not r.fault.restart and r.started_s is not None}
     alive_at_end = sum(1 for i in range(config.run.learners)
                        if running and running[-1].alive.get(learner_name(i), False))
     longest = max([max(s.longest_pause_s for s in g) for g in by_incarnation(outcome.samples)]
@@ -76,7 +74,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
     grace_s = max((s.grace_window_s for s in running), default=0.0)
     status = outcome.final_status
     report: dict[str, Any] = {
-        "faults": {str(k): injected.get(str(k), 0) for k in FaultKind},
+        "faults": {str(k): injected.get(str(k), 0) for k in REAL},
         "longest_pause_s": round(longest, 3),
         "pause_bound_s": round(grace_s + config.protocol.lease_s, 3),
         "grace_window_s": round(grace_s, 3),
@@ -204,7 +202,7 @@ def plot_timeline(path: Path, outcome: ChaosOutcome, learners: int, *, title: st
                  transform=top.get_xaxis_transform(), fontsize=7, color=color, ha="left", va="bottom")
     top.set_ylabel("fragment version")
     handles, _ = top.get_legend_handles_labels()
-    handles += [Patch(color=KIND_COLORS[k], label=str(k)) for k in FaultKind if k in used]
+    handles += [Patch(color=KIND_COLORS[k], label=str(k)) for k in REAL if k in used]
     handles.append(Patch(color="0.85", label="synchronizer down"))
     top.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     top.set_title(title, pad=40, fontsize=10)

@@ -23,16 +23,17 @@ from typing import Any, Callable
 from ddiloco.chaos.cluster import ChaosCluster
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
 from ddiloco.chaos.proxy import ProxyHost
-from ddiloco.chaos.schedule import Fault, FaultKind, learner_name
+from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.config import Config
+from ddiloco.fault_kinds import FaultKind
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
                                               learner_threads, prepare_files, wait_for_port)
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import placed
 from ddiloco.runtime.launch.processes import Processes, StopSignals
-from ddiloco.runtime.sharded import ShardedClient, merge_statuses
 from ddiloco.runtime.launch.topology import Topology
+from ddiloco.runtime.sharded import ShardedClient, merge_statuses
 
 POLL_S = 0.25
 START_TIMEOUT_S = 180.0
@@ -284,7 +285,7 @@ class ChaosRun:
                         + (" after its restart" if restarted else "") + ":\n" + procs.tail(name))
         learners = [learner_name(i) for i in range(self.m)]
         left_down = {r.fault.target for r in self.records if not r.fault.restart and r.started_s is not None}
-        restarting = any(r.fault.kind is FaultKind.KILL and r.fault.restart and r.started_s is not None
+        restarting = any(r.fault.kind is FaultKind.LEARNER_CRASH and r.fault.restart and r.started_s is not None
                          and r.ended_s is None for r in self.records)
         if not restarting and not any(procs.running(n) for n in learners):
             crashed = next((n for n in learners if n not in left_down and procs.children[n].returncode), None)
@@ -322,7 +323,7 @@ class ChaosRun:
         timed: list[tuple[float, int, Action]] = []
         for record in self.records:
             timed.append((record.fault.at_s, 1, lambda cluster, r=record: self._start(r, cluster)))
-            if record.fault.restart and record.fault.kind is not FaultKind.SYNC_KILL:  # restarted on wall time
+            if record.fault.restart and record.fault.kind is not FaultKind.SYNC_CRASH:  # restarted on wall time
                 timed.append((record.fault.end_s, 0, lambda cluster, r=record: self._end(r, cluster)))
         timed.sort(key=lambda a: (a[0], a[1]))
         return [(t, act) for t, _, act in timed]
@@ -331,7 +332,7 @@ class ChaosRun:
         f, procs = record.fault, cluster.procs
         record.started_s = self.now_s()
         self.on_event(f"t={record.started_s:6.1f}s  {f.describe()}")
-        if f.kind is FaultKind.SYNC_KILL:
+        if f.kind is FaultKind.SYNC_CRASH:
             shard = self._shards[f.target]
             if shard.killed is not None or not procs.running(f.target):
                 record.skipped = f"the synchronizer {f.target} was already down"
@@ -343,8 +344,8 @@ class ChaosRun:
             shard.awaiting = None
             shard.restart_at = (self.now_s() + f.duration_s, record)
             procs.signal(f.target, signal.SIGKILL)
-        elif f.kind in (FaultKind.KILL, FaultKind.FREEZE):
-            if not procs.signal(f.target, signal.SIGKILL if f.kind is FaultKind.KILL else signal.SIGSTOP):
+        elif f.kind in (FaultKind.LEARNER_CRASH, FaultKind.FREEZE):
+            if not procs.signal(f.target, signal.SIGKILL if f.kind is FaultKind.LEARNER_CRASH else signal.SIGSTOP):
                 record.skipped = f"{f.target} was not running"
         else:
             cluster.break_link(f)
@@ -356,11 +357,11 @@ class ChaosRun:
             self.on_event(f"t={record.ended_s:6.1f}s  skipped {f.kind} {f.target}: {record.skipped}")
             return
         self.on_event(f"t={record.ended_s:6.1f}s  end of {f.kind} {f.target}"
-                      + {FaultKind.SYNC_KILL: ": restarting it with --resume", FaultKind.KILL: ": restarting it",
-                         FaultKind.FREEZE: ": SIGCONT"}.get(f.kind, ""))
-        if f.kind is FaultKind.SYNC_KILL:
+                      + {FaultKind.SYNC_CRASH: ": restarting it with --resume",
+                         FaultKind.LEARNER_CRASH: ": restarting it", FaultKind.FREEZE: ": SIGCONT"}.get(f.kind, ""))
+        if f.kind is FaultKind.SYNC_CRASH:
             cluster.start_sync(cluster.syncs.index(f.target), resume=True)
-        elif f.kind is FaultKind.KILL:
+        elif f.kind is FaultKind.LEARNER_CRASH:
             cluster.start_learner(f.target)
         elif f.kind is FaultKind.FREEZE:
             cluster.procs.signal(f.target, signal.SIGCONT)

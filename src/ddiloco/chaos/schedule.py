@@ -9,17 +9,16 @@ A schedule file is TOML, one ``[[fault]]`` table per entry::
 
     [[fault]]
     time = 20.0           # seconds after the first join
-    fault = "kill"        # kill, freeze, sync_kill, latency, bandwidth, reset, partition
-    target = "learner-1"  # "sync" for sync_kill (the default there); "sync-I" for shard I of a sharded one
+    fault = "learner_crash"  # learner_crash, freeze, sync_crash, latency, bandwidth, reset, partition
+    target = "learner-1"     # "sync" for sync_crash (the default there); "sync-I" for shard I of a sharded one
     duration = 4.0        # seconds down, frozen, or with the link degraded
     # delay_s = 0.2             latency: added one-way delay per direction
     # rate_bytes_per_s = 20000  bandwidth: the cap, per direction
-    # restart = false           kill: leave the learner down for the rest of the run
+    # restart = false           learner_crash: leave the learner down for the rest of the run
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 import re
@@ -29,6 +28,7 @@ from typing import Any
 
 from ddiloco.config import read_toml
 from ddiloco.errors import ConfigError
+from ddiloco.fault_kinds import REAL, FaultKind, parse_kind
 from ddiloco.runtime.launch.placement import sync_names
 
 SYNC_TARGET = "sync"
@@ -40,34 +40,6 @@ def is_sync_target(target: str) -> bool:
     return target == SYNC_TARGET or _SHARD_TARGET.fullmatch(target) is not None
 
 
-class FaultKind(enum.StrEnum):
-    """Every fault ``ddiloco chaos`` can inject (the keys of ``faults`` in chaos.json)."""
-
-    KILL = "kill"
-    """kill -9 of a learner, restarted with the same --id after ``duration`` (it rejoins by itself)."""
-    FREEZE = "freeze"
-    """SIGSTOP of a learner for ``duration``, then SIGCONT (longer than the lease: it must rejoin)."""
-    SYNC_KILL = "sync_kill"
-    """kill -9 of the synchronizer (or of one shard of it), restarted with --resume on the same state
-    directory and port."""
-    LATENCY = "latency"
-    """``delay_s`` added to every byte of the learner's link, both ways."""
-    BANDWIDTH = "bandwidth"
-    """The learner's link capped at ``rate_bytes_per_s`` each way (the proxy's token bucket; with
-    ``--hosts netns`` the link's own ``tc`` qdisc)."""
-    RESET = "reset"
-    """The learner's connections reset (RST); new ones too, for ``duration``."""
-    PARTITION = "partition"
-    """Nothing passes either way on the learner's link for ``duration`` (the proxy holds the bytes;
-    with ``--hosts netns`` the link itself goes down)."""
-
-    @property
-    def on_link(self) -> bool:
-        """Injected on the learner's link rather than by a signal."""
-        return self in NETWORK_KINDS
-
-
-NETWORK_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.PARTITION})
 ENTRY_KEYS = ("time", "fault", "target", "duration", "delay_s", "rate_bytes_per_s", "restart")
 
 
@@ -84,27 +56,27 @@ class Fault:
     """When to inject it: seconds after the run's first join."""
     kind: FaultKind
     target: str
-    """``learner-N``, or ``sync`` (``sync-I`` for shard I) for ``sync_kill``."""
+    """``learner-N``, or ``sync`` (``sync-I`` for shard I) for ``sync_crash``."""
     duration_s: float
-    """Seconds down (kill, sync_kill), frozen (freeze), or with the link degraded (network kinds)."""
+    """Seconds down (learner_crash, sync_crash), frozen (freeze), or with the link degraded (network kinds)."""
     delay_s: float = 0.0
     """latency: one-way delay added per direction."""
     rate_bytes_per_s: float = 0.0
     """bandwidth: the cap per direction."""
     restart: bool = True
-    """kill: False leaves the learner down for the rest of the run (deliberately)."""
+    """learner_crash: False leaves the learner down for the rest of the run (deliberately)."""
 
     def __post_init__(self) -> None:
         for name, value in (("time", self.at_s), ("duration", self.duration_s), ("delay_s", self.delay_s),
                             ("rate_bytes_per_s", self.rate_bytes_per_s)):
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{self.kind} fault: {name} must be a finite number >= 0, got {value}")
-        if self.kind is FaultKind.SYNC_KILL and not is_sync_target(self.target):
-            raise ConfigError(f"sync_kill fault: target must be {SYNC_TARGET!r} (or 'sync-I', shard I), "
+        if self.kind is FaultKind.SYNC_CRASH and not is_sync_target(self.target):
+            raise ConfigError(f"sync_crash fault: target must be {SYNC_TARGET!r} (or 'sync-I', shard I), "
                               f"got {self.target!r}")
-        if self.kind is not FaultKind.SYNC_KILL and is_sync_target(self.target):
+        if self.kind is not FaultKind.SYNC_CRASH and is_sync_target(self.target):
             raise ConfigError(f"{self.kind} fault: target must be a learner, got {self.target!r} "
-                              "(only sync_kill targets the synchronizer)")
+                              "(only sync_crash targets the synchronizer)")
         if self.kind is FaultKind.LATENCY and self.delay_s <= 0:
             raise ConfigError(f"latency fault at {self.at_s:g}s: delay_s must be > 0")
         if self.kind is FaultKind.BANDWIDTH and self.rate_bytes_per_s <= 0:
@@ -112,8 +84,8 @@ class Fault:
         if self.kind in (FaultKind.FREEZE, FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.PARTITION) \
                 and self.duration_s <= 0:
             raise ConfigError(f"{self.kind} fault at {self.at_s:g}s: duration must be > 0")
-        if not self.restart and self.kind is not FaultKind.KILL:
-            raise ConfigError(f"{self.kind} fault at {self.at_s:g}s: restart = false applies to kill only")
+        if not self.restart and self.kind is not FaultKind.LEARNER_CRASH:
+            raise ConfigError(f"{self.kind} fault at {self.at_s:g}s: restart = false applies to learner_crash only")
 
     @property
     def end_s(self) -> float:
@@ -182,11 +154,8 @@ def _entry(entry: dict[str, Any]) -> Fault:
     for key in ("time", "fault"):
         if key not in entry:
             raise ConfigError(f"missing key {key!r}")
-    try:
-        kind = FaultKind(entry["fault"])
-    except ValueError:
-        raise ConfigError(f"unknown fault kind {entry['fault']!r} (kinds: {', '.join(FaultKind)})") from None
-    target = entry.get("target", SYNC_TARGET if kind is FaultKind.SYNC_KILL else None)
+    kind = parse_kind(str(entry["fault"]), REAL, "ddiloco chaos")
+    target = entry.get("target", SYNC_TARGET if kind is FaultKind.SYNC_CRASH else None)
     if not isinstance(target, str):
         raise ConfigError(f"{kind} fault: target must be a learner id such as \"learner-0\", got {target!r}")
     numbers = {}
@@ -219,32 +188,32 @@ def seeded_schedule(*, window_s: float, learners: int, lease_s: float, fragment_
     not an outage the schedule made unavoidable. Freezes outlast the lease (the learner must
     rejoin); partitions fall on both sides of it; bandwidth caps let a fragment's contribution
     (``fragment_bytes``) through in 0.5-2 s. A synchronizer sharded ``shards`` ways loses one
-    shard, drawn at random, per sync_kill.
+    shard, drawn at random, per sync_crash.
     """
     rng = random.Random(f"chaos-schedule-{seed}")
-    kinds = list(FaultKind)
+    kinds = list(REAL)
     rng.shuffle(kinds)
     faults: list[Fault] = []
     t = FIRST_FAULT_S
     while True:
-        kind = kinds.pop(0) if kinds else rng.choice(list(FaultKind))
+        kind = kinds.pop(0) if kinds else rng.choice(REAL)
         fault = _draw(rng, kind, t, learners, lease_s, fragment_bytes, sync_names(shards))
         if fault.end_s > window_s:
             return faults
         faults.append(fault)
-        t = fault.end_s + (SYNC_RECOVER_S if kind is FaultKind.SYNC_KILL else RECOVER_S) + rng.uniform(0, 2)
+        t = fault.end_s + (SYNC_RECOVER_S if kind is FaultKind.SYNC_CRASH else RECOVER_S) + rng.uniform(0, 2)
 
 
 def _draw(rng: random.Random, kind: FaultKind, at_s: float, learners: int, lease_s: float,
           fragment_bytes: int, syncs: list[str]) -> Fault:
-    if kind is FaultKind.SYNC_KILL:  # an unsharded run draws nothing here: its seeded schedules stay as they were
+    if kind is FaultKind.SYNC_CRASH:  # an unsharded run draws nothing here: its seeded schedules stay as they were
         target = syncs[0] if len(syncs) == 1 else rng.choice(syncs)
     else:
         target = learner_name(rng.randrange(learners))
     duration = {
-        FaultKind.KILL: rng.uniform(2.0, 6.0),
+        FaultKind.LEARNER_CRASH: rng.uniform(2.0, 6.0),
         FaultKind.FREEZE: rng.uniform(1.3, 1.8) * lease_s,
-        FaultKind.SYNC_KILL: rng.uniform(1.0, 3.0),
+        FaultKind.SYNC_CRASH: rng.uniform(1.0, 3.0),
         FaultKind.LATENCY: rng.uniform(8.0, 15.0),
         FaultKind.BANDWIDTH: rng.uniform(8.0, 15.0),
         FaultKind.RESET: rng.uniform(0.0, 3.0),

@@ -22,6 +22,7 @@ from rich.table import Table
 from ddiloco.config import check_seed
 from ddiloco.errors import ConfigError
 from ddiloco.sim import goodput as gp
+from ddiloco.sim.goodput_fit import FIT_NAMES, fit_recovery_constants
 
 DAY_S = 86_400.0
 
@@ -182,9 +183,9 @@ def _plan(models: Sequence[gp.ClusterModel], chips: Sequence[int], args: argpars
 
 
 def _calibrate(model: gp.ClusterModel, args: argparse.Namespace, horizon_s: float) -> int:
-    fitted = gp.fit_recovery_constants(model, seeds=args.seeds, horizon_s=horizon_s)
+    fitted = fit_recovery_constants(model, seeds=args.seeds, horizon_s=horizon_s)
     rows = gp.simulate_table(gp.DEFAULT_CONFIGS, [gp.CALIBRATION_CHIPS], fitted, seeds=args.seeds, horizon_s=horizon_s)
-    constants = {k: getattr(fitted, k) for k in gp.FIT_NAMES}
+    constants = {k: getattr(fitted, k) for k in FIT_NAMES}
     cells = [{"config": r.config, "goodput": r.goodput, "published": gp.PUBLISHED_GOODPUT_1_2M[r.config]} for r in rows]
     if args.json:
         print(json.dumps({"constants": constants, "cells": cells}, indent=1))

@@ -11,9 +11,9 @@ from rich.table import Table
 
 from ddiloco.commands.display import console, print_table
 from ddiloco.errors import ConfigError
+from ddiloco.fault_kinds import SIMULATED
 from ddiloco.sim.simtest import (
     DEFAULT_SEEDS,
-    FAULT_KINDS,
     SeedResult,
     SimtestReport,
     default_workers,
@@ -36,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--first-seed", type=int, default=0, metavar="S", help="first seed (default 0)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="W",
                         help="worker processes (default: one per core)")
-    parser.add_argument("--faults", default=",".join(FAULT_KINDS), metavar="KINDS",
-                        help=f"fault kinds the seeds may draw, comma-separated (default all: {','.join(FAULT_KINDS)})")
+    parser.add_argument("--faults", default=",".join(SIMULATED), metavar="KINDS",
+                        help=f"fault kinds the seeds may draw, comma-separated (default all: {','.join(SIMULATED)})")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="fix one setting for every seed instead of drawing it, e.g. --set faults.loss=0.1")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -93,7 +93,7 @@ def print_report(report: SimtestReport, summary: dict) -> None:
                         f"{summary['virtual_s']:,.0f} virtual s in {summary['wall_s']:.0f} s")
     for column in ("fault", "injected", "seeds with it"):
         table.add_column(column, justify="left" if column == "fault" else "right")
-    for kind in FAULT_KINDS:
+    for kind in SIMULATED:
         table.add_row(kind, f"{summary['faults'][kind]:,}", str(summary["seeds_with_fault"][kind]))
     print_table(table)
     for title, items in (("invariant violations", summary["violations"]),

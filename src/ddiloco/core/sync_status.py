@@ -8,7 +8,9 @@ read one while the core moves on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
 from ddiloco.core.rounds import RoundPhase
 from ddiloco.core.run import RunPhase
@@ -83,3 +85,32 @@ class CoreView:
     @property
     def stopping(self) -> bool:
         return self.phase in (RunPhase.STOPPING, RunPhase.FINISHED)
+
+
+@dataclass(slots=True)
+class SyncCounters:
+    """What the synchronizer counts about its own decisions, kept across restarts in its checkpoint."""
+
+    rejections: Counter[str] = field(default_factory=Counter)
+    rounds_closed: Counter[str] = field(default_factory=Counter)
+    longest_pause_s: float = 0.0
+    """The longest time between two merges while the run was running."""
+    weights_capped: int = 0
+    last_merge_s: float | None = None
+    """Not restored: a restarted synchronizer's first merge starts a new pause count."""
+
+    def merged(self, reason: str, now: float, running: bool) -> None:
+        """A round closed at ``now``."""
+        self.rounds_closed[reason] += 1
+        if self.last_merge_s is not None and running:
+            self.longest_pause_s = max(self.longest_pause_s, now - self.last_merge_s)
+        self.last_merge_s = now
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rejections": dict(self.rejections), "rounds_closed": dict(self.rounds_closed),
+                "longest_pause_s": self.longest_pause_s, "weights_capped": self.weights_capped}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "SyncCounters":
+        return cls(Counter(state["rejections"]), Counter(state["rounds_closed"]),
+                   float(state.get("longest_pause_s", 0.0)), int(state.get("weights_capped", 0)))

@@ -17,12 +17,12 @@ a refused one leaves every counter, lease and round as it was (only the refusal 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 
+from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.actions import (
     Accepted,
     Admitted,
@@ -38,8 +38,8 @@ from ddiloco.core.actions import (
     RoundClosed,
     StopLearners,
     SyncAction,
-    SyncEvent,
     StateDelivered,
+    SyncEvent,
     SyncTimeObserved,
     Tick,
 )
@@ -59,13 +59,12 @@ from ddiloco.core.messages import (
     Request,
     Session,
 )
+from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Forgotten, LearnerRecord, Registry
-from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
-from ddiloco.core.sync_status import CoreView, SyncStatus
+from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
 
 
 class Synchronizer:
@@ -110,11 +109,7 @@ class Synchronizer:
                                   forget_after_s=config.forget_after_s)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
-        self._rejections: Counter[str] = Counter()
-        self._rounds_closed: Counter[str] = Counter()
-        self._last_merge_s: float | None = None
-        self._longest_pause_s = 0.0
-        self._weights_capped = 0
+        self._counters = SyncCounters()
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -204,16 +199,16 @@ class Synchronizer:
             grace_window_s=self.grace_length_s(),
             grace_quorum_s=self._grace.quorum_s.get(),
             grace_sync_s=self._grace.sync_s.get(),
-            rounds_closed=dict(self._rounds_closed),
-            rejections=dict(self._rejections),
+            rounds_closed=dict(self._counters.rounds_closed),
+            rejections=dict(self._counters.rejections),
             tokens=run.tokens,
             token_budget=run.limits.tokens,
             pending_tokens=self.pending_tokens(),
-            longest_pause_s=self._longest_pause_s,
+            longest_pause_s=self._counters.longest_pause_s,
             started_at_s=run.started_at_s,
             learners_forgotten=self._registry.forgotten.learners,
             progress_clipped=run.progress.clipped,
-            weights_capped=self._weights_capped,
+            weights_capped=self._counters.weights_capped,
             link_starved_episodes=self._registry.starved_episodes,
         )
 
@@ -244,7 +239,7 @@ class Synchronizer:
         try:
             return handler(request, now)  # type: ignore[operator]
         except Rejected as err:
-            self._rejections[str(err.reason)] += 1
+            self._counters.rejections[str(err.reason)] += 1
             rec = self._registry.records.get(request.learner_id)
             if rec is not None:
                 rec.rejected += 1
@@ -394,7 +389,7 @@ class Synchronizer:
         entries = [rnd.pending[key] for key in sorted(rnd.pending, key=lambda k: (k[0], k[1].number))]
         first_fresh = rnd.first_fresh_arrival_s(frag.version)
         round_age_s = 0.0 if first_fresh is None else now - first_fresh
-        self._weights_capped += frag.accumulator.cap_weights(self.config.max_weight_ratio)
+        self._counters.weights_capped += frag.accumulator.cap_weights(self.config.max_weight_ratio)
         payload, coherence = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
         in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
@@ -419,11 +414,8 @@ class Synchronizer:
         if self.config.space_rounds and not self.config.strict_quorum:
             overlap = self.config.overlap
             frag.ready_at_s = now + max(0, self.config.period - overlap) * self._registry.fastest_step_s()
-        self._rounds_closed[str(reason)] += 1
+        self._counters.merged(str(reason), now, running=self._run.phase is RunPhase.RUNNING)
         self._run.rounds_since_checkpoint += 1
-        if self._last_merge_s is not None and self._run.phase is RunPhase.RUNNING:
-            self._longest_pause_s = max(self._longest_pause_s, now - self._last_merge_s)
-        self._last_merge_s = now
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
         return [record, Broadcast(update, tuple(self.alive()))]
 
@@ -435,12 +427,9 @@ class Synchronizer:
             "fragments": [f.state_dict() for f in self._fragments.values()],
             "owned": list(self._fragments),
             "learners": self._registry.state_dict(),
-            "rejections": dict(self._rejections),
-            "rounds_closed": dict(self._rounds_closed),
+            **self._counters.state_dict(),
             "run": self._run.state_dict(now),
-            "longest_pause_s": self._longest_pause_s,
             "forgotten": dataclasses.asdict(self._registry.forgotten),
-            "weights_capped": self._weights_capped,
             "starved_episodes": self._registry.starved_episodes,
         }
 
@@ -453,12 +442,8 @@ class Synchronizer:
         for f, saved in zip(self._fragments.values(), frags):
             f.load_state_dict(saved)
         self._registry.load_state_dict(state["learners"])
-        self._rejections = Counter(state["rejections"])
-        self._rounds_closed = Counter(state["rounds_closed"])
+        self._counters = SyncCounters.from_state(state)
         self._run.load_state_dict(state["run"])
-        self._longest_pause_s = float(state.get("longest_pause_s", 0.0))
         self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})
-        self._weights_capped = int(state.get("weights_capped", 0))
         self._registry.starved_episodes = int(state.get("starved_episodes", 0))
-        self._last_merge_s = None
 

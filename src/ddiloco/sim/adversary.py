@@ -11,23 +11,17 @@ attack window (``until_s``: the safety phase of ``ddiloco simtest``).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import numpy as np
 
 from ddiloco.config import FaultConfig
-
-
-class TimedFault(enum.StrEnum):
-    PARTITION = "partition"
-    FREEZE = "freeze"
-    SYNC_CRASH = "sync_crash"
-
+from ddiloco.fault_kinds import FaultKind
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    kind: TimedFault
+    kind: FaultKind
+    """PARTITION, FREEZE or SYNC_CRASH."""
     target: int
     """Learner index, or synchronizer shard index for a synchronizer crash."""
     start_s: float
@@ -39,15 +33,15 @@ def plan_windows(faults: FaultConfig, *, learners: int, until_s: float, seed: in
     windows: list[Window] = []
     streams = np.random.SeedSequence([seed, 0xADD5]).spawn(2 * learners + shards)
     for m in range(learners):
-        windows += _poisson(TimedFault.PARTITION, m, faults.partition, faults.partition_s, until_s, streams[2 * m])
-        windows += _poisson(TimedFault.FREEZE, m, faults.freeze, faults.freeze_s, until_s, streams[2 * m + 1])
+        windows += _poisson(FaultKind.PARTITION, m, faults.partition, faults.partition_s, until_s, streams[2 * m])
+        windows += _poisson(FaultKind.FREEZE, m, faults.freeze, faults.freeze_s, until_s, streams[2 * m + 1])
     for shard in range(shards):
-        windows += _poisson(TimedFault.SYNC_CRASH, shard, faults.sync_crash, faults.sync_downtime_s, until_s,
+        windows += _poisson(FaultKind.SYNC_CRASH, shard, faults.sync_crash, faults.sync_downtime_s, until_s,
                             streams[2 * learners + shard])
     return sorted(windows, key=lambda w: (w.start_s, w.kind, w.target))
 
 
-def _poisson(kind: TimedFault, target: int, rate: float, mean_s: float, until_s: float,
+def _poisson(kind: FaultKind, target: int, rate: float, mean_s: float, until_s: float,
              stream: np.random.SeedSequence) -> list[Window]:
     rng = np.random.default_rng(stream)
     out: list[Window] = []

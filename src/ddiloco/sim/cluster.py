@@ -29,6 +29,8 @@ from ddiloco.core.actions import RoundClosed
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
 from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.measures import Direction, fragment_shares
+from ddiloco.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
 from ddiloco.sim.events import (
     AtLearner,
@@ -46,7 +48,6 @@ from ddiloco.sim.fate import Fate, window_event
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.learner_node import LearnerNode
-from ddiloco.measures import Direction, fragment_shares
 from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.snapshot import ClusterSnapshot, SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
@@ -254,9 +255,9 @@ class VirtualCluster:
         self.network.reset(learner, self.queue.now)
 
     @property
-    def injected(self) -> Counter[str]:
-        """Faults injected so far by the trace and the adversary (the network's own aside)."""
-        return self.fate.injected
+    def injected(self) -> Counter[FaultKind]:
+        """Faults injected so far: by the failure trace and the adversary, on processes and links."""
+        return self.fate.injected + self.network.injected
 
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         if self.checker:
@@ -317,7 +318,7 @@ class VirtualCluster:
             "rejections": dict(rejections),
             "steps_per_learner": [self.recorder.accounting.steps(m) for m in range(len(self.learners))],
             "finished": self.finished,
-            "faults": {**{str(k): v for k, v in self.network.injected.items()}, **self.injected},
+            "faults": {str(k): v for k, v in self.injected.items()},
             "merge_coherence": _mean(c for _, c in self.coherence),
             "merge_width": _mean(n for n, _ in self.coherence),
             "events": self.events().to_dict(),

@@ -12,7 +12,8 @@ from collections import Counter
 from typing import Callable
 
 from ddiloco.core.learner import Learner
-from ddiloco.sim.adversary import TimedFault, Window
+from ddiloco.fault_kinds import FaultKind
+from ddiloco.sim.adversary import Window
 from ddiloco.sim.events import (
     Crash,
     Freeze,
@@ -36,9 +37,9 @@ FAULTS = (Crash, Recover, Freeze, Thaw, Partition, PartitionEnd, SyncCrash, Sync
 
 def window_event(w: Window) -> SimEvent:
     """The event that starts an adversary's window."""
-    if w.kind is TimedFault.PARTITION:
+    if w.kind is FaultKind.PARTITION:
         return Partition(w.target, w.end_s)
-    if w.kind is TimedFault.FREEZE:
+    if w.kind is FaultKind.FREEZE:
         return Freeze(w.target, w.end_s)
     return SyncCrash(w.target, w.end_s)
 
@@ -57,7 +58,7 @@ class Fate:
         self.timeline = timeline
         self.new_core = new_core
         self.attack_until_s = attack_until_s
-        self.injected: Counter[str] = Counter()
+        self.injected: Counter[FaultKind] = Counter()
 
     def befall(self, event: SimEvent) -> None:
         host, now = self.host, self.host.queue.now
@@ -65,7 +66,7 @@ class Fate:
             outage = self.trace.outage_at(event.m, now)
             assert outage is not None
             self.learners[event.m].crash()
-            self.injected["learner_crash"] += 1
+            self.injected[FaultKind.LEARNER_CRASH] += 1
             self.timeline.add(now, Happening.FAILURE, event.m)
             host.queue.at(outage.up_s, Recover(event.m))
         elif isinstance(event, Recover):
@@ -78,7 +79,7 @@ class Fate:
             node = self.learners[event.m]
             if node.up:
                 node.frozen_until_s = max(node.frozen_until_s, event.until_s)
-                self.injected["freeze"] += 1
+                self.injected[FaultKind.FREEZE] += 1
                 host.queue.at(event.until_s, Thaw(event.m))
         elif isinstance(event, Thaw):
             node = self.learners[event.m]
@@ -87,7 +88,7 @@ class Fate:
                 node.advance(host)
         elif isinstance(event, Partition):
             self.network.partition(self.learners[event.m].name, event.until_s)
-            self.injected["partition"] += 1
+            self.injected[FaultKind.PARTITION] += 1
             host.queue.at(event.until_s, PartitionEnd(event.m))
         elif isinstance(event, PartitionEnd):
             node = self.learners[event.m]
@@ -98,7 +99,7 @@ class Fate:
             sync = self.syncs[event.shard]
             if sync.up and not sync.finished:
                 sync.crash(host)
-                self.injected["sync_crash"] += 1
+                self.injected[FaultKind.SYNC_CRASH] += 1
                 host.queue.at(event.until_s, SyncRestart(event.shard))
         elif isinstance(event, SyncRestart):
             self.syncs[event.shard].restart(host)

@@ -9,22 +9,16 @@ links while it lasts (checked when the message leaves and when it would arrive).
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
+from ddiloco.fault_kinds import FaultKind
 from ddiloco.measures import ByteLedger, Direction
 
 HEADER_BYTES = 64
 """Fixed per-message framing (ids, versions, counters) added to every payload."""
-
-
-class NetFault(enum.StrEnum):
-    LOSS = "loss"
-    DUPLICATE = "duplicate"
-    REORDER = "reorder"
 
 
 @dataclass(slots=True)
@@ -66,7 +60,7 @@ class Network:
         self._links = {(name, d): Link(bandwidth_bps, latency_s) for name in learners for d in Direction}
         self.faults = faults
         self.bytes = bytes_counter
-        self.injected: Counter[NetFault] = Counter()
+        self.injected: Counter[FaultKind] = Counter()
         self._rng = np.random.default_rng(np.random.SeedSequence([seed, 0x4E37]))
         self._partitioned_until: dict[str, float] = {}
 
@@ -93,13 +87,13 @@ class Network:
         if now >= f.until_s:
             return [arrival]
         if f.loss and self._rng.random() < f.loss:
-            self.injected[NetFault.LOSS] += 1
+            self.injected[FaultKind.LOSS] += 1
             return []
         if f.reorder and self._rng.random() < f.reorder:
-            self.injected[NetFault.REORDER] += 1
+            self.injected[FaultKind.REORDER] += 1
             arrival += float(self._rng.uniform(0.0, f.reorder_delay_s))
         times = [arrival]
         if f.duplicate and self._rng.random() < f.duplicate:
-            self.injected[NetFault.DUPLICATE] += 1
+            self.injected[FaultKind.DUPLICATE] += 1
             times.append(arrival + float(self._rng.uniform(0.0, max(f.reorder_delay_s, 0.01))))
         return times

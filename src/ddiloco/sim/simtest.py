@@ -32,12 +32,12 @@ import torch
 from ddiloco.config import Config, apply_override, apply_section, check_seed
 from ddiloco.core.learner import LearnerPhase
 from ddiloco.errors import ConfigError
+from ddiloco.fault_kinds import SIMULATED, FaultKind, parse_kind
 from ddiloco.sim.cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantViolation
 from ddiloco.sim.synthetic import SyntheticWorkload
 
-FAULT_KINDS = ("loss", "duplicate", "reorder", "partition", "freeze", "learner_crash", "sync_crash")
 DEFAULT_SEEDS = 200
 MAX_EVENTS = 1_000_000
 """A seed that needs more events than this is stuck in a storm (a liveness failure); runs use ~10k."""
@@ -68,16 +68,16 @@ class SimtestReport:
         return [r for r in self.seeds if r.liveness]
 
     def faults(self) -> dict[str, int]:
-        total: Counter[str] = Counter({k: 0 for k in FAULT_KINDS})
+        total: Counter[str] = Counter({str(k): 0 for k in SIMULATED})
         for r in self.seeds:
             total.update(r.faults)
         return dict(total)
 
     def seeds_with(self) -> dict[str, int]:
-        return {k: sum(1 for r in self.seeds if r.faults.get(k)) for k in FAULT_KINDS}
+        return {str(k): sum(1 for r in self.seeds if r.faults.get(k)) for k in SIMULATED}
 
 
-def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = FAULT_KINDS) -> tuple[Config, float]:
+def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKind] = SIMULATED) -> tuple[Config, float]:
     """The seed's world: (configuration, safety phase in virtual seconds). ``overrides`` win."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
     kinds = set(kinds)
@@ -87,7 +87,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = 
     period = int(rng.integers(2, 9))
     lease_s = float(rng.uniform(4.0, 12.0))
 
-    def on(kind: str) -> bool:
+    def on(kind: FaultKind) -> bool:
         return kind in kinds and bool(rng.random() < 0.5)
 
     sections = {
@@ -105,17 +105,17 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = 
             "checkpoint_every_rounds": int(rng.integers(1, 30)), "checkpoint_every_s": float(rng.uniform(5.0, 60.0)),
         },
         "faults": {
-            "loss": float(rng.uniform(0.01, 0.25)) if on("loss") else 0.0,
-            "duplicate": float(rng.uniform(0.01, 0.25)) if on("duplicate") else 0.0,
-            "reorder": float(rng.uniform(0.05, 0.4)) if on("reorder") else 0.0,
+            "loss": float(rng.uniform(0.01, 0.25)) if on(FaultKind.LOSS) else 0.0,
+            "duplicate": float(rng.uniform(0.01, 0.25)) if on(FaultKind.DUPLICATE) else 0.0,
+            "reorder": float(rng.uniform(0.05, 0.4)) if on(FaultKind.REORDER) else 0.0,
             "reorder_delay_s": float(rng.uniform(0.5, 8.0)),
-            "partition": float(rng.uniform(0.003, 0.02)) if on("partition") else 0.0,
+            "partition": float(rng.uniform(0.003, 0.02)) if on(FaultKind.PARTITION) else 0.0,
             "partition_s": float(rng.uniform(2.0, 20.0)),
-            "freeze": float(rng.uniform(0.003, 0.015)) if on("freeze") else 0.0,
+            "freeze": float(rng.uniform(0.003, 0.015)) if on(FaultKind.FREEZE) else 0.0,
             "freeze_s": lease_s * float(rng.uniform(1.2, 3.0)),
-            "mtbf_s": float(rng.uniform(40.0, 200.0)) if on("learner_crash") else 0.0,
+            "mtbf_s": float(rng.uniform(40.0, 200.0)) if on(FaultKind.LEARNER_CRASH) else 0.0,
             "downtime_s": float(rng.uniform(5.0, 30.0)),
-            "sync_crash": float(rng.uniform(0.003, 0.012)) if on("sync_crash") else 0.0,
+            "sync_crash": float(rng.uniform(0.003, 0.012)) if on(FaultKind.SYNC_CRASH) else 0.0,
             "sync_downtime_s": float(rng.uniform(0.5, 20.0)),
         },
     }
@@ -139,7 +139,7 @@ def liveness_bound_s(config: Config) -> float:
     return 3 * p.lease_s + 2 * c.rpc_timeout_s + (p.period + p.overlap + 2) * c.step_time_s * slow + p.max_wait_s
 
 
-def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[str] = FAULT_KINDS) -> SeedResult:
+def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKind] = SIMULATED) -> SeedResult:
     """Both phases of one seed; a violation or a liveness failure ends it early."""
     torch.set_num_threads(1)
     config, safety_s = draw_world(seed, overrides, kinds)
@@ -200,24 +200,20 @@ def _caught_up(cluster: VirtualCluster, target: tuple[int, ...]) -> str | None:
 
 
 def _result(seed: int, cluster: VirtualCluster, events: int, **verdict: str | None) -> SeedResult:
-    faults = {k: int(v) for k, v in cluster.injected.items()}
-    faults.update({str(k): int(v) for k, v in cluster.network.injected.items()})
+    faults = {str(k): int(v) for k, v in cluster.injected.items()}
     return SeedResult(seed, faults, virtual_s=cluster.queue.now, events=events, learners=len(cluster.learners),
                       **verdict)
 
 
 def run_simtest(seeds: int = DEFAULT_SEEDS, *, first_seed: int = 0, workers: int = 1, overrides: Sequence[str] = (),
-                kinds: Iterable[str] = FAULT_KINDS, stop_at_first: bool = False,
+                kinds: Iterable[str] = SIMULATED, stop_at_first: bool = False,
                 progress: Callable[[SeedResult], None] | None = None) -> SimtestReport:
     """Run ``seeds`` seeds from ``first_seed``; several worker processes when ``workers`` > 1."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     check_seed(first_seed, "--first-seed")
     check_seed(first_seed + seeds - 1, "--first-seed + --seeds - 1 (the last seed)")
-    kinds = tuple(kinds)
-    unknown = sorted(set(kinds) - set(FAULT_KINDS))
-    if unknown:
-        raise ConfigError(f"unknown fault kind {unknown[0]!r} (choose from {', '.join(FAULT_KINDS)})")
+    kinds = tuple(parse_kind(k, SIMULATED, "ddiloco simtest") for k in kinds)
     draw_world(first_seed, overrides, kinds)  # a bad override fails here, once, with its message
     report = SimtestReport()
     started = time.perf_counter()
@@ -240,14 +236,14 @@ def run_simtest(seeds: int = DEFAULT_SEEDS, *, first_seed: int = 0, workers: int
     return report
 
 
-def _run_job(job: tuple[int, tuple[str, ...], tuple[str, ...]]) -> SeedResult:
+def _run_job(job: tuple[int, tuple[str, ...], tuple[FaultKind, ...]]) -> SeedResult:
     return run_seed(*job)
 
 
-def replay_command(seed: int, overrides: Sequence[str] = (), kinds: Sequence[str] = FAULT_KINDS) -> str:
+def replay_command(seed: int, overrides: Sequence[str] = (), kinds: Sequence[FaultKind] = SIMULATED) -> str:
     parts = ["ddiloco simtest", "--seeds 1", f"--first-seed {seed}"]
     parts += [f"--set {o}" for o in overrides]
-    if tuple(kinds) != FAULT_KINDS:
+    if set(kinds) != set(SIMULATED):
         parts.append(f"--faults {','.join(kinds)}")
     return " ".join(parts)
 
