@@ -172,6 +172,19 @@ def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
     assert other.phase is LearnerPhase.STOPPED and other.should_stop
 
 
+def test_once_the_run_is_finished_nothing_queued_goes_out():
+    """On a 500 kbit/s link a learner kept uploading its queue after the run ended, each
+    upload refused in turn for 15 s: a finished refusal drops what is still queued."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    sends = []
+    for i in range(BASE.period * 2):
+        local_step(params, seed=i)
+        sends += core.record_step(10, 1.0, float(i))
+    assert len(sends) >= 2 and core.still_to_send(sends[-1])
+    assert core.on_refused(sends[0].encode(), RejectReason.FINISHED, 5.0) == []
+    assert not any(core.still_to_send(s) for s in sends[1:])
+
+
 def test_the_first_heartbeat_goes_as_soon_as_the_state_is_adopted():
     """On a slow link the last of the state arrives long after the synchronizer sent it: the
     learner says at once that it holds it, rather than a heartbeat interval later."""

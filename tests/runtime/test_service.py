@@ -397,3 +397,29 @@ def test_a_timer_that_fails_is_logged_and_stops_the_service_loudly(inproc_sync, 
         wait_for(lambda: host.crashed.is_set(), "the host to report its failure")
     assert isinstance(host.failure, RuntimeError)
     assert any("timer failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_idle_synchronizer_sleeps_between_ticks(inproc_sync, monkeypatch):
+    """The timer's own Tick set the wake it then waited on, so an idle synchronizer ticked about a
+    thousand times a second and took a core from the learners beside it. Three Ticks of a core
+    with no deadline now take at least two full waits (a wait ends early only on an event)."""
+    import time
+
+    from runtime_helpers import wait_for
+
+    from ddiloco.core.actions import Tick
+    from ddiloco.runtime.sync import core_host
+
+    monkeypatch.setattr(core_host, "TIMER_MAX_WAIT_S", 0.2)
+    s = inproc_sync(tiny())
+    ticks: list[float] = []
+    handle = s.service.core.handle
+
+    def counted(event, now):
+        if isinstance(event, Tick):
+            ticks.append(time.monotonic())
+        return handle(event, now)
+
+    s.service.core.handle = counted
+    wait_for(lambda: len(ticks) >= 3, "three ticks of an idle synchronizer")
+    assert ticks[2] - ticks[0] >= 2 * 0.2 * 0.99

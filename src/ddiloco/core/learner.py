@@ -127,6 +127,8 @@ class Learner:
         self.starved = False
         """None of its work has reached the synchronizer for ``STARVED_PERIODS`` periods."""
         self.failure: Fail | None = None
+        self.run_over = False
+        """The synchronizer said the run is finished: nothing queued is worth sending any more."""
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -173,7 +175,10 @@ class Learner:
     def still_to_send(self, send: Send) -> bool:
         """A queued contribution is about to go out: is it still of the current session? If not
         (the learner joined again meanwhile) it is dropped, and counted: it was measured from a
-        state the learner no longer holds."""
+        state the learner no longer holds. Nothing goes out once the synchronizer said the run
+        is over: on a slow link a queue of uploads would otherwise each be refused in turn."""
+        if self.run_over:
+            return False
         if self.is_current(send):
             return True
         self.dropped += 1
@@ -340,10 +345,10 @@ class Learner:
         alpha = self.config.alpha
         local = flatten(self._tensors[p])
         unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
-        self.schedule.landed(p)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
+        self.schedule.landed(p)
         return UpdateResult.APPLIED
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
@@ -366,6 +371,7 @@ class Learner:
             return [self.failure]
         if reason is RejectReason.FINISHED:
             self.phase = LearnerPhase.STOPPED
+            self.run_over = True
             for link in self.links:
                 link.quiet()
             return []

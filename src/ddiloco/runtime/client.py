@@ -119,8 +119,10 @@ class SyncClient:
             self.channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
         self.metadata = client_metadata(token, learner_id)
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self.channel.close()
 
     def __enter__(self) -> "SyncClient":
@@ -134,6 +136,10 @@ class SyncClient:
             return method(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as err:
             raise _translate(err, self.address) from None
+        except ValueError:
+            if self._closed:  # a call still queued when the learner closed (a slow upload outlived close)
+                raise Unreachable(f"{self.address}: the channel is closed") from None
+            raise
 
     # ---- calls -----------------------------------------------------------------------------
 

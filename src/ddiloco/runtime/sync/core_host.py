@@ -141,12 +141,16 @@ class SyncHost:
     async def _timer_loop(self) -> None:
         try:
             while not self._stopped:
+                # Cleared before the deadline is read, not after the wait: the timer's own Tick
+                # sets the wake like every event does, and cleared after it the loop never slept
+                # (thousands of Ticks a second, a core's worth of CPU taken from the learners).
+                # An event after this point sets it again, and the deadline is read anew.
+                self._wake.clear()
                 deadline = await self.query(lambda core: core.next_deadline())
                 now = self.clock()
                 wait_s = TIMER_MAX_WAIT_S if deadline is None else min(TIMER_MAX_WAIT_S, max(0.0, deadline - now))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), wait_s)
-                self._wake.clear()
                 if not self._stopped:
                     await self.handle(Tick())
         except Exception as err:  # a bug: without the timer no lease expires and no grace window closes

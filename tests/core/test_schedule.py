@@ -1,0 +1,39 @@
+"""The send schedule's alignment: in phase with the round, but never drifting by the round trip."""
+
+from __future__ import annotations
+
+from ddiloco.core.fragments import plan_fragments
+from ddiloco.core.schedule import SendSchedule
+
+PLAN = plan_fragments([("w", (64,))], num_fragments=1, period=12)
+
+
+def sent_at(step: int) -> SendSchedule:
+    schedule = SendSchedule(PLAN)
+    schedule.take(0, step)
+    return schedule
+
+
+def test_on_a_slow_link_the_next_send_is_a_period_after_this_one_not_after_the_update() -> None:
+    """Sent at step 12; the round's first contribution took two steps to arrive and its update two
+    more to come back, so the synchronizer's round age says 0 steps. Anchored on that alone the
+    next send would be due at 28 (16 + 12): every period four steps long too."""
+    schedule = sent_at(12)
+    schedule.align(0, 16, steps_since_round_began=0)
+    assert schedule.next_due[0] == 24
+
+
+def test_a_learner_that_sent_late_catches_up_with_the_round() -> None:
+    """Its send left at 12, but the round had begun five steps before the update came (at 14):
+    the next send is due at 12 + 12 − 3, in phase with the others."""
+    schedule = sent_at(12)
+    schedule.align(0, 14, steps_since_round_began=5)
+    assert schedule.next_due[0] == 21
+
+
+def test_a_learner_with_no_send_in_flight_goes_by_the_round_age() -> None:
+    schedule = SendSchedule(PLAN)
+    schedule.align(0, 30, steps_since_round_began=3)
+    assert schedule.next_due[0] == 39
+    schedule.align(0, 40, steps_since_round_began=40)  # missed the round: at least one step
+    assert schedule.next_due[0] == 41
