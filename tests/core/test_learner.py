@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddiloco.core.actions import Fail, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import Behind, Fail, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
@@ -293,3 +293,29 @@ def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
         pass
     core.on_accepted(due[0], 50.0)
     assert not core.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]
+
+
+def test_a_learner_whose_link_carries_half_its_sends_says_so_once():
+    """Issue 20: at 500 kbit/s a fifth of the learners' work was merged, their sends waiting for
+    the one before, and the run said nothing (it was not starved: some work arrived)."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    said, in_flight = [], []
+    for s in range(1, 20 * BASE.period):
+        local_step(params, seed=s)
+        in_flight += step(core, 10, 1.0, float(s))
+        if s % (2 * BASE.period) == 0:  # the link answers every other period: a send waits for the one before
+            for c in in_flight:
+                deliver(sync.handle(c, float(s)), [core], now=float(s))
+            in_flight = []
+        said += [a for a in core.tick(float(s)) if isinstance(a, Behind)]
+    (notice,) = said
+    assert notice.steps_per_send >= 1.5 * BASE.period and notice.share <= 2 / 3 and core.behind
+
+
+def test_a_learner_whose_link_keeps_up_is_not_behind():
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    for s in range(1, 20 * BASE.period):
+        local_step(params, seed=s)
+        for c in step(core, 10, 1.0, float(s)):
+            deliver(sync.handle(c, float(s)), [core], now=float(s))  # answered at once
+        assert not [a for a in core.tick(float(s)) if isinstance(a, Behind)] and not core.behind

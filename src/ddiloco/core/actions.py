@@ -263,4 +263,19 @@ class Starved:
     steps: int
 
 
-LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved
+@dataclass(frozen=True, slots=True)
+class Behind:
+    """This learner's link carries fewer contributions than the protocol makes: its last sends
+    carried ``steps_per_send`` steps each on average instead of H (each waited for the one
+    before it to be answered, see ``SendSchedule.held``). Its work still reaches the global
+    model, at ``share`` of the protocol's pace. Said once, and again only after it caught up."""
+
+    steps_per_send: float
+    period: int
+
+    @property
+    def share(self) -> float:
+        return self.period / self.steps_per_send
+
+
+LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved | Behind

@@ -21,12 +21,12 @@ and keeps exchanging the fragments of the others.
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, deque
 from typing import Mapping
 
 import torch
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import Behind, Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
@@ -75,6 +75,11 @@ REJOIN_ON = frozenset({
 })
 """Refusals of the current session that call for the full state again."""
 STARVED_PERIODS = 3
+BEHIND_AT = 1.5
+"""A learner is behind when its recent contributions carried this many periods of steps each on
+average (a third of its sends waited for the one before): below what the protocol needs, said
+plainly. It has caught up again under ``CAUGHT_UP_AT``."""
+CAUGHT_UP_AT = 1.2
 """Periods of training without an accepted contribution after which a learner says its work is not
 getting through (the synchronizer applies the same rule to it, ``core/registry.py``)."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
@@ -127,6 +132,10 @@ class Learner:
         self.starved = False
         """None of its work has reached the synchronizer for ``STARVED_PERIODS`` periods."""
         self.failure: Fail | None = None
+        self._carried: deque[int] = deque(maxlen=2 * len(plan.fragments))
+        """Steps carried by each of the last sends (H each when the link keeps up)."""
+        self.behind = False
+        """Its link carries fewer contributions than the protocol makes (:class:`Behind`)."""
         self.run_over = False
         """The synchronizer said the run is finished: nothing queued is worth sending any more."""
 
@@ -278,6 +287,7 @@ class Learner:
         assert session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters, seq = self.schedule.take(p, self.step)
+        self._carried.append(counters.steps)
         header = Contribution(
             learner_id=self.learner_id,
             session=session,
@@ -409,6 +419,18 @@ class Learner:
                 self.dropped += 1  # measured from a state we no longer hold
         return []  # heartbeats and leaves: the next heartbeat or the lease takes care of it
 
+    def _pace(self) -> list[LearnerAction]:
+        """Is the link carrying the contributions the protocol makes? Said once when it is not."""
+        if self.phase is not LearnerPhase.TRAINING or len(self._carried) < (self._carried.maxlen or 1):
+            return []
+        mean = sum(self._carried) / len(self._carried)
+        if not self.behind and mean >= BEHIND_AT * self.plan.period:
+            self.behind = True
+            return [Behind(mean, self.plan.period)]
+        if self.behind and mean < CAUGHT_UP_AT * self.plan.period:
+            self.behind = False
+        return []
+
     def on_stop(self, now: float) -> list[LearnerAction]:
         """The synchronizer says the budget is spent: the driver closes at the next step boundary."""
         if self.phase in (LearnerPhase.TRAINING, LearnerPhase.JOINING, LearnerPhase.IDLE):
@@ -427,6 +449,7 @@ class Learner:
                 and unaccepted >= STARVED_PERIODS * self.plan.period):
             self.starved = True
             actions.append(Starved(unaccepted))
+        actions += self._pace()
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:

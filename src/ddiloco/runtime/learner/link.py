@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import Behind, Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
 from ddiloco.core.learner import Learner
 from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
 from ddiloco.core.messages import Request, Session, StopNotice
@@ -122,6 +122,11 @@ class LearnerLink:
                 log.warning("none of this learner's work has reached the synchronizer in its last %d steps: its link "
                             "is too slow for the protocol, or the synchronizer is unreachable (%d contributions "
                             "waiting)", action.steps, self.backlog)
+            elif isinstance(action, Behind):
+                log.warning("this learner's link carries %.0f%% of the contributions the protocol makes (each carried "
+                            "%.1f steps, not H = %d): its work reaches the global model that much slower; the link "
+                            "is too slow for this model and period (ddiloco bandwidth says what it needs)",
+                            100 * action.share, action.steps_per_send, action.period)
 
     def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
