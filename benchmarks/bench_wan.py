@@ -33,6 +33,7 @@ Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -235,7 +236,7 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
     lo, hi = min(capped) / 2, max(capped) * 2
     uncapped_x = hi * 2  # uncapped points sit right of the ladder, labelled
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    fig, ax = plt.subplots(figsize=(9, 6.6))
+    fig, ax = plt.subplots(figsize=(9, 6.2))
     colors = {"decoupled": "#1f77b4", "dp": "#d62728"}
     names = {"decoupled": "Decoupled DiLoCo", "dp": "data parallel"}
     for mode, fn in (("decoupled", bw.decoupled_step_s), ("dp", bw.dp_step_s)):
@@ -262,17 +263,16 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
     shown = [p[k] for p in points for k in ("rel_steps", "rel_merges", "rel_merged_share") if math.isfinite(p[k])]
     ax.set_ylim(-0.03, max([1.1] + [v + 0.05 for v in shown]))
     ticks = sorted(set(capped)) + [uncapped_x]
-    labels = [format_rate(t).replace(" ", "\n") for t in ticks[:-1]] + ["uncapped"]
-    for i in range(1, len(ticks)):  # a tick close to the one before it: its label one row lower
-        if ticks[i] / ticks[i - 1] < 1.6 and not labels[i - 1].startswith("\n"):
-            labels[i] = "\n\n" + labels[i]
+    short = {" kbit/s": "k", " Mbit/s": "M", " Gbit/s": "G"}  # one line each: close ticks (4, 5, 6M) fit
+    labels = [functools.reduce(lambda text, unit: text.replace(*unit), short.items(), format_rate(t))
+              for t in ticks[:-1]] + ["uncapped"]
     ax.set_xticks([t / 1e6 for t in ticks], labels, fontsize=7)
     ax.minorticks_off()
-    ax.set(xlabel="link capacity per learner and direction", ylabel="throughput / its own uncapped throughput",
+    ax.set(xlabel="link capacity per learner and direction (bit/s)", ylabel="throughput / its own uncapped throughput",
            title=f"{config.run.learners} learners, {model_inputs(config, 1.0).params:,.0f} parameters: "
            "real runs on tc-capped links vs the bandwidth model")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
