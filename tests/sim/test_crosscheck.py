@@ -55,12 +55,14 @@ def _seed_spread(run, traces: int = 300) -> tuple[float, float]:
 
 
 def test_cluster_goodput_matches_the_model_crash_rule_on_the_same_failures(failing_run):
-    # In the benchmark (docs/goodput.md, "Cross-checks"), measured minus model-on-trace is
-    # within 0.05 points on average with a standard deviation of at most 0.13 points; one
-    # point is far outside that, and far inside the 2.6-point spread between seeds.
+    # Since learners send in phase with the rounds (7792b57, protocol.align_sends and
+    # space_rounds), the cluster loses about 1.3 points more than the model's crash rule in
+    # this regime (seeds 0-2: 0.9-1.5 points; docs/goodput.md, "Cross-checks"): more than
+    # the rule, never less, and far inside the 2.6-point spread between seeds.
     assert failing_run.failures() >= 10
     measured = failing_run.goodput
-    assert measured == pytest.approx(_model_on_trace(failing_run, failing_run.trace), abs=0.01)
+    model = _model_on_trace(failing_run, failing_run.trace)
+    assert model - 0.02 <= measured <= model + 0.005
 
 
 def test_cluster_goodput_agrees_with_the_prediction_within_the_seed_spread(failing_run):
