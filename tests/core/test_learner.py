@@ -287,12 +287,12 @@ def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
             core.on_undelivered(c, float(s))  # the link carries nothing
         said += [a for a in core.tick(float(s)) if isinstance(a, Starved)]
     (notice,) = said
-    assert notice.steps == 3 * BASE.period and core.starved
+    assert notice.steps == 3 * BASE.period and core.watch.starved
     local_step(params, seed=99)
     while not (due := step(core, 10, 1.0, 50.0)):
         pass
     core.on_accepted(due[0], 50.0)
-    assert not core.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]
+    assert not core.watch.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]
 
 
 def test_a_learner_whose_link_carries_half_its_sends_says_so_once():
@@ -309,7 +309,7 @@ def test_a_learner_whose_link_carries_half_its_sends_says_so_once():
             in_flight = []
         said += [a for a in core.tick(float(s)) if isinstance(a, Behind)]
     (notice,) = said
-    assert notice.steps_per_send >= 1.5 * BASE.period and notice.share <= 2 / 3 and core.behind
+    assert notice.steps_per_send >= 1.5 * BASE.period and notice.share <= 2 / 3 and core.watch.behind
 
 
 def test_a_learner_whose_link_keeps_up_is_not_behind():
@@ -318,4 +318,4 @@ def test_a_learner_whose_link_keeps_up_is_not_behind():
         local_step(params, seed=s)
         for c in step(core, 10, 1.0, float(s)):
             deliver(sync.handle(c, float(s)), [core], now=float(s))  # answered at once
-        assert not [a for a in core.tick(float(s)) if isinstance(a, Behind)] and not core.behind
+        assert not [a for a in core.tick(float(s)) if isinstance(a, Behind)] and not core.watch.behind

@@ -21,16 +21,17 @@ and keeps exchanging the fragments of the others.
 from __future__ import annotations
 
 import enum
-from collections import Counter, deque
+from collections import Counter
 from typing import Mapping
 
 import torch
 
-from ddiloco.core.actions import Behind, Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
 from ddiloco.core.grace import MovingAverage
+from ddiloco.core.link_watch import LinkWatch
 from ddiloco.core.schedule import SendSchedule
 from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (
@@ -74,12 +75,6 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
-STARVED_PERIODS = 3
-BEHIND_AT = 1.5
-"""A learner is behind when its recent contributions carried this many periods of steps each on
-average (a third of its sends waited for the one before): below what the protocol needs, said
-plainly. It has caught up again under ``CAUGHT_UP_AT``."""
-CAUGHT_UP_AT = 1.2
 """Periods of training without an accepted contribution after which a learner says its work is not
 getting through (the synchronizer applies the same rule to it, ``core/registry.py``)."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
@@ -127,15 +122,9 @@ class Learner:
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
-        self._accepted_at_step = 0
-        """The step at which a contribution was last accepted, or a state adopted."""
-        self.starved = False
-        """None of its work has reached the synchronizer for ``STARVED_PERIODS`` periods."""
+        self.watch = LinkWatch(plan.period, len(plan.fragments))
+        """Whether its link carries its work (starved, behind)."""
         self.failure: Fail | None = None
-        self._carried: deque[int] = deque(maxlen=2 * len(plan.fragments))
-        """Steps carried by each of the last sends (H each when the link keeps up)."""
-        self.behind = False
-        """Its link carries fewer contributions than the protocol makes (:class:`Behind`)."""
         self.run_over = False
         """The synchronizer said the run is finished: nothing queued is worth sending any more."""
 
@@ -253,7 +242,7 @@ class Learner:
             unflatten_into(values, self._tensors[p])
             self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
             self.versions[p] = frag.version
-            self._accepted_at_step = self.step
+            self.watch.arrived(self.step)
             self.schedule.restart(p, self.step)
 
     # ---- training ------------------------------------------------------------------------
@@ -287,7 +276,7 @@ class Learner:
         assert session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters, seq = self.schedule.take(p, self.step)
-        self._carried.append(counters.steps)
+        self.watch.sent(counters.steps)
         header = Contribution(
             learner_id=self.learner_id,
             session=session,
@@ -363,8 +352,7 @@ class Learner:
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):
-            self._accepted_at_step = self.step
-            self.starved = False
+            self.watch.arrived(self.step)
         return self.on_stop(now) if stop else []
 
     def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:
@@ -419,18 +407,6 @@ class Learner:
                 self.dropped += 1  # measured from a state we no longer hold
         return []  # heartbeats and leaves: the next heartbeat or the lease takes care of it
 
-    def _pace(self) -> list[LearnerAction]:
-        """Is the link carrying the contributions the protocol makes? Said once when it is not."""
-        if self.phase is not LearnerPhase.TRAINING or len(self._carried) < (self._carried.maxlen or 1):
-            return []
-        mean = sum(self._carried) / len(self._carried)
-        if not self.behind and mean >= BEHIND_AT * self.plan.period:
-            self.behind = True
-            return [Behind(mean, self.plan.period)]
-        if self.behind and mean < CAUGHT_UP_AT * self.plan.period:
-            self.behind = False
-        return []
-
     def on_stop(self, now: float) -> list[LearnerAction]:
         """The synchronizer says the budget is spent: the driver closes at the next step boundary."""
         if self.phase in (LearnerPhase.TRAINING, LearnerPhase.JOINING, LearnerPhase.IDLE):
@@ -444,12 +420,8 @@ class Learner:
         """
         self.schedule.expire_waits(now)
         actions: list[LearnerAction] = []
-        unaccepted = self.step - self._accepted_at_step
-        if (self.phase is LearnerPhase.TRAINING and not self.starved and not self.rejoining()
-                and unaccepted >= STARVED_PERIODS * self.plan.period):
-            self.starved = True
-            actions.append(Starved(unaccepted))
-        actions += self._pace()
+        training = self.phase is LearnerPhase.TRAINING
+        actions += self.watch.check(self.step, watching_starvation=training and not self.rejoining(), training=training)
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:

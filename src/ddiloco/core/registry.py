@@ -32,12 +32,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ddiloco.core.link_watch import STARVED_PERIODS
 from ddiloco.core.messages import Join, RejectReason, Rejected, Session
 from ddiloco.core.sync_status import LearnerStatus
 
-STARVED_PERIODS = 3
-"""A live learner none of whose work was accepted for this many of its periods (and two
-leases) is link-starved: it trains, but its link cannot carry its contributions."""
 RETIRED_BOOTS = 8
 """Replaced boots remembered per learner id (a checkpoint keeps them too)."""
 ACCEPT_TIMES = 256
