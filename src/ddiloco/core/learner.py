@@ -75,8 +75,6 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
-"""Periods of training without an accepted contribution after which a learner says its work is not
-getting through (the synchronizer applies the same rule to it, ``core/registry.py``)."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
                    RejectReason.REPLACED})
 """Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes
