@@ -33,7 +33,6 @@ Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -263,8 +262,8 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
     shown = [p[k] for p in points for k in ("rel_steps", "rel_merges", "rel_merged_share") if math.isfinite(p[k])]
     ax.set_ylim(-0.03, max([1.1] + [v + 0.05 for v in shown]))
     ticks = sorted(set(capped)) + [uncapped_x]
-    short = {" kbit/s": "k", " Mbit/s": "M", " Gbit/s": "G"}  # one line each: close ticks (4, 5, 6M) fit
-    labels = [functools.reduce(lambda text, unit: text.replace(*unit), short.items(), format_rate(t))
+    # One line each, so that close ticks (4M, 5M, 6M) fit side by side.
+    labels = [format_rate(t).replace(" kbit/s", "k").replace(" Mbit/s", "M").replace(" Gbit/s", "G")
               for t in ticks[:-1]] + ["uncapped"]
     ax.set_xticks([t / 1e6 for t in ticks], labels, fontsize=7)
     ax.minorticks_off()

@@ -418,8 +418,7 @@ class Learner:
         """
         self.schedule.expire_waits(now)
         actions: list[LearnerAction] = []
-        training = self.phase is LearnerPhase.TRAINING
-        actions += self.watch.check(self.step, watching_starvation=training and not self.rejoining(), training=training)
+        actions += self.watch.check(self.step, training=self.phase is LearnerPhase.TRAINING, rejoining=self.rejoining())
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:

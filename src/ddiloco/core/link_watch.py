@@ -45,14 +45,17 @@ class LinkWatch:
         """A contribution carrying ``steps`` steps went out."""
         self._carried.append(steps)
 
-    def check(self, step: int, *, watching_starvation: bool, training: bool) -> list[LearnerAction]:
-        """What to say at ``step``: starved (while ``watching_starvation``), behind (while ``training``)."""
+    def check(self, step: int, *, training: bool, rejoining: bool) -> list[LearnerAction]:
+        """What to say at ``step`` while ``training``: starved (not while ``rejoining``: its work
+        waits for the new state), behind."""
+        if not training:
+            return []
         actions: list[LearnerAction] = []
         unaccepted = step - self._accepted_at_step
-        if watching_starvation and not self.starved and unaccepted >= STARVED_PERIODS * self.period:
+        if not rejoining and not self.starved and unaccepted >= STARVED_PERIODS * self.period:
             self.starved = True
             actions.append(Starved(unaccepted))
-        if training and len(self._carried) == self._carried.maxlen:
+        if len(self._carried) == self._carried.maxlen:
             mean = sum(self._carried) / len(self._carried)
             if not self.behind and mean >= BEHIND_AT * self.period:
                 self.behind = True
