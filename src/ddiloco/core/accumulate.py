@@ -46,18 +46,45 @@ class Accumulated(NamedTuple):
     """How aligned the summed vectors were (:meth:`~ddiloco.core.merge.MergeRule.coherence`)."""
 
 
+class BufferPool:
+    """Zeroed float32 accumulators, lent to open rounds and given back at their close.
+
+    A fragment holds an accumulator only while its round is open, so a synchronizer holds as
+    many as it has rounds open at once (not one per fragment: 4 bytes per parameter it need
+    not keep). Buffers given back are kept for the next round rather than freed: a fresh
+    buffer per round would cost a page fault per 4 KiB, more than the merge itself on a large
+    fragment."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.lent = 0
+
+    def take(self, numel: int) -> np.ndarray:
+        self.lent += 1
+        free = self._free.get(numel)
+        return free.pop() if free else np.zeros(numel, dtype=np.float32)
+
+    def give(self, buffer: np.ndarray) -> None:
+        """Take back a zeroed buffer."""
+        self.lent -= 1
+        self._free.setdefault(buffer.shape[0], []).append(buffer)
+
+    @property
+    def held_bytes(self) -> int:
+        return 4 * sum(b.shape[0] for free in self._free.values() for b in free)
+
+
 class RoundAccumulator:
     """Σ of one round's contributions to one fragment, by key (a learner's session)."""
 
-    def __init__(self, numel: int, codec: Codec, rule: MergeRule) -> None:
+    def __init__(self, numel: int, codec: Codec, rule: MergeRule, pool: BufferPool | None = None) -> None:
         self.numel = numel
         self.codec = codec
         self.rule = rule
         self._fast = fused_int4(codec)
-        # Allocated once and zeroed in place between rounds: a fresh buffer per round would
-        # cost a page fault per 4 KiB, more than the merge itself on a large fragment.
-        self._acc = np.zeros(numel, dtype=np.float32)
-        self._touched = False
+        self._pool = pool or BufferPool()
+        self._acc: np.ndarray | None = None
+        """Taken from the pool at the round's first contribution, given back at its close."""
         self._entries: dict[Hashable, _Entry] = {}
 
     def __len__(self) -> int:
@@ -110,7 +137,8 @@ class RoundAccumulator:
     def _axpy(self, payload: bytes, alpha: float) -> None:
         if alpha == 0.0:
             return
-        self._touched = True
+        if self._acc is None:
+            self._acc = self._pool.take(self.numel)
         if self._fast:
             int4_axpy(*self._parts(payload), self.numel, self.codec.block_size, alpha, self._acc)  # type: ignore[attr-defined]
         else:
@@ -123,6 +151,8 @@ class RoundAccumulator:
 
     def accumulated(self) -> Accumulated:
         """The sum, the rule's factor and coherence (factor 0: nothing with weight, or directions that cancel)."""
+        if self._acc is None:  # nothing added a vector (zero weights or zero norms)
+            self._acc = self._pool.take(self.numel)
         acc = self._acc
         summands = [Summand(e.weight, e.norm) for e in self._entries.values()]
         if not summands or sum(s.weight for s in summands) <= 0:
@@ -135,8 +165,11 @@ class RoundAccumulator:
         return torch.from_numpy(acc * np.float32(factor))
 
     def clear(self, *, zeroed: bool = False) -> None:
-        """Forget the round; ``zeroed``: the caller has already zeroed the accumulator (the fused close does)."""
-        if self._touched and not zeroed:
-            self._acc.fill(0.0)
-        self._touched = False
+        """Forget the round and give its accumulator back; ``zeroed``: the caller has already zeroed
+        it (the fused close does)."""
+        if self._acc is not None:
+            if not zeroed:
+                self._acc.fill(0.0)
+            self._pool.give(self._acc)
+            self._acc = None
         self._entries.clear()

@@ -6,7 +6,12 @@ layout directly, a contribution costs one pass over its payload to check and mea
 (``int4_stats``: every scale finite, ‖Δ‖² = Σ_blocks scale² · Σ (code − 7)²) and one pass
 to add α·Δ into the round's float32 accumulator (``int4_axpy``) — no decoded copy. The
 close of a round is one pass too (``outer_step_int4``): merged Δ, Nesterov momentum, error
-feedback, int4 encoding of the update, and Θ += decoded update, block by block.
+feedback, int4 encoding of the update, and Θ += decoded update, block by block, keeping the
+outer state lean (momentum in bf16, the downlink residual in int8: 3 bytes per parameter
+instead of 8).
+
+Every kernel releases the GIL (``nogil``): the synchronizer's core runs them on its own
+thread, and the event loop that serves status, uploads and update streams runs meanwhile.
 
 Why numba: the fused loops touch each byte once where torch's unpack/scale/norm/add chain
 touches it five or six times (``benchmarks/bench_runtime.py --only merge``); numba installs
@@ -44,7 +49,7 @@ _SHIFT = np.int32(4)
 
 # ---- checking and measuring a contribution -----------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _squares(packed: np.ndarray, start: int, count: int) -> np.int32:
     """Σ (code − 7)² over ``count`` bytes (two codes each), in int32: a block of ≤ 2¹⁶ codes cannot overflow."""
     total = np.int32(0)
@@ -56,7 +61,7 @@ def _squares(packed: np.ndarray, start: int, count: int) -> np.int32:
     return total
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _stats(scales: np.ndarray, packed: np.ndarray, numel: int, half: int) -> tuple[float, int]:
     whole = numel // 2  # bytes holding two codes; an odd numel leaves one code in a last byte
     total = 0.0
@@ -78,12 +83,12 @@ def _stats(scales: np.ndarray, packed: np.ndarray, numel: int, half: int) -> tup
     return total, bad
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _stats_block(scales: np.ndarray, packed: np.ndarray, numel: int) -> tuple[float, int]:
     return _stats(scales, packed, numel, _HALF)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _stats_any(scales: np.ndarray, packed: np.ndarray, numel: int, half: int) -> tuple[float, int]:
     return _stats(scales, packed, numel, half)
 
@@ -97,7 +102,7 @@ def int4_stats(scales: np.ndarray, packed: np.ndarray, numel: int, block_size: i
 
 # ---- adding a contribution to the round ----------------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _axpy_run(packed: np.ndarray, start: int, count: int, s: np.float32, acc: np.ndarray) -> None:
     for k in range(count):
         j = start + k
@@ -106,7 +111,7 @@ def _axpy_run(packed: np.ndarray, start: int, count: int, s: np.float32, acc: np
         acc[2 * j + 1] += np.float32((byte >> _SHIFT) - _Q) * s
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _axpy(scales: np.ndarray, packed: np.ndarray, numel: int, half: int, alpha: float, acc: np.ndarray) -> None:
     whole = numel // 2
     for b in range(scales.shape[0]):
@@ -120,12 +125,12 @@ def _axpy(scales: np.ndarray, packed: np.ndarray, numel: int, half: int, alpha: 
                 acc[numel - 1] += np.float32((np.int32(packed[whole]) & _LOW_MASK) - _Q) * s
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _axpy_block(scales: np.ndarray, packed: np.ndarray, numel: int, alpha: float, acc: np.ndarray) -> None:
     _axpy(scales, packed, numel, _HALF, alpha, acc)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _axpy_any(scales: np.ndarray, packed: np.ndarray, numel: int, half: int, alpha: float, acc: np.ndarray) -> None:
     _axpy(scales, packed, numel, half, alpha, acc)
 
@@ -141,7 +146,7 @@ def int4_axpy(scales: np.ndarray, packed: np.ndarray, numel: int, block_size: in
 
 # ---- the merged direction's norm -------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def norm_squared(x: np.ndarray) -> float:
     """Σ x² in float64 over four interleaved partial sums (vectorizable, same order every time)."""
     n = x.shape[0]
@@ -164,109 +169,119 @@ ROUNDING = np.float32(1.5 * 2**23)
 ties to even — what ``torch.round`` does — in two additions the compiler can vectorize,
 where a call to ``rint`` per element cannot be."""
 
+RESIDUAL_LEVELS = np.float32(254.0)
+"""The downlink residual is kept as int8 in units of its block's scale / 254: an update is rounded
+to the nearest code, so what it could not carry lies within ±scale/2, and 254 levels over that
+range keep it to 1/508 of a quantization step (1 byte per parameter instead of 4)."""
 
-@njit(cache=True, inline="always")
-def _update(acc: np.ndarray, i: int, f_scale: np.float32, f_lr: np.float32, f_mu: np.float32, first: bool,
-            plain: bool, momentum: np.ndarray, residual: np.ndarray) -> np.float32:
-    merged = acc[i] * f_scale
-    acc[i] = 0.0  # ready for the next round
-    if plain:
-        update = merged * -f_lr
-    else:
-        buf = merged if first else momentum[i] * f_mu + merged
-        momentum[i] = buf
-        update = (merged + buf * f_mu) * -f_lr
-    return update + residual[i]
+_BF16_ROUND = np.uint32(0x7FFF)
+_BF16_SHIFT = np.uint32(16)
+_ONE = np.uint32(1)
 
 
-@njit(cache=True, inline="always")
-def _encode(update: np.float32, divisor: np.float32, block_scale: np.float32, i: int, residual: np.ndarray,
-            value: np.ndarray) -> np.int32:
-    q = min(max((update / divisor + ROUNDING) - ROUNDING, np.float32(-7.0)), np.float32(7.0))
-    sent = np.float32(q) * block_scale
-    residual[i] = update - sent
-    value[i] += sent
-    return np.int32(q) + _Q
+@njit(cache=True, nogil=True, inline="always")
+def _round(x: np.float32) -> np.float32:
+    return (x + ROUNDING) - ROUNDING
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _close_block(start: int, count: int, acc: np.ndarray, f_scale: np.float32, f_lr: np.float32, f_mu: np.float32,
-                 first: bool, plain: bool, momentum: np.ndarray, residual: np.ndarray, value: np.ndarray,
-                 scales_out: np.ndarray, b: int, packed_out: np.ndarray) -> float:
-    """One block: update, absmax, encode, value += decoded. Returns the block's Σ value²."""
+                 first: bool, plain: bool, momentum: np.ndarray, residual: np.ndarray, residual_scales: np.ndarray,
+                 value: np.ndarray, scales_out: np.ndarray, b: int, packed_out: np.ndarray, buf: np.ndarray,
+                 buf_bits: np.ndarray, update: np.ndarray) -> None:
+    """One block: merged Δ, Nesterov momentum (bf16 in memory, float32 here), + residual,
+    absmax, int4 encode, residual ← what the update could not carry, value += decoded."""
+    uses_momentum = not plain
+    if uses_momentum and not first:
+        for k in range(count):  # bf16 -> float32: the high half of the float's bits
+            buf_bits[k] = np.uint32(momentum[start + k]) << _BF16_SHIFT
+    unit = residual_scales[b] / RESIDUAL_LEVELS
     absmax = np.float32(0.0)
     for k in range(count):
-        update = _update(acc, start + k, f_scale, f_lr, f_mu, first, plain, momentum, residual)
-        residual[start + k] = update  # the update for now; the residual once the block is encoded
-        absmax = max(absmax, abs(update))
+        i = start + k
+        merged = acc[i] * f_scale
+        acc[i] = 0.0  # ready for the next round
+        if plain:
+            u = merged * -f_lr
+        else:
+            m = merged if first else buf[k] * f_mu + merged
+            buf[k] = m
+            u = (merged + m * f_mu) * -f_lr
+        u += np.float32(residual[i]) * unit
+        update[k] = u
+        absmax = max(absmax, abs(u))
     block_scale = absmax / np.float32(7.0)
     scales_out[b] = block_scale
+    residual_scales[b] = block_scale
     divisor = block_scale if block_scale > 0 else np.float32(1.0)
-    pairs = count // 2
-    for k in range(pairs):
+    to_levels = RESIDUAL_LEVELS / divisor
+    for k in range(count):
+        i = start + k
+        q = min(max(_round(update[k] / divisor), np.float32(-7.0)), np.float32(7.0))
+        sent = q * block_scale
+        value[i] += sent
+        r = min(max(_round((update[k] - sent) * to_levels), np.float32(-127.0)), np.float32(127.0))
+        residual[i] = np.int8(r)
+        update[k] = q + np.float32(7.0)  # the code, for packing
+    for k in range(count // 2):
         i = start + 2 * k
-        low = _encode(residual[i], divisor, block_scale, i, residual, value)
-        high = _encode(residual[i + 1], divisor, block_scale, i + 1, residual, value)
-        packed_out[i >> 1] = np.uint8(low | (high << _SHIFT))
+        packed_out[i >> 1] = np.uint8(np.int32(update[2 * k]) | (np.int32(update[2 * k + 1]) << _SHIFT))
     if count & 1:  # an odd numel: the last byte holds one code
-        i = start + count - 1
-        packed_out[i >> 1] = np.uint8(_encode(residual[i], divisor, block_scale, i, residual, value))
-    s0 = s1 = 0.0
-    for k in range(pairs):
-        i = start + 2 * k
-        s0 += np.float64(value[i]) * np.float64(value[i])
-        s1 += np.float64(value[i + 1]) * np.float64(value[i + 1])
-    if count & 1:
-        i = start + count - 1
-        s0 += np.float64(value[i]) * np.float64(value[i])
-    return s0 + s1
+        packed_out[(start + count - 1) >> 1] = np.uint8(np.int32(update[count - 1]))
+    if uses_momentum:
+        for k in range(count):  # float32 -> bf16, rounded to nearest, ties to even
+            bits = buf_bits[k]
+            momentum[start + k] = np.uint16((bits + _BF16_ROUND + ((bits >> _BF16_SHIFT) & _ONE)) >> _BF16_SHIFT)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _outer_step(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool, momentum: np.ndarray,
-                residual: np.ndarray, value: np.ndarray, block_size: int, scales_out: np.ndarray,
-                packed_out: np.ndarray) -> float:
+                residual: np.ndarray, residual_scales: np.ndarray, value: np.ndarray, block_size: int,
+                scales_out: np.ndarray, packed_out: np.ndarray) -> None:
     numel = acc.shape[0]
     f_scale, f_lr, f_mu = np.float32(scale), np.float32(lr), np.float32(mu)
-    total = 0.0
+    buf = np.empty(block_size, dtype=np.float32)
+    buf_bits = buf.view(np.uint32)
+    update = np.empty(block_size, dtype=np.float32)
     for b in range(scales_out.shape[0]):
         start = b * block_size
-        if start + block_size <= numel:
-            total += _close_block(start, block_size, acc, f_scale, f_lr, f_mu, first, plain, momentum, residual,
-                                  value, scales_out, b, packed_out)
-        else:
-            total += _close_block(start, numel - start, acc, f_scale, f_lr, f_mu, first, plain, momentum, residual,
-                                  value, scales_out, b, packed_out)
-    return total
+        count = min(block_size, numel - start)
+        _close_block(start, count, acc, f_scale, f_lr, f_mu, first, plain, momentum, residual, residual_scales,
+                     value, scales_out, b, packed_out, buf, buf_bits, update)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _outer_step_block(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
-                      momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, scales_out: np.ndarray,
-                      packed_out: np.ndarray) -> float:
-    return _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, value, BLOCK, scales_out, packed_out)
+                      momentum: np.ndarray, residual: np.ndarray, residual_scales: np.ndarray, value: np.ndarray,
+                      scales_out: np.ndarray, packed_out: np.ndarray) -> None:
+    _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, residual_scales, value, BLOCK, scales_out,
+                packed_out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _outer_step_any(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
-                    momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, block_size: int,
-                    scales_out: np.ndarray, packed_out: np.ndarray) -> float:
-    return _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, value, block_size, scales_out,
-                       packed_out)
+                    momentum: np.ndarray, residual: np.ndarray, residual_scales: np.ndarray, value: np.ndarray,
+                    block_size: int, scales_out: np.ndarray, packed_out: np.ndarray) -> None:
+    _outer_step(acc, scale, lr, mu, first, plain, momentum, residual, residual_scales, value, block_size, scales_out,
+                packed_out)
 
 
 def outer_step_int4(acc: np.ndarray, scale: float, lr: float, mu: float, first: bool, plain: bool,
-                    momentum: np.ndarray, residual: np.ndarray, value: np.ndarray, block_size: int,
-                    scales_out: np.ndarray, packed_out: np.ndarray) -> float:
+                    momentum: np.ndarray, residual: np.ndarray, residual_scales: np.ndarray, value: np.ndarray,
+                    block_size: int, scales_out: np.ndarray, packed_out: np.ndarray) -> None:
     """One pass: merged = scale·acc (and acc ← 0); Nesterov (or a plain −lr step); + residual;
-    int4 encode; residual ← update − decoded; value ← value + decoded. Returns ‖value‖² (the
-    next round's norm bound is relative to it). Same float32 operations, in the same
-    order, as ``NesterovSGD.update`` followed by the int4 codec and ``GlobalFragment.step``
-    (``block_size`` even: a packed byte never straddles two blocks)."""
+    int4 encode; residual ← update − decoded; value ← value + decoded. The state it keeps is
+    lean: ``momentum`` bf16 (as uint16 bits), ``residual`` int8 in units of
+    ``residual_scales`` / 254 (one float32 per block, the scale of the block's last update).
+    Otherwise the same float32 operations, in the same order, as ``NesterovSGD.update``
+    followed by the int4 codec and ``GlobalFragment.step`` (``block_size`` even: a packed
+    byte never straddles two blocks). Releases the GIL: the event loop serves while it runs."""
     if block_size == BLOCK:
-        return _outer_step_block(acc, scale, lr, mu, first, plain, momentum, residual, value, scales_out, packed_out)
-    return _outer_step_any(acc, scale, lr, mu, first, plain, momentum, residual, value, block_size, scales_out,
-                           packed_out)
+        _outer_step_block(acc, scale, lr, mu, first, plain, momentum, residual, residual_scales, value, scales_out,
+                          packed_out)
+    else:
+        _outer_step_any(acc, scale, lr, mu, first, plain, momentum, residual, residual_scales, value, block_size,
+                        scales_out, packed_out)
 
 
 def compile_kernels() -> None:
@@ -284,7 +299,7 @@ def compile_kernels() -> None:
         packed = np.frombuffer(bytes(block), dtype=np.uint8)
         int4_stats(scales, packed, acc.shape[0], block)
         int4_axpy(scales, packed, acc.shape[0], block, 1.0, acc)
-        state = [np.zeros_like(acc) for _ in range(3)]
-        outer_step_int4(acc, 1.0, 1.0, 0.9, True, False, *state, block, np.empty(2, dtype=np.float32),
-                        np.zeros(block, dtype=np.uint8))
+        outer_step_int4(acc, 1.0, 1.0, 0.9, True, False, np.zeros(acc.shape[0], dtype=np.uint16),
+                        np.zeros(acc.shape[0], dtype=np.int8), np.zeros(2, dtype=np.float32), np.zeros_like(acc), block,
+                        np.empty(2, dtype=np.float32), np.zeros(block, dtype=np.uint8))
     norm_squared(np.zeros(4, dtype=np.float32))

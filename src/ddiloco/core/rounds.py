@@ -3,13 +3,18 @@
 Per fragment p the synchronizer keeps the canonical global value Θ_p (fp32, the sum of the
 dequantized updates it has sent), the outer optimizer's momentum, the downlink
 quantization residual, the version V_p, and the round that will produce V_p + 1.
+
+With the int4 downlink (the default) the outer state is lean: momentum in bf16 and the
+residual in int8 relative to its block's last scale (``core/kernels.py``), so a fragment
+holds 4 + 2 + 1 bytes per parameter (and 4 more only while a round is open: the round's
+accumulator comes from a pool). ``tests/core/test_lean_state.py`` bounds how far 200 rounds
+of it drift from an fp32 outer state; other downlink codecs keep fp32 momentum and residual.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -130,7 +135,12 @@ class GlobalFragment:
     """The pending round's merge, accumulated as contributions arrive."""
     version: int = 0
     momentum: torch.Tensor | None = None
+    """Outer momentum: bf16 with the fused int4 downlink, fp32 otherwise (None before the first step)."""
     residual: torch.Tensor | None = None
+    """Downlink error feedback: int8 in units of ``residual_scales`` / 254 with the fused int4
+    downlink, fp32 otherwise (None before the first update)."""
+    residual_scales: torch.Tensor | None = None
+    """float32 per block: the scale of the block's last update (the fused path's residual unit)."""
     round: Round = field(default_factory=Round)
     ready_at_s: float = 0.0
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
@@ -138,7 +148,6 @@ class GlobalFragment:
     """‖Θ_p‖ when the run began: the norm bound's scale until enough contributions are known."""
     norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORMS_KEPT))
     """‖Δ‖ of the latest accepted contributions."""
-    _value_norm: float | None = None
 
     def norm_bound(self, ratio: float) -> float:
         """The largest ‖Δ‖ accepted: ``ratio`` times the lower median of recent accepted norms
@@ -150,13 +159,6 @@ class GlobalFragment:
             return ratio * scale
         recent = sorted(self.norms)
         return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
-
-    @property
-    def value_norm(self) -> float:
-        """‖Θ_p‖ (the norm bound of contributions is relative to it); computed once per version."""
-        if self._value_norm is None:
-            self._value_norm = float(torch.linalg.vector_norm(self.value))
-        return self._value_norm
 
     def check(self, c: Contribution, uplink: Codec, staleness_max: int) -> None:
         """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured from."""
@@ -182,26 +184,25 @@ class GlobalFragment:
         goes through :meth:`step`.
         """
         acc, factor, coherence = self.accumulator.accumulated()
-        self._value_norm = None
         if not fused_int4(downlink):
             merged = torch.from_numpy(acc * np.float32(factor))
             self.accumulator.clear()
             return self.step(merged, outer, downlink, plain=plain), coherence
-        first = self.momentum is None
-        if first:
-            self.momentum = torch.zeros_like(self.value)
-        if self.residual is None:
-            self.residual = torch.zeros_like(self.value)
         numel = self.value.numel()
         blocks = -(-numel // downlink.block_size)
+        first = self.momentum is None
+        if first and not plain:
+            self.momentum = torch.empty(numel, dtype=torch.bfloat16)  # the kernel writes it whole
+        if self.residual is None:
+            self.residual = torch.zeros(numel, dtype=torch.int8)
+            self.residual_scales = torch.zeros(blocks, dtype=torch.float32)
+        assert self.residual_scales is not None
+        momentum = _bits(self.momentum) if self.momentum is not None else np.empty(0, dtype=np.uint16)
         scales = np.empty(blocks, dtype=np.float32)
         packed = np.zeros((numel + 1) // 2, dtype=np.uint8)
-        value_squared = outer_step_int4(acc, factor, outer.lr, outer.momentum, first, plain, self.momentum.numpy(),
-                                        self.residual.numpy(), self.value.numpy(), downlink.block_size, scales, packed)
+        outer_step_int4(acc, factor, outer.lr, outer.momentum, first, plain, momentum, self.residual.numpy(),
+                        self.residual_scales.numpy(), self.value.numpy(), downlink.block_size, scales, packed)
         self.accumulator.clear(zeroed=True)  # the kernel zeroed it as it read it
-        self._value_norm = math.sqrt(value_squared)
-        if first and plain:
-            self.momentum = None
         self.version += 1
         return scales.astype("<f4", copy=False).tobytes() + packed.tobytes(), coherence
 
@@ -217,28 +218,39 @@ class GlobalFragment:
         sent = downlink.decode(payload, update.numel())
         self.residual = update - sent  # error feedback: what this update could not carry
         self.value += sent
-        self._value_norm = None
         self.version += 1
         return payload
 
     def state_dict(self) -> dict[str, Any]:
+        """A copy of this fragment's state (one fragment's worth of memory, taken on the core's thread)."""
         return {
             "value": self.value.clone(),
             "version": self.version,
-            "momentum": None if self.momentum is None else self.momentum.clone(),
-            "residual": None if self.residual is None else self.residual.clone(),
+            "momentum": _copy(self.momentum),
+            "residual": _copy(self.residual),
+            "residual_scales": _copy(self.residual_scales),
             "initial_norm": self.initial_norm,
             "norms": list(self.norms),
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        if saved["value"].numel() != self.value.numel():
-            raise ValueError("checkpoint fragment size mismatch")
-        self.value = saved["value"].to(torch.float32).clone()
-        self._value_norm = None
+    def load_state_dict(self, saved: dict[str, Any], *, lean: bool) -> None:
+        """Restore from :meth:`state_dict` (``lean``: the fused int4 downlink's bf16/int8 outer state)."""
+        numel = self.value.numel()
+        value = saved["value"]
+        if value.numel() != numel or value.dtype != torch.float32:
+            raise ValueError(f"fragment value of {value.numel()} {value.dtype} values, expected {numel} float32")
+        momentum, residual, scales = saved["momentum"], saved["residual"], saved.get("residual_scales")
+        want = (torch.bfloat16, torch.int8) if lean else (torch.float32, torch.float32)
+        for name, t, dtype in (("momentum", momentum, want[0]), ("residual", residual, want[1])):
+            if t is not None and (t.numel() != numel or t.dtype != dtype):
+                raise ValueError(f"fragment {name} of {t.numel()} {t.dtype} values, expected {numel} {dtype}")
+        if lean and residual is not None and scales is None:
+            raise ValueError("fragment residual without its block scales")
+        self.value.copy_(value.reshape(-1))
         self.version = int(saved["version"])
-        self.momentum = None if saved["momentum"] is None else saved["momentum"].clone()
-        self.residual = None if saved["residual"] is None else saved["residual"].clone()
+        self.momentum = None if momentum is None else momentum.reshape(-1).clone()
+        self.residual = None if residual is None else residual.reshape(-1).clone()
+        self.residual_scales = None if scales is None or not lean else scales.to(torch.float32).reshape(-1).clone()
         self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
         self.norms.clear()
         self.norms.extend(float(n) for n in saved.get("norms", ()))
@@ -248,3 +260,12 @@ class GlobalFragment:
     def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int,
                        round_age_s: float) -> FragmentUpdate:
         return FragmentUpdate(index, self.version, codec.name, payload, incarnation, round_age_s)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's storage as uint16 (what the kernels read and write)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ddiloco.core.accumulate import RoundAccumulator
+from ddiloco.core.accumulate import BufferPool, RoundAccumulator
 from ddiloco.core.actions import (
     Accepted,
     Admitted,
@@ -44,7 +44,7 @@ from ddiloco.core.actions import (
     Tick,
 )
 from ddiloco.core.claims import ClaimLimits, check_contribution
-from ddiloco.core.codecs import get_codec
+from ddiloco.core.codecs import fused_int4, get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
@@ -95,13 +95,16 @@ class Synchronizer:
         embeds = set(embedding_fragments)
         # A shard holds only the fragments it owns (p mod shards = shard), by their global index.
         self._fragments: dict[int, GlobalFragment] = {}
-        for i, v in enumerate(initial_values):
+        self._buffers = BufferPool()
+        for i in range(len(initial_values)):
             if config.shard_of(i) == shard:
+                v = initial_values[i]  # a lazy sequence reads only the fragments this shard owns
                 value = v.detach().to(torch.float32).flatten().clone()
                 self._fragments[i] = GlobalFragment(
                     value=value, is_embedding=i in embeds, initial_norm=float(torch.linalg.vector_norm(value)),
                     accumulator=RoundAccumulator(v.numel(), self._uplink,
-                                                 merge_rule(MergeRuleName.MEAN if i in embeds else config.merge)),
+                                                 merge_rule(MergeRuleName.MEAN if i in embeds else config.merge),
+                                                 self._buffers),
                 )
         self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
@@ -439,8 +442,9 @@ class Synchronizer:
         if list(state.get("owned", range(len(frags)))) != list(self._fragments):
             raise ValueError(f"checkpoint holds fragments {list(state.get('owned', range(len(frags))))}, "
                              f"this synchronizer owns {list(self._fragments)}")
+        lean = fused_int4(self._downlink)
         for f, saved in zip(self._fragments.values(), frags):
-            f.load_state_dict(saved)
+            f.load_state_dict(saved, lean=lean)
         self._registry.load_state_dict(state["learners"])
         self._counters = SyncCounters.from_state(state)
         self._run.load_state_dict(state["run"])
