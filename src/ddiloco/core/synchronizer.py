@@ -106,7 +106,8 @@ class Synchronizer:
                                                  merge_rule(MergeRuleName.MEAN if i in embeds else config.merge),
                                                  self._buffers),
                 )
-        self._state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
+        self.state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
+        """The fp32 size of the fragments this synchronizer owns (what a join transfers)."""
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
                                   max_learners=limits.max_learners, data_shards=limits.learners,
                                   forget_after_s=config.forget_after_s)
@@ -160,7 +161,7 @@ class Synchronizer:
     def admission_s(self) -> float:
         """How long a joining learner's lease waits for its global state: the transfer at
         ``protocol.min_link_bytes_per_s`` (drivers give the transfer the same deadline)."""
-        return self._state_bytes / self.config.min_link_bytes_per_s
+        return self.state_bytes / self.config.min_link_bytes_per_s
 
     def data_shard(self, learner_id: str) -> int:
         """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""

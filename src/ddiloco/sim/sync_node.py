@@ -27,7 +27,7 @@ from ddiloco.core.actions import (
     Tick,
 )
 from ddiloco.core.messages import Contribution, FragmentUpdate, Request, StopNotice
-from ddiloco.core.replay import ReplayLog
+from ddiloco.core.replay import ReplayLog, replay_budget
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick
 from ddiloco.sim.host import NodeHost
@@ -42,7 +42,7 @@ class SyncNode:
         self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7, shard]))
         self.incarnation = self._new_incarnation()
         self.core = build(self.incarnation)
-        self.replay: ReplayLog[FragmentUpdate] = ReplayLog(max(self.core.owned, default=-1) + 1)
+        self.replay: ReplayLog[FragmentUpdate] = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
         self.up = True
         self.checkpoint: dict[str, Any] | None = None
         self.tick_at: float | None = None
@@ -147,7 +147,7 @@ class SyncNode:
             return
         self.incarnation = self._new_incarnation()
         self.core = self._build(self.incarnation)
-        self.replay = ReplayLog(max(self.core.owned, default=-1) + 1)
+        self.replay = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
         if self.checkpoint is not None:
             self.core.load_state_dict(self.checkpoint)
         self.up = True

@@ -47,6 +47,7 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.config import Mode
 from ddiloco.core.messages import RejectReason, StopNotice
+from ddiloco.core.replay import replay_budget
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
@@ -121,7 +122,7 @@ class SyncService:
         owned = [self.layout.plan.fragments[p] for p in self.core.owned]
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
         self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
-        self.state_bytes = 4 * sum(f.numel for f in owned)
+        self.state_bytes = self.core.state_bytes
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
         self.boundary = Boundary(Authenticator(options.token, options.credentials), max(4 * f.numel for f in owned),
@@ -138,7 +139,7 @@ class SyncService:
             log.info("resumed from %s: fragment versions %s", options.state_dir, list(self.core.versions()))
         elif options.resume:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
-        self.streams = UpdateStreams(len(self.layout.plan.fragments))
+        self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
         self.host: SyncHost | None = None
 
     @property

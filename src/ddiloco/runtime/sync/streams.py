@@ -30,9 +30,9 @@ class Subscriber:
 
 
 class UpdateStreams:
-    def __init__(self, fragments: int) -> None:
+    def __init__(self, fragments: int, replay_bytes: int) -> None:
         self._subscribers: dict[str, Subscriber] = {}
-        self._replay: ReplayLog[list[bytes]] = ReplayLog(fragments)
+        self._replay: ReplayLog[list[bytes]] = ReplayLog(fragments, replay_bytes)
 
     def subscribe(self, learner: str) -> Subscriber:
         """A new stream for ``learner`` (replacing the one it had, which is closed)."""
