@@ -37,7 +37,7 @@ def join(core: Learner, sync: Synchronizer, now: float = 0.0) -> list:
     actions = sync.handle(send.message, now)
     reply = actions[0]
     assert isinstance(reply, Admitted), reply
-    core.on_admitted(reply.state, now, stop=reply.stop)
+    core.on_admitted(sync.state_for(reply.state), now, stop=reply.stop)
     sync.handle(StateDelivered(core.learner_id, reply.state.session), now)
     for beat in core.tick(now):
         assert isinstance(beat, SendHeartbeat)

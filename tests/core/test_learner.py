@@ -104,7 +104,7 @@ def test_work_of_an_earlier_session_is_dropped_not_folded():
         local_step(params, seed=s)
         old = next((c for c in step(core, 10, 1.0) if c.fragment == 0), old)
     state = sync.handle(Join("l0", "b0"), 4.0)[0].state
-    core.on_admitted(state, 4.0)
+    core.on_admitted(sync.state_for(state), 4.0)
     assert not core.is_current(old)
     assert core.on_undelivered(old, 4.5) == [] and core.dropped == 1
     assert core.on_refused(old, RejectReason.SUPERSEDED, 4.5) == []  # about a session we left
@@ -192,7 +192,7 @@ def test_the_first_heartbeat_goes_as_soon_as_the_state_is_adopted():
     core = Learner("late", BASE, plan, params, boot="b-late")
     (join,) = core.start(0.0)
     admitted = sync.handle(join.message, 0.0)[0]
-    core.on_admitted(admitted.state, 40.0)
+    core.on_admitted(sync.state_for(admitted.state), 40.0)
     (beat,) = core.tick(40.0)
     assert isinstance(beat, SendHeartbeat) and beat.message.session == admitted.state.session
 

@@ -44,7 +44,7 @@ def joined_learner(device: str = "cpu") -> tuple[Learner, dict[str, torch.Tensor
     (join,) = [a for a in core.start(0.0) if isinstance(a, SendJoin)]
     reply = sync.handle(join.message, 0.0)[0]
     assert isinstance(reply, Admitted)
-    core.on_admitted(reply.state, 0.0)
+    core.on_admitted(sync.state_for(reply.state), 0.0)
     return core, params, sync
 
 

@@ -250,7 +250,9 @@ class FragmentValue:
 
     fragment: int
     version: int
-    values: torch.Tensor
+    values: torch.Tensor | None
+    """None in the synchronizer's reply to a join: a driver copies each fragment as it sends it
+    (``Synchronizer.fragment_value``), so a join never holds a copy of the whole model."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,12 +140,24 @@ class Synchronizer:
     def alive(self) -> list[str]:
         return self._registry.alive()
 
+    def fragment_value(self, fragment: int) -> FragmentValue:
+        """A copy of one fragment's value with its version: what a transfer sends of it.
+
+        Joins and state fetches copy the state one fragment at a time, as they send it, so a
+        transfer holds one fragment beyond the steady state, never the whole model."""
+        f = self._fragments[fragment]
+        return FragmentValue(fragment, f.version, f.value.clone())
+
+    def fragment_version(self, fragment: int) -> int:
+        return self._fragments[fragment].version
+
+    def state_for(self, state: GlobalState) -> GlobalState:
+        """A join reply's state with every value copied now (drivers that send it at once: the virtual cluster, tests)."""
+        return replace(state, fragments=self.global_state().fragments)
+
     def global_state(self) -> GlobalState:
-        """Every fragment's value, without registering anyone (evaluation, monitoring)."""
-        return GlobalState(
-            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in self._fragments.items()),
-            incarnation=self.incarnation,
-        )
+        """Every fragment's value, copied at once, without registering anyone (evaluation, monitoring, tests)."""
+        return GlobalState(tuple(self.fragment_value(p) for p in self._fragments), incarnation=self.incarnation)
 
     def pending_tokens(self) -> int:
         return sum(f.round.tokens for f in self._fragments.values())
@@ -257,11 +269,10 @@ class Synchronizer:
         rec = self._registry.register(join, now, admission_s=self.admission_s(),
                                       tokens_per_step=self._claims.tokens_per_step(join.tokens_per_step))
         self._run.start(now)
-        state = GlobalState(
-            tuple(FragmentValue(i, f.version, f.value.clone()) for i, f in self._fragments.items()),
-            incarnation=self.incarnation,
-            session=rec.session,
-        )
+        # The values travel separately, a fragment at a time (``fragment_value``): the reply names
+        # the versions the learner will be sent at the least.
+        state = GlobalState(tuple(FragmentValue(i, f.version, None) for i, f in self._fragments.items()),
+                            incarnation=self.incarnation, session=rec.session)
         return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:

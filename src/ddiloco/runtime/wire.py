@@ -179,12 +179,18 @@ class UpdateAssembler:
 
 def state_chunks(state: GlobalState) -> Iterable[pb.StateChunk]:
     for frag in state.fragments:
-        data = memoryview(frag.values.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
-                          .tobytes())
-        total = len(data)
-        for offset in range(0, max(total, 1), CHUNK_BYTES):
-            yield pb.StateChunk(fragment=frag.fragment, version=frag.version, offset=offset, total_bytes=total,
-                                data=bytes(data[offset : offset + CHUNK_BYTES]))
+        yield from fragment_chunks(frag)
+
+
+def fragment_chunks(frag: FragmentValue) -> Iterable[pb.StateChunk]:
+    """One fragment's fp32 value in chunks, each copied out of the value as it is sent."""
+    assert frag.values is not None
+    values = frag.values.detach().to(torch.float32).contiguous().numpy()
+    data = memoryview(values.astype("<f4", copy=False)).cast("B")
+    total = len(data)
+    for offset in range(0, max(total, 1), CHUNK_BYTES):
+        yield pb.StateChunk(fragment=frag.fragment, version=frag.version, offset=offset, total_bytes=total,
+                            data=bytes(data[offset : offset + CHUNK_BYTES]))
 
 
 class StateAssembler:

@@ -9,6 +9,8 @@ and join again.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any, Callable
 
 import numpy as np
@@ -98,6 +100,8 @@ class SyncNode:
         for action in actions:
             if isinstance(action, (Admitted, Accepted, Refused)):
                 assert reply_to is not None
+                if isinstance(action, Admitted):  # the whole state leaves at once over the virtual network
+                    action = replace(action, state=self.core.state_for(action.state))
                 m, boot, call_id = reply_to
                 size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
                 arrival = host.push(ReplyArrives(m, boot, call_id, action, self.shard), -1, size)

@@ -61,6 +61,7 @@ from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.measures import ByteLedger, fragment_shares
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
@@ -141,6 +142,7 @@ class SyncService:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
         self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
         self.host: SyncHost | None = None
+        self.copies = SharedCopies(lambda fn: self._host.query(fn))
 
     @property
     def view(self) -> CoreView:
@@ -285,9 +287,11 @@ class SyncService:
 
         async def send() -> None:
             await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
-            for chunk in wire.state_chunks(reply.state):
-                await self.calls.write(context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)),
-                                       "join")
+            for p in self.core.owned:
+                shared = await self.copies.get(p)
+                for chunk in wire.fragment_chunks(shared.value):
+                    await self.calls.write(context, self.boundary.out(learner, p, pb.JoinReply(chunk=chunk)), "join")
+                del shared  # the next fragment's copy replaces this one
 
         delivered = False
         deadline = self.calls.deadline_s(self.state_bytes)
@@ -374,12 +378,14 @@ class SyncService:
         async def work() -> None:
             self.boundary.receive(context, pb.FetchStateRequest, raw)
             async with self.calls.transfers.hold():
-                state = await self._host.query(lambda core: core.global_state())
                 deadline = self.calls.deadline_s(self.state_bytes)
 
                 async def send() -> None:
-                    for chunk in wire.state_chunks(state):
-                        await self.calls.write(context, chunk.SerializeToString(), "the state fetch")
+                    for p in self.core.owned:
+                        shared = await self.copies.get(p)
+                        for chunk in wire.fragment_chunks(shared.value):
+                            await self.calls.write(context, chunk.SerializeToString(), "the state fetch")
+                        del shared
 
                 try:
                     await asyncio.wait_for(send(), deadline)

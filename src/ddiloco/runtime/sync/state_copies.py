@@ -1,0 +1,48 @@
+"""Fragment copies for the state transfers of joins and fetches, shared while they are sent.
+
+A join or a state fetch sends the global state one fragment at a time: it asks the core's
+thread for a copy of the next fragment (``Synchronizer.fragment_value``), sends it in chunks
+and lets it go, so a transfer holds one fragment beyond the steady state instead of a copy
+of the whole model. Transfers under way at once share one copy of a fragment as long as its
+version has not moved on: eight learners joining together cost one copy of each fragment in
+turn, not eight copies of the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Awaitable, Callable
+
+from ddiloco.core.messages import FragmentValue
+from ddiloco.core.synchronizer import Synchronizer
+
+
+class _Shared:
+    """A fragment copy, held by the transfers sending it (a weak reference stays in the cache)."""
+
+    __slots__ = ("value", "__weakref__")
+
+    def __init__(self, value: FragmentValue) -> None:
+        self.value = value
+
+
+Query = Callable[[Callable[[Synchronizer], _Shared]], Awaitable[_Shared]]
+
+
+class SharedCopies:
+    def __init__(self, query: Query) -> None:
+        self._query = query
+        self._cache: weakref.WeakValueDictionary[int, _Shared] = weakref.WeakValueDictionary()
+
+    async def get(self, fragment: int) -> _Shared:
+        """The fragment's current value: a copy another transfer holds if it is of the current version."""
+        cached = self._cache.get(fragment)
+
+        def take(core: Synchronizer) -> _Shared:  # on the core's thread
+            if cached is not None and cached.value.version == core.fragment_version(fragment):
+                return cached
+            return _Shared(core.fragment_value(fragment))
+
+        shared = await self._query(take)
+        self._cache[fragment] = shared
+        return shared
