@@ -181,7 +181,7 @@ def test_kubernetes_command_lines_are_accepted_and_consistent(overlay, tmp_path)
     assert sync_doc["spec"]["replicas"] == 1
     assert sync_doc["spec"]["strategy"]["type"] == "Recreate"
     assert sync.resume
-    state, _ = mounted_file(sync_pod, sync_container, sync.state_dir + "/synchronizer.safetensors")
+    state, _ = mounted_file(sync_pod, sync_container, sync.state_dir + "/CURRENT")
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert state["persistentVolumeClaim"]["claimName"] in claims
 

@@ -154,7 +154,7 @@ def test_sigterm_stops_the_run_cleanly_and_leaves_no_process_behind(tmp_path) ->
     report = json.loads((out / "chaos.json").read_text())
     assert report["stopped"] == "SIGTERM" and not report["completed"] and report["eval_loss"] is not None
     assert report["violations"][0] == "the run did not complete: stopped by SIGTERM"
-    assert (out / "sync-state" / "synchronizer.safetensors").exists()  # the final checkpoint
+    assert (out / "sync-state" / "CURRENT").exists()  # the final checkpoint
     assert not session_pids(proc.pid)  # the chaos process reaps its children before it exits
 
 
@@ -215,6 +215,6 @@ def test_a_sharded_run_in_namespaces_survives_a_shard_kill_and_faults_on_real_li
     assert restart["target"] == "sync-1" and len(restart["versions_resumed"]) == 1  # shard 1 owns one fragment
     assert len(report["fragment_versions"]) == 3 and min(report["fragment_versions"]) > 0
     assert all(report["link_bytes"][name]["up"] > 0 for name in ("sync", "learner-0", "learner-1"))
-    assert (out / "sync-state-0" / "synchronizer.safetensors").exists()
-    assert (out / "sync-state-1" / "synchronizer.safetensors").exists()
+    assert (out / "sync-state-0" / "CURRENT").exists()
+    assert (out / "sync-state-1" / "CURRENT").exists()
     assert leftovers(tag_of(proc.pid)) == [] and not session_pids(proc.pid)

@@ -189,14 +189,14 @@ def test_failed_checkpoint_writes_are_counted_and_shown_and_the_run_goes_on(inpr
     config = tiny()
     state = tmp_path / "state"
     s = inproc_sync(config, ServiceOptions(state_dir=state, checkpoint_every_rounds=1, checkpoint_every_s=0.5))
-    (state / "synchronizer.safetensors").mkdir()  # the checkpoint's name is taken: every write fails
-    (state / "synchronizer.safetensors" / "keep").write_text("x")
+    (state / "CURRENT.tmp").mkdir()  # the pointer's temporary name is taken: every write fails at its commit
+    (state / "CURRENT.tmp" / "keep").write_text("x")
     honest = Honest(config, s.port, "learner-0", 0)
     with SyncClient(f"127.0.0.1:{s.port}") as client:
         status = wait_for(lambda: (st := client.status_dict())["checkpoint_failures"] >= 2 and st, "failed writes")
         assert "Error" in status["last_checkpoint_error"] and status["last_checkpoint_s_ago"] < 0
-        (state / "synchronizer.safetensors" / "keep").unlink()
-        (state / "synchronizer.safetensors").rmdir()
+        (state / "CURRENT.tmp" / "keep").unlink()
+        (state / "CURRENT.tmp").rmdir()
         status = wait_for(lambda: (st := client.status_dict())["last_checkpoint_s_ago"] >= 0 and st, "a good write")
         assert status["checkpoints"] >= 1 and min(versions(client)) >= 1
     honest.close()

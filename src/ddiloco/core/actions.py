@@ -187,7 +187,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """Write this state durably (atomically); a restart resumes from the latest one."""
+    """Write a checkpoint durably (atomically); a restart resumes from the latest one.
+
+    ``state`` is :meth:`Synchronizer.checkpoint_meta`: everything but the fragments' tensors,
+    which the driver copies a fragment at a time (:meth:`Synchronizer.fragment_state`) as it
+    writes them, so a checkpoint never holds a copy of the whole model."""
 
     state: dict[str, Any]
 

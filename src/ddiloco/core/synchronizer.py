@@ -371,7 +371,7 @@ class Synchronizer:
     def _checkpoint(self, now: float) -> Checkpoint:
         self._run.rounds_since_checkpoint = 0
         self._run.last_checkpoint_s = now
-        return Checkpoint(self.state_dict(now))
+        return Checkpoint(self.checkpoint_meta(now))
 
     def _maybe_close(self, index: int, now: float) -> list[SyncAction]:
         frag = self._fragments[index]
@@ -437,9 +437,16 @@ class Synchronizer:
     # ---- checkpointing -------------------------------------------------------------------
 
     def state_dict(self, now: float = 0.0) -> dict[str, Any]:
-        """Everything needed to resume: values, optimizer state, residuals, versions, counters, run."""
+        """Everything needed to resume, copied at once: values, optimizer state, residuals, versions, counters, run."""
+        return {**self.checkpoint_meta(now), "fragments": [self.fragment_state(p) for p in self._fragments]}
+
+    def fragment_state(self, fragment: int) -> dict[str, Any]:
+        """A copy of one fragment's state (value, momentum, residual, version, norms) for a checkpoint."""
+        return self._fragments[fragment].state_dict()
+
+    def checkpoint_meta(self, now: float = 0.0) -> dict[str, Any]:
+        """Everything :meth:`state_dict` holds but the fragments (a few kilobytes, whatever the model's size)."""
         return {
-            "fragments": [f.state_dict() for f in self._fragments.values()],
             "owned": list(self._fragments),
             "learners": self._registry.state_dict(),
             **self._counters.state_dict(),

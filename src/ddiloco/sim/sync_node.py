@@ -125,7 +125,7 @@ class SyncNode:
             elif isinstance(action, RoundClosed):
                 host.on_round(action, self.core.value(action.fragment))
             elif isinstance(action, Checkpoint):
-                self.checkpoint = action.state
+                self.checkpoint = {**action.state, "fragments": [self.core.fragment_state(p) for p in self.core.owned]}
             elif isinstance(action, Finished):
                 self.finished = True
         self.schedule_tick(host)

@@ -1,10 +1,15 @@
 """Writing the synchronizer's checkpoints in the background, and restoring from the latest.
 
-The core decides when a checkpoint is due; this writes it (atomically, in the state
-directory: :mod:`ddiloco.runtime.sync.state_dir`) off the event loop, one write at a time. A write
-that fails — a full disk, a directory that went away — never stops the service: it is
-logged, counted and shown in status with its error, beside the age of the last good
-checkpoint, which is what a restart would resume from.
+The core decides when a checkpoint is due and hands over its small state
+(:meth:`~ddiloco.core.synchronizer.Synchronizer.checkpoint_meta`); this writes it in the state
+directory (:mod:`ddiloco.runtime.sync.state_dir`) a fragment at a time: each fragment is
+copied on the core's thread, written off the event loop and let go before the next, so a
+checkpoint holds one fragment beyond the steady state. One write runs at a time; a checkpoint
+asked for while one is being written replaces any other still waiting (only the newest
+matters, and waiting checkpoints must not pile up). A write that fails — a full disk, a
+directory that went away — never stops the service: it is logged, counted and shown in
+status with its error, beside the age of the last good checkpoint, which is what a restart
+would resume from.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
@@ -20,18 +25,23 @@ from ddiloco.runtime.sync.state_dir import StateDir
 
 log = logging.getLogger("ddiloco.sync")
 
+FetchFragment = Callable[[int], Awaitable[dict[str, Any]]]
+"""A copy of one fragment's state, taken on the core's thread."""
+
 
 class CheckpointWriter:
-    def __init__(self, state_dir: StateDir | None, metrics: ServiceMetrics) -> None:
+    def __init__(self, state_dir: StateDir | None, metrics: ServiceMetrics, fragments: Sequence[int]) -> None:
         self.state_dir = state_dir
         self.metrics = metrics
+        self.fragments = tuple(fragments)
         self.checkpoints = 0
         """Written, over every incarnation of the run."""
         self.failures = 0
         self.last_error = ""
         self.last_good_s: float | None = None
-        self._writes: set[asyncio.Task] = set()
-        self._lock: asyncio.Lock | None = None
+        self._fetch: FetchFragment | None = None
+        self._next: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._task: asyncio.Task | None = None
 
     def restore(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None]) -> bool:
         """Hand the latest checkpoint to ``apply`` (the service, which restores its core and
@@ -42,55 +52,71 @@ class CheckpointWriter:
             saved = self.state_dir.load()
             if saved is None:
                 return False
+            where = self.state_dir.current
             if saved["service"]["layout_sha256"] != layout_sha256:
                 raise CheckpointError(
-                    "the checkpoint belongs to a run with another model, fragmentation or codec: "
-                    "start with the same --preset/--config/--set as the run that wrote it"
+                    f"the checkpoint {where} belongs to a run with another model, fragmentation or codec: "
+                    "start with the same --preset/--config/--set/--init as the run that wrote it"
                 )
             try:
                 apply(saved)
-            except (KeyError, ValueError) as err:
-                raise CheckpointError(f"checkpoint does not fit this synchronizer: {err}") from None
+            except (KeyError, ValueError, TypeError) as err:
+                raise CheckpointError(f"the checkpoint {where} does not fit this synchronizer: {err}") from None
             self.checkpoints = int(saved["service"]["checkpoints"])
             return True
         except BaseException:
             self.state_dir.close()
             raise
 
-    def start(self) -> None:
-        """On the event loop that will run the writes."""
-        self._lock = asyncio.Lock()
+    def start(self, fetch: FetchFragment) -> None:
+        """On the event loop that will run the writes; ``fetch`` copies a fragment on the core's thread."""
+        self._fetch = fetch
 
-    def submit(self, core_state: dict[str, Any], service_state: dict[str, Any]) -> None:
-        """Write this state in the background (after any write under way)."""
+    def submit(self, core_meta: dict[str, Any], service_state: dict[str, Any]) -> None:
+        """Write this checkpoint in the background (after the write under way, replacing any other waiting)."""
         if self.state_dir is None:
             return
-        state = {"core": core_state, "service": {**service_state, "checkpoints": self.checkpoints + 1}}
-        task = asyncio.ensure_future(self._write(state))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._next = (core_meta, service_state)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._drain_queue())
 
-    async def _write(self, state: dict[str, Any]) -> None:
-        assert self.state_dir is not None and self._lock is not None
-        async with self._lock:
-            started = time.perf_counter()
-            try:
-                size = await asyncio.to_thread(self.state_dir.save, state)
-            except OSError as err:
-                self.failures += 1
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.error("checkpoint write to %s failed (%s); the last good one is %s", self.state_dir.path,
-                          self.last_error, "none" if self.last_good_s is None else
-                          f"{time.monotonic() - self.last_good_s:.0f}s old")
-                return
-            self.checkpoints += 1
-            self.last_good_s = time.monotonic()
-            self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
-            log.debug("checkpoint %d written (%d bytes)", self.checkpoints, size)
+    async def _drain_queue(self) -> None:
+        while self._next is not None:
+            core_meta, service_state = self._next
+            self._next = None
+            await self._write(core_meta, service_state)
+
+    async def _write(self, core_meta: dict[str, Any], service_state: dict[str, Any]) -> None:
+        assert self.state_dir is not None and self._fetch is not None
+        started = time.perf_counter()
+        number = self.checkpoints + 1
+        state = {"core": core_meta, "service": {**service_state, "checkpoints": number}}
+        draft = None
+        try:
+            draft = await asyncio.to_thread(self.state_dir.begin, number)
+            for p in self.fragments:
+                fragment = await self._fetch(p)
+                await asyncio.to_thread(draft.add_fragment, p, fragment)
+                del fragment  # one fragment's copy at a time
+            size = await asyncio.to_thread(draft.commit, state)
+        except OSError as err:
+            if draft is not None:
+                draft.abandon()
+            self.failures += 1
+            self.last_error = f"{type(err).__name__}: {err}"
+            log.error("checkpoint write to %s failed (%s); the last good one is %s", self.state_dir.path,
+                      self.last_error, "none" if self.last_good_s is None else
+                      f"{time.monotonic() - self.last_good_s:.0f}s old")
+            return
+        self.checkpoints = number
+        self.last_good_s = time.monotonic()
+        self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+        log.debug("checkpoint %d written (%d bytes)", number, size)
 
     async def drain(self) -> None:
-        """Wait for every write under way."""
-        await asyncio.gather(*list(self._writes))
+        """Wait for the write under way and the one waiting, if any."""
+        if self._task is not None:
+            await self._task
 
     def close(self) -> None:
         if self.state_dir is not None:

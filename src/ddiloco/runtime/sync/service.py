@@ -135,7 +135,7 @@ class SyncService:
         self.first_join_s: float | None = None
         self._pending: set[asyncio.Future] = set()
         state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
-        self.writer = CheckpointWriter(state_dir, self.metrics)
+        self.writer = CheckpointWriter(state_dir, self.metrics, self.core.owned)
         if self.writer.restore(self.layout_sha256, self._restore):
             log.info("resumed from %s: fragment versions %s", options.state_dir, list(self.core.versions()))
         elif options.resume:
@@ -179,16 +179,16 @@ class SyncService:
             "config": self.config.to_dict(),
         }
 
-    def on_checkpoint(self, core_state: dict[str, Any]) -> None:
-        """The core asks for a checkpoint: write it in the background (one write at a time)."""
-        self.writer.submit(core_state, self.service_state())
+    def on_checkpoint(self, core_meta: dict[str, Any]) -> None:
+        """The core asks for a checkpoint: write it in the background, a fragment at a time."""
+        self.writer.submit(core_meta, self.service_state())
 
     async def checkpoint(self) -> None:
         """Snapshot now and write it (after any write already under way)."""
         if self.writer.state_dir is None or self.host is None:
             return
-        core_state = await self.host.query(lambda core: core.state_dict(self.options.clock()))
-        self.on_checkpoint(core_state)
+        core_meta = await self.host.query(lambda core: core.checkpoint_meta(self.options.clock()))
+        self.on_checkpoint(core_meta)
         await self.writer.drain()
 
     # ---- what the host reports -------------------------------------------------------------
@@ -439,7 +439,7 @@ class SyncService:
 
     def start_host(self) -> SyncHost:
         """Create the core host on the running event loop (``serve`` does this; tests may too)."""
-        self.writer.start()
+        self.writer.start(lambda p: self._host.query(lambda core: core.fragment_state(p)))
         self.host = SyncHost(self.core, self.streams, self, clock=self.options.clock)
         self.host.start()
         return self.host
