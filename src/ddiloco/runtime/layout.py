@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -33,7 +33,8 @@ class ModelLayout:
 
     plan: FragmentPlan
     shapes: dict[str, tuple[int, ...]]
-    initial_values: list[torch.Tensor]
+    initial_values: Sequence[torch.Tensor]
+    """Each fragment's initial value, read and flattened only when asked for (:class:`FragmentValues`)."""
 
     def to_proto(self) -> list[pb.FragmentLayout]:
         return [
@@ -61,6 +62,23 @@ class ModelLayout:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
+class FragmentValues(Sequence[torch.Tensor]):
+    """The fragments' initial values, each read and flattened when it is asked for.
+
+    A synchronizer shard asks only for the fragments it owns, so a shard of a model served
+    from ``--init`` reads its own parameters from the file and never materializes the rest."""
+
+    def __init__(self, plan: FragmentPlan, read: Callable[[Sequence[str]], list[torch.Tensor]]) -> None:
+        self._plan = plan
+        self._read = read
+
+    def __len__(self) -> int:
+        return len(self._plan.fragments)
+
+    def __getitem__(self, p: int) -> torch.Tensor:  # type: ignore[override]
+        return flatten(self._read(self._plan.fragments[p].param_names))
+
+
 def model_layout(
     protocol: ProtocolConfig,
     named_params: Iterable[tuple[str, torch.Tensor]],
@@ -68,18 +86,20 @@ def model_layout(
 ) -> ModelLayout:
     """Plan fragments exactly as the virtual cluster does, from named parameters."""
     params = dict(named_params)
+    return _layout(protocol, {n: tuple(p.shape) for n, p in params.items()}, embedding_names,
+                   lambda names: [params[n] for n in names])
+
+
+def _layout(protocol: ProtocolConfig, shapes: dict[str, tuple[int, ...]], embedding_names: Iterable[str],
+            read: Callable[[Sequence[str]], list[torch.Tensor]]) -> ModelLayout:
     plan = plan_fragments(
-        [(n, tuple(p.shape)) for n, p in params.items()],
+        list(shapes.items()),
         num_fragments=protocol.fragments,
         period=protocol.period,
         strategy=protocol.fragmentation,
         embedding_names=tuple(embedding_names),
     )
-    return ModelLayout(
-        plan=plan,
-        shapes={n: tuple(p.shape) for n, p in params.items()},
-        initial_values=[flatten([params[n] for n in f.param_names]) for f in plan.fragments],
-    )
+    return ModelLayout(plan=plan, shapes=shapes, initial_values=FragmentValues(plan, read))
 
 
 def reference_layout(config: Config, protocol: ProtocolConfig) -> ModelLayout:
@@ -89,23 +109,35 @@ def reference_layout(config: Config, protocol: ProtocolConfig) -> ModelLayout:
 
 
 def layout_from_file(path: str | Path, protocol: ProtocolConfig) -> ModelLayout:
-    """Serve your own model: initial weights written by ``save_initial_state`` (:mod:`ddiloco.runtime.learner`)."""
+    """Serve your own model: initial weights written by ``save_initial_state`` (:mod:`ddiloco.runtime.learner`).
+
+    Only the file's header is read here; a fragment's parameters are read when the
+    synchronizer asks for its initial value (a shard, only for its own fragments)."""
     from safetensors import SafetensorError, safe_open
 
+    where = f"--init {str(path)!r}"
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
-            params = {name: f.get_tensor(name) for name in f.keys()}
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (OSError, SafetensorError) as err:
-        raise ConfigError(f"--init {str(path)!r}: cannot read initial weights ({err})") from None
+        raise ConfigError(f"{where}: cannot read initial weights ({err})") from None
     try:
         embedding_names = json.loads(metadata.get("embedding_names", "[]"))
-        order = json.loads(metadata.get("param_order", "[]")) or sorted(params)
+        order = json.loads(metadata.get("param_order", "[]")) or sorted(shapes)
     except json.JSONDecodeError:
-        raise ConfigError(f"--init {str(path)!r}: bad metadata (embedding_names, param_order)") from None
-    if sorted(order) != sorted(params):
-        raise ConfigError(f"--init {str(path)!r}: param_order metadata does not list the file's tensors")
-    return model_layout(protocol, [(name, params[name]) for name in order], embedding_names)
+        raise ConfigError(f"{where}: bad metadata (embedding_names, param_order)") from None
+    if sorted(order) != sorted(shapes):
+        raise ConfigError(f"{where}: param_order metadata does not list the file's tensors")
+
+    def read(names: Sequence[str]) -> list[torch.Tensor]:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return [f.get_tensor(name) for name in names]
+        except (OSError, SafetensorError) as err:
+            raise ConfigError(f"{where}: cannot read parameters {list(names)[:3]} ({err})") from None
+
+    return _layout(protocol, {name: shapes[name] for name in order}, embedding_names, read)
 
 
 def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> FragmentPlan:

@@ -22,6 +22,12 @@ back — except the reply, which it returns to the gRPC handler that asked:
 
 A timer task calls ``Tick`` at the core's ``next_deadline()`` (grace windows, leases, the
 time budget, the drain).
+
+Status never waits for a merge: the merge kernels release the GIL, so the event loop runs
+while the core's thread merges, and :meth:`SyncHost.status` answers from the status the core's
+thread last published (at most ``STATUS_REFRESH_S`` older than its latest event) when the
+core is busy for longer than ``STATUS_WAIT_S``; a merge of a 1B-parameter model's fragment
+takes seconds.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.sync_status import CoreView
+from ddiloco.core.sync_status import CoreView, SyncStatus
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.sync.streams import UpdateStreams
 
@@ -59,6 +65,10 @@ log = logging.getLogger("ddiloco.sync")
 T = TypeVar("T")
 TIMER_MAX_WAIT_S = 1.0
 """The timer wakes at least this often (an idle core has no deadline)."""
+STATUS_WAIT_S = 0.05
+"""How long a status call waits for the core's thread before it answers from the published status."""
+STATUS_REFRESH_S = 0.25
+"""The core's thread publishes its status after an event when the published one is this old."""
 
 
 class HostObserver(Protocol):
@@ -82,6 +92,7 @@ class SyncHost:
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self.view: CoreView = core.view()  # before the thread starts: nobody else holds the core yet
+        self._status: tuple[float, SyncStatus] = (time.monotonic(), core.status(clock()))
         self._timer: asyncio.Task | None = None
         self._stopped = False
         self.failure: BaseException | None = None
@@ -92,13 +103,30 @@ class SyncHost:
         """Run a read-only question to the core on its thread (its answer must not share the core's state)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.core)
 
+    async def status(self) -> SyncStatus:
+        """The core's status: asked of its thread, or — when that is busy merging for longer than
+        ``STATUS_WAIT_S`` — the one it last published."""
+        asked = asyncio.ensure_future(self.query(self._publish_status))
+        try:
+            return await asyncio.wait_for(asyncio.shield(asked), STATUS_WAIT_S)
+        except asyncio.TimeoutError:
+            return self._status[1]
+
+    def _publish_status(self, core: Synchronizer) -> SyncStatus:
+        status = core.status(self.clock())
+        self._status = (time.monotonic(), status)
+        return status
+
     async def handle(self, event: SyncEvent) -> Reply | None:
         """Feed one event; carry out the actions; return the reply to the request, if any."""
 
         def run() -> tuple[list[SyncAction], float, CoreView]:
             started = time.perf_counter()
             actions = self.core.handle(event, self.clock())
-            return actions, time.perf_counter() - started, self.core.view()
+            elapsed = time.perf_counter() - started
+            if time.monotonic() - self._status[0] >= STATUS_REFRESH_S:
+                self._publish_status(self.core)
+            return actions, elapsed, self.core.view()
 
         actions, compute_s, self.view = await asyncio.get_running_loop().run_in_executor(self._pool, run)
         reply = actions[0] if actions and isinstance(actions[0], (Admitted, Accepted, Refused)) else None

@@ -59,6 +59,7 @@ from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.measures import ByteLedger, fragment_shares
+from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.state_copies import SharedCopies
@@ -115,6 +116,8 @@ class SyncService:
         limits = config.run_limits(checkpoint_every_rounds=options.checkpoint_every_rounds if checkpoints else 0,
                                    checkpoint_every_s=options.checkpoint_every_s if checkpoints else 0.0,
                                    drain_timeout_s=options.drain_timeout_s)
+        check_memory(shard_memory_plan(self.protocol, self.layout.plan, self.shard, config.run.learners),
+                     available_bytes())
         self.core = Synchronizer(
             self.protocol, self.layout.initial_values,
             embedding_fragments=[f.index for f in self.layout.plan.fragments if f.is_embedding],
@@ -287,11 +290,8 @@ class SyncService:
 
         async def send() -> None:
             await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
-            for p in self.core.owned:
-                shared = await self.copies.get(p)
-                for chunk in wire.fragment_chunks(shared.value):
-                    await self.calls.write(context, self.boundary.out(learner, p, pb.JoinReply(chunk=chunk)), "join")
-                del shared  # the next fragment's copy replaces this one
+            await self.copies.send(self.core.owned, lambda chunk: self.calls.write(
+                context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"))
 
         delivered = False
         deadline = self.calls.deadline_s(self.state_bytes)
@@ -380,15 +380,9 @@ class SyncService:
             async with self.calls.transfers.hold():
                 deadline = self.calls.deadline_s(self.state_bytes)
 
-                async def send() -> None:
-                    for p in self.core.owned:
-                        shared = await self.copies.get(p)
-                        for chunk in wire.fragment_chunks(shared.value):
-                            await self.calls.write(context, chunk.SerializeToString(), "the state fetch")
-                        del shared
-
                 try:
-                    await asyncio.wait_for(send(), deadline)
+                    await asyncio.wait_for(self.copies.send(self.core.owned, lambda chunk: self.calls.write(
+                        context, chunk.SerializeToString(), "the state fetch")), deadline)
                 except asyncio.TimeoutError:
                     raise timed_out("the state fetch", deadline) from None
 
@@ -415,9 +409,8 @@ class SyncService:
         return await self._guarded(context, work) or b""
 
     async def status_reply(self, learner_offset: int = 0, learner_limit: int = 0) -> pb.StatusReply:
-        now = self.options.clock()
-        core = await self._host.query(lambda c: c.status(now))
-        return status_reply(self, core, now, learner_offset, learner_limit)
+        core = await self._host.status()
+        return status_reply(self, core, self.options.clock(), learner_offset, learner_limit)
 
     # ---- serving ---------------------------------------------------------------------------
 

@@ -11,10 +11,12 @@ turn, not eight copies of the model.
 from __future__ import annotations
 
 import weakref
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from ddiloco.core.messages import FragmentValue
 from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime import wire
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 
 class _Shared:
@@ -46,3 +48,11 @@ class SharedCopies:
         shared = await self._query(take)
         self._cache[fragment] = shared
         return shared
+
+    async def send(self, fragments: Sequence[int], write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
+        """Send these fragments' values in chunks, one fragment's copy held at a time."""
+        for p in fragments:
+            shared = await self.get(p)
+            for chunk in wire.fragment_chunks(shared.value):
+                await write(chunk)
+            del shared  # the next fragment's copy replaces this one

@@ -1,0 +1,115 @@
+"""How much memory a synchronizer holds for its model, said at start and checked against the host.
+
+Users size a synchronizer host by this figure, so it is computed from the same holders the
+code has (docs/runtime.md, "The synchronizer's memory", measures each):
+
+- the state, always: Θ in fp32 (4 bytes a parameter), and with the fused int4 downlink the
+  lean outer state — momentum bf16 (2), residual int8 (1) and a float32 scale per block;
+  other downlink codecs keep momentum and residual in fp32 (4 + 4);
+- while rounds are open: a float32 accumulator per open round (4, lent from a pool) and the
+  int4 payloads of the contributions pending in it (about 0.53 per learner) — at most every
+  fragment's round at once;
+- the replay log's budget (``core/replay.py``: an eighth of the fp32 state, at least 64 MiB);
+- transients bounded by fragments, not by the model: each state transfer (join or fetch)
+  holds a copy of one fragment, a checkpoint write one fragment's state and its file's bytes,
+  a restore one fragment's file and tensors;
+- the process itself (Python, torch, numba, gRPC): about ``PROCESS_BYTES``.
+
+The synchronizer logs the figure at start and refuses to start, with one line, on a host
+whose available memory is below its peak.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ddiloco.core.codecs import fused_int4, get_codec
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.fragments import FragmentPlan
+from ddiloco.core.replay import replay_budget
+from ddiloco.errors import ConfigError
+
+log = logging.getLogger("ddiloco.sync")
+
+PROCESS_BYTES = 400 << 20
+"""A synchronizer process with nothing to hold (measured: ~370 MB resident)."""
+INT4_BYTES_PER_PARAM = 0.5
+LEAN_STATE_BYTES_PER_PARAM = 4 + 2 + 1
+FP32_STATE_BYTES_PER_PARAM = 4 + 4 + 4
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    params: int
+    state: int
+    """Θ and the outer state: held from start to end."""
+    open_rounds: int
+    """Accumulators and pending payloads with every fragment's round open (an upper bound)."""
+    replay: int
+    transients: int
+    """Transfers, a checkpoint write and a restore at once, a fragment each."""
+
+    @property
+    def steady(self) -> int:
+        return PROCESS_BYTES + self.state + self.open_rounds + self.replay
+
+    @property
+    def peak(self) -> int:
+        return self.steady + self.transients
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (f"{self.params / 1e9:.3g}B parameters: state {self.state / gb:.2f} GB, open rounds up to "
+                f"{self.open_rounds / gb:.2f} GB, replay {self.replay / gb:.2f} GB -> steady up to "
+                f"{self.steady / gb:.2f} GB, peak up to {self.peak / gb:.2f} GB")
+
+
+def memory_plan(numels: Sequence[int], *, learners: int, lean: bool, block_size: int, transfers: int) -> MemoryPlan:
+    """The memory a synchronizer holding fragments of ``numels`` parameters needs."""
+    params = sum(numels)
+    largest = max(numels, default=0)
+    per_param = LEAN_STATE_BYTES_PER_PARAM if lean else FP32_STATE_BYTES_PER_PARAM
+    scales = 4 * sum(-(-n // block_size) for n in numels) if lean else 0
+    fragment_state = per_param * largest
+    return MemoryPlan(
+        params=params,
+        state=per_param * params + scales,
+        open_rounds=int((4 + learners * INT4_BYTES_PER_PARAM) * params),
+        replay=replay_budget(4 * params),
+        # transfers × one fp32 fragment, a checkpoint's fragment copy and file bytes, a restore's file and tensors
+        transients=transfers * 4 * largest + 4 * fragment_state,
+    )
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable of this host (None where the kernel does not say)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+STATE_TRANSFERS = 8
+"""Joins and state fetches sent at once (``CallLimits.transfers``)."""
+
+
+def shard_memory_plan(protocol: ProtocolConfig, plan: FragmentPlan, shard: int, learners: int) -> MemoryPlan:
+    """The memory plan of one synchronizer shard: the fragments it owns."""
+    downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+    return memory_plan([f.numel for f in plan.fragments if protocol.shard_of(f.index) == shard], learners=learners,
+                       lean=fused_int4(downlink), block_size=protocol.block_size, transfers=STATE_TRANSFERS)
+
+
+def check_memory(plan: MemoryPlan, available: int | None) -> None:
+    """Log what the synchronizer will hold; :class:`ConfigError` if the host has less available."""
+    log.info("synchronizer memory for %s", plan.describe())
+    if available is not None and available < plan.peak:
+        raise ConfigError(f"this synchronizer needs up to {plan.peak / 1e9:.1f} GB for "
+                          f"{plan.params / 1e9:.3g}B parameters and the host has {available / 1e9:.1f} GB "
+                          "available: run more shards (protocol.shards) or use a larger host")
