@@ -33,9 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+import numpy as np
+import torch
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
@@ -144,13 +143,12 @@ class CheckpointDraft:
     def add_fragment(self, index: int, state: dict[str, Any]) -> None:
         """Write one fragment's state (:meth:`GlobalFragment.state_dict`); its memory can go after this."""
         tensors = {name: state[name].contiguous() for name in _TENSORS if state.get(name) is not None}
-        data = st_save(tensors)
         name = f"fragment-{index:05d}.safetensors"
-        _write(self.folder / name, data)
-        self.bytes += len(data)
+        size, sha256 = write_tensors(self.folder / name, tensors)
+        self.bytes += size
         small = {k: v for k, v in state.items() if k not in _TENSORS}
-        self.fragments.append({**small, "index": index, "file": name, "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest(), "tensors": sorted(tensors)})
+        self.fragments.append({**small, "index": index, "file": name, "bytes": size, "sha256": sha256,
+                               "tensors": sorted(tensors)})
 
     def commit(self, state: dict[str, Any]) -> int:
         """Write the manifest and make this checkpoint the latest; returns its size in bytes."""
@@ -181,18 +179,7 @@ class LazyFragments(Sequence[dict[str, Any]]):
 
     def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
         entry = self.entries[i]
-        path = self.folder / entry["file"]
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            raise CheckpointError(f"cannot read {path}: {err.strerror}") from None
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{path} is damaged: its SHA-256 is not the one in {self.folder / MANIFEST}")
-        try:
-            tensors = st_load(data)
-        except SafetensorError as err:
-            raise CheckpointError(f"{path} is damaged: {err}") from None
-        del data
+        tensors = read_tensors(self.folder / entry["file"], entry["sha256"])
         return {**{k: v for k, v in entry.items() if k not in ("file", "bytes", "sha256", "tensors")},
                 **{name: tensors.get(name) for name in _TENSORS}}
 
@@ -201,6 +188,63 @@ class LazyFragments(Sequence[dict[str, Any]]):
 
     def versions(self) -> list[int]:
         return [int(e["version"]) for e in self.entries]
+
+
+_DTYPES = {torch.float32: ("F32", torch.float32, np.float32), torch.bfloat16: ("BF16", torch.int16, np.int16),
+           torch.int8: ("I8", torch.int8, np.int8)}
+"""Each state dtype: its safetensors name, and the dtype numpy reads and writes its bytes as."""
+_BY_NAME = {name: (dtype, np_dtype) for dtype, (name, _, np_dtype) in _DTYPES.items()}
+_READ_BYTES = 8 << 20
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write a safetensors file straight from the tensors' memory (no serialized copy); returns
+    its size and SHA-256. Any safetensors reader opens it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": _DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset,
+                                                                                               offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for part in (len(text).to_bytes(8, "little"), text,
+                     *(memoryview(t.view(_DTYPES[t.dtype][1]).numpy()).cast("B") for t in tensors.values())):
+            f.write(part)
+            digest.update(part)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(text) + offset, digest.hexdigest()
+
+
+def read_tensors(path: Path, sha256: str) -> dict[str, torch.Tensor]:
+    """A fragment file's tensors, read one by one into their own memory after the file's hash is checked."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_READ_BYTES):
+                digest.update(block)
+        if digest.hexdigest() != sha256:
+            raise CheckpointError(f"{path} is damaged: its SHA-256 is not the one in its manifest")
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            tensors = {}
+            for name, spec in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype, np_dtype = _BY_NAME[spec["dtype"]]
+                start, end = spec["data_offsets"]
+                count = (end - start) // np.dtype(np_dtype).itemsize
+                array = np.fromfile(f, dtype=np_dtype, count=count, offset=8 + size + start - f.tell())
+                tensors[name] = torch.from_numpy(array).view(dtype).reshape(spec["shape"])
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror}") from None
+    except (ValueError, KeyError, TypeError) as err:  # hash-checked, so written wrong: never by this code
+        raise CheckpointError(f"{path} is damaged: {err}") from None
+    return tensors
 
 
 def _write(path: Path, data: bytes) -> None:
