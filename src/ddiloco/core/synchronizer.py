@@ -43,7 +43,7 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.claims import ClaimLimits, check_contribution
+from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution, plausible_timing
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
@@ -209,6 +209,7 @@ class Synchronizer:
             learners_forgotten=self._registry.forgotten.learners,
             progress_clipped=run.progress.clipped,
             weights_capped=self._counters.weights_capped,
+            claims_clipped=dict(self._counters.claims_clipped),
             link_starved_episodes=self._registry.starved_episodes,
         )
 
@@ -286,11 +287,11 @@ class Synchronizer:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
-        norm, pending = self._validate(c, rec, now)
+        norm, pending, plausible, clipped = self._validate(c, rec, now)
         # Valid whole: from here on nothing refuses it.
         self._report(rec, c.learner_id, c, now)
-        self._registry.accepted(rec, c.fragment, c.seq, c.steps, now)
-        rec.step_time_s = c.step_time_s
+        self._counters.claims_clipped.update(str(reason) for reason in clipped)
+        self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
         frag = self._fragments[c.fragment]
         frag.norms.append(norm)
@@ -300,8 +301,11 @@ class Synchronizer:
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _validate(self, c: Contribution, rec: LearnerRecord, now: float) -> tuple[float, Pending]:
-        """Every check a contribution must pass, changing nothing: returns ‖Δ‖ and what the round will hold."""
+    def _validate(self, c: Contribution, rec: LearnerRecord,
+                  now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
+        """Every check a contribution must pass, changing nothing: returns ‖Δ‖, what the round will
+        hold, ``c`` with its claimed times clipped to what the clock allows, and what was clipped
+        (the round, the grace window and goodput see only the clipped times)."""
         frag = self._fragments.get(c.fragment)
         if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
@@ -311,8 +315,12 @@ class Synchronizer:
         check_contribution(c, self._claims, session_s=rec.session_started_s, now=now,
                            tokens_per_step=rec.tokens_per_step, last_seq=rec.last_seq.get(c.fragment, -1),
                            steps_before=rec.steps_accepted.get(c.fragment, 0), period=self.config.period)
-        pending = frag.round.merged(c, now)
-        return frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max)), pending
+        plausible, clipped = plausible_timing(c, self._claims, session_s=rec.session_started_s, now=now,
+                                              steps_before=rec.steps_accepted.get(c.fragment, 0),
+                                              compute_before=rec.compute_accepted.get(c.fragment, 0.0))
+        pending = frag.round.merged(plausible, now)
+        norm = frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max))
+        return norm, pending, plausible, clipped
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 
