@@ -163,13 +163,18 @@ class Synchronizer:
         """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""
         return self._registry.data_shard(learner_id)
 
+    def session_problem(self, learner_id: str, session: Session, boot: str | None = None) -> Rejected | None:
+        """Why ``session`` is not the live, current session of ``learner_id`` (None: it is). Drivers
+        ask before a stream of that session may hold anything (an upload's slot, an update stream)."""
+        try:
+            self._registry.check(learner_id, session, boot)
+        except Rejected as err:
+            return err
+        return None
+
     def holds_session(self, learner_id: str, session: Session) -> bool:
         """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
-        try:
-            self._registry.check(learner_id, session)
-        except Rejected:
-            return False
-        return True
+        return self.session_problem(learner_id, session) is None
 
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
