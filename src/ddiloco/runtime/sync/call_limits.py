@@ -244,7 +244,9 @@ class Paced:
     message later than that, or an evicted :attr:`slot`, ends the upload with :class:`Abort`."""
 
     def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: Slot | None) -> None:
-        self._requests = requests.__aiter__()
+        self._requests = requests
+        self._messages: AsyncIterator[bytes] | None = None
+        """Opened at the first read: a call refused before it (its token, say) leaves nothing unawaited."""
         self._limits = limits
         self.slot = slot
         self._start = asyncio.get_running_loop().time()
@@ -259,7 +261,9 @@ class Paced:
         if self._received:
             allowed += (self._received + MAX_MESSAGE_BYTES) / limits.min_bytes_per_s
         wait_s = max(0.0, self._start + allowed - asyncio.get_running_loop().time())
-        read = asyncio.ensure_future(self._requests.__anext__())
+        if self._messages is None:
+            self._messages = self._requests.__aiter__()
+        read = asyncio.ensure_future(self._messages.__anext__())
         waits = {read}
         if self.slot is not None:
             waits.add(asyncio.ensure_future(self.slot.evicted.wait()))
