@@ -59,11 +59,12 @@ class ClaimLimits:
         return int(max(0.0, seconds) / self.min_step_s) + 1
 
 
-def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float,
-                       tokens_per_step: int, last_seq: int, steps_before: int, period: int) -> None:
+def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float, tokens_per_step: int,
+                       last_seq: int, steps_before: int, compute_before: float,
+                       period: int) -> tuple[Contribution, tuple[ClipReason, ...]]:
     """:class:`Rejected` unless ``c`` is new (``duplicate``) and, with the ``steps_before`` already
     accepted for its fragment in this session, claims work that fits since the session began
-    at ``session_s`` (``implausible``)."""
+    at ``session_s`` (``implausible``); else ``c`` with its times clipped (:func:`plausible_timing`)."""
     if c.seq <= last_seq:
         raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
     steps = limits.steps_in(now - session_s)
@@ -78,6 +79,8 @@ def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float
     if c.seq > sends:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - session_s:.3g}s of this session "
                                                  f"(at most {sends} sends fit)")
+    return plausible_timing(c, limits, session_s=session_s, now=now, steps_before=steps_before,
+                            compute_before=compute_before)
 
 
 class ClipReason(enum.StrEnum):

@@ -201,6 +201,14 @@ class Registry:
             raise Rejected(RejectReason.UNKNOWN_LEARNER, f"session {session} was never opened for {learner_id!r}")
         return rec
 
+    def problem(self, learner_id: str, session: Session, boot: str | None = None) -> Rejected | None:
+        """What :meth:`check` would raise, or None."""
+        try:
+            self.check(learner_id, session, boot)
+        except Rejected as err:
+            return err
+        return None
+
     def accepted(self, rec: LearnerRecord, c: Contribution, now: float) -> None:
         """Record ``c`` (its times already clipped to what is plausible) as accepted at ``now``."""
         fragment = c.fragment

@@ -43,7 +43,7 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution, plausible_timing
+from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
@@ -164,17 +164,8 @@ class Synchronizer:
         return self._registry.data_shard(learner_id)
 
     def session_problem(self, learner_id: str, session: Session, boot: str | None = None) -> Rejected | None:
-        """Why ``session`` is not the live, current session of ``learner_id`` (None: it is). Drivers
-        ask before a stream of that session may hold anything (an upload's slot, an update stream)."""
-        try:
-            self._registry.check(learner_id, session, boot)
-        except Rejected as err:
-            return err
-        return None
-
-    def holds_session(self, learner_id: str, session: Session) -> bool:
-        """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
-        return self.session_problem(learner_id, session) is None
+        """Why ``session`` is not the live session of ``learner_id`` (None: it is): asked before a stream may hold a slot."""
+        return self._registry.problem(learner_id, session, boot)
 
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
@@ -308,24 +299,20 @@ class Synchronizer:
 
     def _validate(self, c: Contribution, rec: LearnerRecord,
                   now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
-        """Every check a contribution must pass, changing nothing: returns ‖Δ‖, what the round will
-        hold, ``c`` with its claimed times clipped to what the clock allows, and what was clipped
-        (the round, the grace window and goodput see only the clipped times)."""
+        """Every check a contribution must pass, changing nothing: returns ‖Δ‖, what the round will hold,
+        and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
         frag = self._fragments.get(c.fragment)
         if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
         frag.check(c, self._uplink, self.config.staleness_max)
-        check_contribution(c, self._claims, session_s=rec.session_started_s, now=now,
-                           tokens_per_step=rec.tokens_per_step, last_seq=rec.last_seq.get(c.fragment, -1),
-                           steps_before=rec.steps_accepted.get(c.fragment, 0), period=self.config.period)
-        plausible, clipped = plausible_timing(c, self._claims, session_s=rec.session_started_s, now=now,
-                                              steps_before=rec.steps_accepted.get(c.fragment, 0),
-                                              compute_before=rec.compute_accepted.get(c.fragment, 0.0))
-        pending = frag.round.merged(plausible, now)
-        norm = frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max))
-        return norm, pending, plausible, clipped
+        plausible, clipped = check_contribution(
+            c, self._claims, session_s=rec.session_started_s, now=now, tokens_per_step=rec.tokens_per_step,
+            last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
+            compute_before=rec.compute_accepted.get(c.fragment, 0.0), period=self.config.period)
+        bound = frag.norm_bound(self.config.delta_norm_ratio_max)
+        return frag.accumulator.measure(c.payload, bound), frag.round.merged(plausible, now), plausible, clipped
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 

@@ -335,7 +335,7 @@ class SyncService:
             req = self.boundary.receive(context, pb.UpdatesRequest, raw)
             name = req.learner_id
             session = wire.session_from_pb(req.session)
-            if not await self._host.query(lambda core: core.holds_session(name, session)):
+            if await self._host.query(lambda core: core.session_problem(name, session)) is not None:
                 # Not counted: joining again is the normal way back after a lease expiry or a restart.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"unknown_learner: no live session {session} for {name!r}: join again",

@@ -51,4 +51,4 @@ class Uploads:
                 self.calls.uploads.release(slot)
 
     async def _live(self, sessions: list[tuple[str, Session]]) -> list[bool]:
-        return await self._host().query(lambda core: [core.holds_session(name, s) for name, s in sessions])
+        return await self._host().query(lambda core: [core.session_problem(name, s) is None for name, s in sessions])
