@@ -211,7 +211,7 @@ def test_a_later_process_of_the_same_id_replaces_the_earlier_for_good():
     assert refused(sync.handle(c, 2.0)).reason == "replaced"
     assert refused(sync.handle(Heartbeat("l0", orphan.session, orphan.progress), 2.0)).reason == "replaced"
     assert refused(sync.handle(Join("l0", "b0"), 3.0)).reason == "replaced"
-    assert sync.holds_session("l0", restart.session)
+    assert sync.session_problem("l0", restart.session) is None
     _, resumed = make_sync(STRICT, incarnation=7)
     resumed.load_state_dict(sync.state_dict(4.0))
     assert refused(resumed.handle(Join("l0", "b0"), 0.0)).reason == "replaced"
@@ -225,7 +225,7 @@ def test_a_leave_in_another_session_changes_nothing_of_the_learner():
     for n in range(20):
         reply = refused(sync.handle(Leave("l0", Session(sync.incarnation, n), Progress("forged")), 1.0))
         assert reply.reason in ("superseded", "unknown_learner", "replaced")
-    assert counters(sync, "l0")[2] == before[2] and sync.holds_session("l0", cores[0].session)
+    assert counters(sync, "l0")[2] == before[2] and sync.session_problem("l0", cores[0].session) is None
 
 
 def test_registrations_beyond_the_cap_are_refused_and_dead_learners_are_forgotten():
@@ -259,16 +259,16 @@ def test_the_lease_waits_while_the_state_is_on_its_way_and_runs_from_its_arrival
     admitted = sync.handle(Join("slow", "b"), 0.0)[0]
     assert sync.admission_s() > 100 and sync.status().learners[0].joining
     sync.handle(Tick(), 3 * BASE.lease_s)  # longer than a lease: still admitted
-    assert sync.holds_session("slow", admitted.state.session)
+    assert sync.session_problem("slow", admitted.state.session) is None
     sync.handle(StateDelivered("slow", admitted.state.session), 40.0)
     sync.handle(Tick(), 40.0 + BASE.lease_s - 0.5)
-    assert sync.holds_session("slow", admitted.state.session)
+    assert sync.session_problem("slow", admitted.state.session) is None
     sync.handle(Tick(), 40.0 + BASE.lease_s)
-    assert not sync.holds_session("slow", admitted.state.session)
+    assert sync.session_problem("slow", admitted.state.session) is not None
     failed = sync.handle(Join("lost", "b"), 50.0)[0]
     sync.handle(StateDelivered("lost", failed.state.session, ok=False), 51.0)
     sync.handle(Tick(), 51.0)
-    assert not sync.holds_session("lost", failed.state.session)  # the transfer broke: no lease to wait out
+    assert sync.session_problem("lost", failed.state.session) is not None  # the transfer broke: no lease to wait out
 
 
 def test_a_live_learner_whose_work_never_arrives_is_reported_link_starved():

@@ -18,7 +18,7 @@ from runtime_helpers import Honest, versions, wait_for
 
 from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Join, Leave, Progress, Session
+from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import Address, client_metadata
@@ -143,8 +143,9 @@ def test_a_refused_leave_leaves_the_learners_update_stream_open(inproc_sync):
 
 def test_stalled_uploads_and_downloads_are_cut_off_and_the_service_goes_on(inproc_sync):
     """Finding 6: of 100 uploads that announced a large payload and stalled, the server closed
-    none; unread downloads were held as long as the client liked. Now each holds a slot from
-    a bounded pool until its deadline (three leases here) and no longer."""
+    none; unread downloads were held as long as the client liked. Now an upload of no live
+    session is refused at its header, before its payload is read and before it holds an upload
+    slot (issue 25), and an unread state transfer is cut off at its deadline."""
     config = tiny("protocol.lease_s=0.5", "protocol.heartbeat_s=0.1", "protocol.min_link_bytes_per_s=1e9")
     s = inproc_sync(config)
     address = f"127.0.0.1:{s.port}"
@@ -163,8 +164,9 @@ def test_stalled_uploads_and_downloads_are_cut_off_and_the_service_goes_on(inpro
     with concurrent.futures.ThreadPoolExecutor(max_workers=100) as pool:
         codes = list(pool.map(lambda _: stalled_upload(), range(100)))
     release.set()
-    assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, set(codes)
-    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == calls.uploads.limit  # each cut off at its deadline
+    assert set(codes) <= {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(codes)
+    with SyncClient(address) as client:
+        assert client.status_dict()["rejections"]["unknown_learner"] == codes.count(grpc.StatusCode.FAILED_PRECONDITION)
     assert s.call(lambda: (len(calls.uploads), len(calls.calls))) == (0, 0)
 
     # A join whose state is never read: the transfer is cut off, and the lease it waited for is gone.
@@ -175,7 +177,7 @@ def test_stalled_uploads_and_downloads_are_cut_off_and_the_service_goes_on(inpro
     with SyncClient(address) as client:
         wait_for(lambda: not any(lr["alive"] for lr in client.status_dict()["learners"] if lr["id"] == "reader")
                  and s.call(lambda: len(calls.transfers)) == 0, "the stalled transfer to be cut off")
-        assert client.status_dict()["rejections"]["timed_out"] >= calls.uploads.limit + 1
+        assert client.status_dict()["rejections"]["timed_out"] >= 1
     with pytest.raises(grpc.RpcError):
         list(join)
     channel.close()
@@ -271,3 +273,63 @@ def test_a_learner_replaced_by_a_later_process_of_its_id_stops_with_one_clear_er
         wait_for(lambda: min(v - v0 for v, v0 in zip(versions(client), start)) >= 1, "the restart's merges")
     assert orphan.runtime.stats.joins == joins == 1  # it never took the id back
     restart.close()
+
+
+@pytest.mark.slow
+def test_a_member_stalling_uploads_on_the_honest_learners_host_never_stops_their_merges(inproc_sync):
+    """Issue 25, finding 1: a member that kept 100 ``Contribute`` streams open, each sending a header
+    and then nothing, froze a two-learner run (0 merges in 30 s): its stalls held the upload slots
+    the honest learners on the same host needed. Here it stalls all the streams it can, from the
+    honest learners' own address (loopback) and in three ways at once: under its own live session
+    (kept alive by heartbeats), under a forged session, and without even a header."""
+    config = tiny("protocol.min_link_bytes_per_s=1e6")
+    s = inproc_sync(config)
+    address = f"127.0.0.1:{s.port}"
+    honest = [Honest(config, s.port, f"learner-{i}", i) for i in range(2)]
+    member = SyncClient(address)
+    session = member.join(Join("mallory", "mb")).state.session
+    stop = threading.Event()
+    fragments = len(s.service.layout.plan.fragments)
+
+    def heartbeats() -> None:
+        while not stop.wait(0.3):
+            code_of(lambda: member.heartbeat(Heartbeat("mallory", session, Progress("mb"))))
+
+    def stall(i: int) -> None:
+        named = {0: wire.session_to_pb(session), 1: pb.Session(incarnation=session.incarnation, number=session.number + 1 + i)}
+        header = pb.ContributionHeader(learner_id="mallory", fragment=i % fragments, seq=i, tokens=1, steps=1,
+                                       codec="int4", payload_bytes=s.service.boundary.max_payload)
+
+        def chunks():
+            if i % 3 in named:
+                header.session.CopyFrom(named[i % 3])
+                yield pb.ContributionChunk(header=header)
+            stop.wait(60)  # and then nothing
+
+        with SyncClient(address) as client:
+            while not stop.is_set():  # every stream the server closes is opened again at once
+                code_of(lambda: client.stub.Contribute(chunks(), metadata=client.metadata, timeout=60))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=101) as pool:
+        pool.submit(heartbeats)
+        for i in range(100):
+            pool.submit(stall, i)
+        try:
+            with SyncClient(address) as client:
+                wait_for(lambda: s.call(lambda: len(s.service.calls.uploads)) >= 1, "the member's stalled uploads")
+                start = versions(client)
+                wait_for(lambda: min(v - v0 for v, v0 in zip(versions(client), start)) >= 2,
+                         "the honest learners' merges during the stall", timeout_s=30)
+                status = wait_for(lambda: (st := client.status_dict())["rejections"].get("timed_out") and st,
+                                  "a stalled upload of the member's session to be cut off")
+        finally:
+            stop.set()
+    rejections = status["rejections"]
+    assert rejections["unknown_learner"] >= 1 and rejections["busy"] >= 1  # forged sessions; more than one a fragment
+    (mallory,) = [lr for lr in status["learners"] if lr["id"] == "mallory"]
+    assert mallory["rejected"] >= rejections["timed_out"]  # its stalls are counted against it
+    assert not any(lr["rejected"] for lr in status["learners"] if lr["id"] != "mallory")
+    assert s.call(lambda: len(s.service.calls.uploads)) <= fragments
+    for learner in honest:
+        learner.close()
+    member.close()

@@ -14,6 +14,7 @@ from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError
+from ddiloco.runtime import wire
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
 from ddiloco.runtime.learner.runtime import LayoutMismatch, LearnerRuntime
@@ -69,7 +70,8 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
             header=pb.ContributionHeader(learner_id="intruder", payload_bytes=10**9, codec="int4", steps=1))]),
         "chunk_assembly": lambda: client.contribute_chunks([
             pb.ContributionChunk(header=pb.ContributionHeader(learner_id="intruder", payload_bytes=8, codec="int4",
-                                                              steps=1), data=b"1234"),
+                                                              steps=1, session=wire.session_to_pb(session)),
+                                 data=b"1234"),
             pb.ContributionChunk(offset=6, data=b"5678"),
         ]),
     }
@@ -330,8 +332,6 @@ def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledg
     """Issue 12's findings 1-4 and 8 against a live service: each message is refused with its
     reason and the run goes on merging an honest learner's work."""
     from runtime_helpers import wait_for
-
-    from ddiloco.runtime import wire
 
     config = tiny()
     s = inproc_sync(config, ServiceOptions(token=TOKEN))

@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 
 from ddiloco.config import build_config
 from ddiloco.core import kernels
-from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import Contribution
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
@@ -215,11 +214,11 @@ def test_status_answers_while_the_core_is_busy_merging(inproc_sync):
     config = build_config(preset="tiny", overrides=("run.learners=1", "run.tokens=1000000000", "protocol.quorum=1"))
     s = inproc_sync(config)
     core = s.service.core
-    merging, release = threading.Event(), threading.Event()
+    hold, merging, release = threading.Event(), threading.Event(), threading.Event()
     handle = core.handle
 
     def slow_handle(event, now):
-        if isinstance(event, Contribution):
+        if hold.is_set() and isinstance(event, Contribution):
             merging.set()
             release.wait(60)  # the merge goes on until the test has had its status
         return handle(event, now)
@@ -228,6 +227,8 @@ def test_status_answers_while_the_core_is_busy_merging(inproc_sync):
     learner = Honest(config, s.port, "learner-0", 0)
     try:
         with SyncClient(f"127.0.0.1:{s.port}") as client:
+            wait_for(lambda: [lr["id"] for lr in client.status_dict()["learners"]] == ["learner-0"], "the join")
+            hold.set()
             assert merging.wait(120), "no contribution reached the core"
             status = client.status_dict()  # answered while the core's thread is held
             assert [lr["id"] for lr in status["learners"]] == ["learner-0"]

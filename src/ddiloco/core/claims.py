@@ -19,14 +19,23 @@ The sequence number of a contribution is held to the same clock: a learner sends
 fragment at most once per period, so ``seq`` (counted from 0 in each session) may not exceed
 the periods that fit since the session began. A far-future ``seq`` (which would lock the
 real learner out of the fragment as ``duplicate``) is refused the same way.
+
+Claimed times are held to the same clock, but clipped rather than refused (they are
+measurements, and an honest learner's may be a little off): the compute seconds a learner
+claims for one fragment in a session add up to at most the wall time since the session
+began (they feed the reported goodput), and its step time lies between ``min_step_s`` and
+the session's wall time per step claimed (it feeds the grace window and the spacing of
+rounds, which one far-off claim would otherwise set for everyone). What was clipped is
+counted by :class:`ClipReason`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddiloco.core.messages import MAX_TOKENS_PER_STEP, Contribution, Progress, RejectReason, Rejected
+from ddiloco.core.messages import MAX_STEP_TIME_S, MAX_TOKENS_PER_STEP, Contribution, Progress, RejectReason, Rejected
 
 BOOTS_KEPT = 4
 """Process boots per learner whose cumulative reports are remembered; older ones are folded
@@ -50,11 +59,12 @@ class ClaimLimits:
         return int(max(0.0, seconds) / self.min_step_s) + 1
 
 
-def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float,
-                       tokens_per_step: int, last_seq: int, steps_before: int, period: int) -> None:
+def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float, tokens_per_step: int,
+                       last_seq: int, steps_before: int, compute_before: float,
+                       period: int) -> tuple[Contribution, tuple[ClipReason, ...]]:
     """:class:`Rejected` unless ``c`` is new (``duplicate``) and, with the ``steps_before`` already
     accepted for its fragment in this session, claims work that fits since the session began
-    at ``session_s`` (``implausible``)."""
+    at ``session_s`` (``implausible``); else ``c`` with its times clipped (:func:`plausible_timing`)."""
     if c.seq <= last_seq:
         raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
     steps = limits.steps_in(now - session_s)
@@ -69,6 +79,37 @@ def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float
     if c.seq > sends:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - session_s:.3g}s of this session "
                                                  f"(at most {sends} sends fit)")
+    return plausible_timing(c, limits, session_s=session_s, now=now, steps_before=steps_before,
+                            compute_before=compute_before)
+
+
+class ClipReason(enum.StrEnum):
+    """Which claimed time of a contribution was clipped to what the clock allows (a status counter's key)."""
+
+    COMPUTE = "compute_s"
+    """More compute seconds for a fragment than wall time since the session began."""
+    STEP_TIME = "step_time_s"
+    """A step time below ``min_step_s``, or above the session's wall time per claimed step."""
+
+
+def plausible_timing(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float, steps_before: int,
+                     compute_before: float) -> tuple[Contribution, tuple[ClipReason, ...]]:
+    """``c`` with its compute and step time clipped to what fits since the session began at
+    ``session_s`` (with the ``steps_before`` and ``compute_before`` already accepted for its
+    fragment in this session), and which of them were clipped.
+
+    A step time of 0 says "not measured yet" (a learner's first steps) and is kept: it is
+    no claim, and the synchronizer does not learn from it."""
+    elapsed = max(0.0, now - session_s)
+    compute = min(c.compute_s, max(0.0, elapsed - compute_before))
+    step = c.step_time_s
+    if step:
+        slowest = min(MAX_STEP_TIME_S, max(limits.min_step_s, elapsed / (steps_before + c.steps)))
+        step = min(max(step, limits.min_step_s), slowest)
+    clipped = tuple(reason for reason, kept, claimed in ((ClipReason.COMPUTE, compute, c.compute_s),
+                                                         (ClipReason.STEP_TIME, step, c.step_time_s))
+                    if kept != claimed)
+    return (replace(c, compute_s=compute, step_time_s=step) if clipped else c), clipped
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddiloco.core.link_watch import STARVED_PERIODS
-from ddiloco.core.messages import Join, RejectReason, Rejected, Session
+from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Session
 from ddiloco.core.sync_status import LearnerStatus
 
 RETIRED_BOOTS = 8
@@ -71,6 +71,8 @@ class LearnerRecord:
     steps_accepted: dict[int, int] = field(default_factory=dict)
     """Steps of the contributions accepted per fragment in the current session (what they may claim
     is bounded by the session's length: ``core/claims.py``)."""
+    compute_accepted: dict[int, float] = field(default_factory=dict)
+    """Compute seconds accepted per fragment in the current session (bounded the same way)."""
     accept_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ACCEPT_TIMES))
     retired_boots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RETIRED_BOOTS))
 
@@ -144,6 +146,7 @@ class Registry:
         rec.last_seq.clear()  # a new session numbers its contributions from 0
         rec.accepted_at.clear()
         rec.steps_accepted.clear()
+        rec.compute_accepted.clear()
         rec.admitting_until_s = now + admission_s
         rec.last_seen_s = now
         rec.lease_until_s = now + admission_s + self.lease_s
@@ -198,9 +201,22 @@ class Registry:
             raise Rejected(RejectReason.UNKNOWN_LEARNER, f"session {session} was never opened for {learner_id!r}")
         return rec
 
-    def accepted(self, rec: LearnerRecord, fragment: int, seq: int, steps: int, now: float) -> None:
-        rec.last_seq[fragment] = seq
-        rec.steps_accepted[fragment] = rec.steps_accepted.get(fragment, 0) + steps
+    def problem(self, learner_id: str, session: Session, boot: str | None = None) -> Rejected | None:
+        """What :meth:`check` would raise, or None."""
+        try:
+            self.check(learner_id, session, boot)
+        except Rejected as err:
+            return err
+        return None
+
+    def accepted(self, rec: LearnerRecord, c: Contribution, now: float) -> None:
+        """Record ``c`` (its times already clipped to what is plausible) as accepted at ``now``."""
+        fragment = c.fragment
+        rec.last_seq[fragment] = c.seq
+        rec.steps_accepted[fragment] = rec.steps_accepted.get(fragment, 0) + c.steps
+        rec.compute_accepted[fragment] = rec.compute_accepted.get(fragment, 0.0) + c.compute_s
+        if c.step_time_s:  # 0: not measured yet, nothing to learn
+            rec.step_time_s = c.step_time_s
         rec.accepted_at[fragment] = now
         rec.accept_times.append(now)
         rec.accepted += 1

@@ -65,6 +65,9 @@ class SyncStatus:
     """Progress reports that claimed more work than the run's configuration makes possible."""
     weights_capped: int = 0
     """Contributions whose merge weight was capped (``protocol.max_weight_ratio``)."""
+    claims_clipped: dict[str, int] = field(default_factory=dict)
+    """Contributions whose claimed times were clipped to what the clock allows, by
+    :class:`~ddiloco.core.claims.ClipReason`."""
     link_starved_episodes: int = 0
     """Times a live learner went several periods without an accepted contribution."""
 
@@ -96,6 +99,7 @@ class SyncCounters:
     longest_pause_s: float = 0.0
     """The longest time between two merges while the run was running."""
     weights_capped: int = 0
+    claims_clipped: Counter[str] = field(default_factory=Counter)
     last_merge_s: float | None = None
     """Not restored: a restarted synchronizer's first merge starts a new pause count."""
 
@@ -108,9 +112,11 @@ class SyncCounters:
 
     def state_dict(self) -> dict[str, Any]:
         return {"rejections": dict(self.rejections), "rounds_closed": dict(self.rounds_closed),
-                "longest_pause_s": self.longest_pause_s, "weights_capped": self.weights_capped}
+                "longest_pause_s": self.longest_pause_s, "weights_capped": self.weights_capped,
+                "claims_clipped": dict(self.claims_clipped)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "SyncCounters":
         return cls(Counter(state["rejections"]), Counter(state["rounds_closed"]),
-                   float(state.get("longest_pause_s", 0.0)), int(state.get("weights_capped", 0)))
+                   float(state.get("longest_pause_s", 0.0)), int(state.get("weights_capped", 0)),
+                   Counter({str(k): int(v) for k, v in state.get("claims_clipped", {}).items()}))

@@ -16,9 +16,8 @@ a refused one leaves every counter, lease and round as it was (only the refusal 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -43,8 +42,8 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.claims import ClaimLimits, check_contribution
-from ddiloco.core.codecs import fused_int4, get_codec
+from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution
+from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
@@ -61,13 +60,14 @@ from ddiloco.core.messages import (
 )
 from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.outer import NesterovSGD
-from ddiloco.core.registry import Forgotten, LearnerRecord, Registry
+from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
+from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
 
 
-class Synchronizer:
+class Synchronizer(SyncState):
     """Collects contributions per fragment, merges at quorum + grace, applies the outer step."""
 
     def __init__(
@@ -118,10 +118,6 @@ class Synchronizer:
     # ---- queries -------------------------------------------------------------------------
 
     @property
-    def num_fragments(self) -> int:
-        return len(self._fragments)
-
-    @property
     def owned(self) -> tuple[int, ...]:
         """The (global) indices of the fragments this synchronizer shard owns, in order."""
         return tuple(self._fragments)
@@ -139,25 +135,6 @@ class Synchronizer:
 
     def alive(self) -> list[str]:
         return self._registry.alive()
-
-    def fragment_value(self, fragment: int) -> FragmentValue:
-        """A copy of one fragment's value with its version: what a transfer sends of it.
-
-        Joins and state fetches copy the state one fragment at a time, as they send it, so a
-        transfer holds one fragment beyond the steady state, never the whole model."""
-        f = self._fragments[fragment]
-        return FragmentValue(fragment, f.version, f.value.clone())
-
-    def fragment_version(self, fragment: int) -> int:
-        return self._fragments[fragment].version
-
-    def state_for(self, state: GlobalState) -> GlobalState:
-        """A join reply's state with every value copied now (drivers that send it at once: the virtual cluster, tests)."""
-        return replace(state, fragments=self.global_state().fragments)
-
-    def global_state(self) -> GlobalState:
-        """Every fragment's value, copied at once, without registering anyone (evaluation, monitoring, tests)."""
-        return GlobalState(tuple(self.fragment_value(p) for p in self._fragments), incarnation=self.incarnation)
 
     def pending_tokens(self) -> int:
         return sum(f.round.tokens for f in self._fragments.values())
@@ -179,13 +156,9 @@ class Synchronizer:
         """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""
         return self._registry.data_shard(learner_id)
 
-    def holds_session(self, learner_id: str, session: Session) -> bool:
-        """Is this the live, current session of ``learner_id``? (Who may hold an update stream.)"""
-        try:
-            self._registry.check(learner_id, session)
-        except Rejected:
-            return False
-        return True
+    def session_problem(self, learner_id: str, session: Session, boot: str | None = None) -> Rejected | None:
+        """Why ``session`` is not the live session of ``learner_id`` (None: it is): asked before a stream may hold a slot."""
+        return self._registry.problem(learner_id, session, boot)
 
     def next_deadline(self) -> float | None:
         """Earliest time at which a :class:`Tick` has something to do, or None."""
@@ -225,6 +198,7 @@ class Synchronizer:
             learners_forgotten=self._registry.forgotten.learners,
             progress_clipped=run.progress.clipped,
             weights_capped=self._counters.weights_capped,
+            claims_clipped=dict(self._counters.claims_clipped),
             link_starved_episodes=self._registry.starved_episodes,
         )
 
@@ -301,11 +275,11 @@ class Synchronizer:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
-        norm, pending = self._validate(c, rec, now)
+        norm, pending, plausible, clipped = self._validate(c, rec, now)
         # Valid whole: from here on nothing refuses it.
         self._report(rec, c.learner_id, c, now)
-        self._registry.accepted(rec, c.fragment, c.seq, c.steps, now)
-        rec.step_time_s = c.step_time_s
+        self._counters.claims_clipped.update(str(reason) for reason in clipped)
+        self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
         frag = self._fragments[c.fragment]
         frag.norms.append(norm)
@@ -315,19 +289,22 @@ class Synchronizer:
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _validate(self, c: Contribution, rec: LearnerRecord, now: float) -> tuple[float, Pending]:
-        """Every check a contribution must pass, changing nothing: returns ‖Δ‖ and what the round will hold."""
+    def _validate(self, c: Contribution, rec: LearnerRecord,
+                  now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
+        """Every check a contribution must pass, changing nothing: returns ‖Δ‖, what the round will hold,
+        and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
         frag = self._fragments.get(c.fragment)
         if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
         frag.check(c, self._uplink, self.config.staleness_max)
-        check_contribution(c, self._claims, session_s=rec.session_started_s, now=now,
-                           tokens_per_step=rec.tokens_per_step, last_seq=rec.last_seq.get(c.fragment, -1),
-                           steps_before=rec.steps_accepted.get(c.fragment, 0), period=self.config.period)
-        pending = frag.round.merged(c, now)
-        return frag.accumulator.measure(c.payload, frag.norm_bound(self.config.delta_norm_ratio_max)), pending
+        plausible, clipped = check_contribution(
+            c, self._claims, session_s=rec.session_started_s, now=now, tokens_per_step=rec.tokens_per_step,
+            last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
+            compute_before=rec.compute_accepted.get(c.fragment, 0.0), period=self.config.period)
+        bound = frag.norm_bound(self.config.delta_norm_ratio_max)
+        return frag.accumulator.measure(c.payload, bound), frag.round.merged(plausible, now), plausible, clipped
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 
@@ -433,40 +410,3 @@ class Synchronizer:
         self._run.rounds_since_checkpoint += 1
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
         return [record, Broadcast(update, tuple(self.alive()))]
-
-    # ---- checkpointing -------------------------------------------------------------------
-
-    def state_dict(self, now: float = 0.0) -> dict[str, Any]:
-        """Everything needed to resume, copied at once: values, optimizer state, residuals, versions, counters, run."""
-        return {**self.checkpoint_meta(now), "fragments": [self.fragment_state(p) for p in self._fragments]}
-
-    def fragment_state(self, fragment: int) -> dict[str, Any]:
-        """A copy of one fragment's state (value, momentum, residual, version, norms) for a checkpoint."""
-        return self._fragments[fragment].state_dict()
-
-    def checkpoint_meta(self, now: float = 0.0) -> dict[str, Any]:
-        """Everything :meth:`state_dict` holds but the fragments (a few kilobytes, whatever the model's size)."""
-        return {
-            "owned": list(self._fragments),
-            "learners": self._registry.state_dict(),
-            **self._counters.state_dict(),
-            "run": self._run.state_dict(now),
-            "forgotten": dataclasses.asdict(self._registry.forgotten),
-            "starved_episodes": self._registry.starved_episodes,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Learners must register again (leases are not restored)."""
-        frags = state["fragments"]
-        if list(state.get("owned", range(len(frags)))) != list(self._fragments):
-            raise ValueError(f"checkpoint holds fragments {list(state.get('owned', range(len(frags))))}, "
-                             f"this synchronizer owns {list(self._fragments)}")
-        lean = fused_int4(self._downlink)
-        for f, saved in zip(self._fragments.values(), frags):
-            f.load_state_dict(saved, lean=lean)
-        self._registry.load_state_dict(state["learners"])
-        self._counters = SyncCounters.from_state(state)
-        self._run.load_state_dict(state["run"])
-        self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})
-        self._registry.starved_episodes = int(state.get("starved_episodes", 0))
-

@@ -57,9 +57,10 @@ def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
         merged[key] = sum(s[key] for s in shards)
     merged["tokens"] = min(s["tokens"] for s in shards)  # every shard counts the same reports; the slowest to hear
     merged["longest_pause_s"] = max(s["longest_pause_s"] for s in shards)
-    merged["goodput"] = sum(s["goodput"] for s in shards)  # each shard credits its own fragments' share
+    merged["goodput"] = min(1.0, sum(s["goodput"] for s in shards))  # each shard credits its own fragments' share
     merged["model_uptime"] = max(s["model_uptime"] for s in shards)
-    merged["rejections"] = dict(sum((Counter(s["rejections"]) for s in shards), Counter()))
+    for key in ("rejections", "claims_clipped"):
+        merged[key] = dict(sum((Counter(s[key]) for s in shards), Counter()))
     rounds = sum((Counter(s["quorum"]["rounds_closed"]) for s in shards), Counter())
     merged["quorum"] = {**first["quorum"], "rounds_closed": dict(rounds)}
     learners: dict[str, dict[str, Any]] = {}

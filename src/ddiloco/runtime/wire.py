@@ -262,6 +262,7 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "learners_forgotten": reply.learners_forgotten,
         "progress_clipped": reply.progress_clipped,
         "weights_capped": reply.weights_capped,
+        "claims_clipped": {e.key: e.count for e in reply.claims_clipped},
         "link_starved_episodes": reply.link_starved_episodes,
         "fragments": [
             {"id": f.id, "version": f.version, "numel": f.numel, "bytes_up": f.bytes_up, "bytes_down": f.bytes_down,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -161,8 +161,10 @@ class Boundary:
     def _fragment_key(self, fragment: int) -> int:
         return fragment if 0 <= fragment < self.fragments else -1  # a made-up index is control traffic
 
-    async def assemble(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Contribution:
-        """Chunks into one contribution; wire-level problems raise :class:`Abort`."""
+    async def assemble(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                       on_header: Callable[[pb.ContributionHeader], Awaitable[None]]) -> Contribution:
+        """Chunks into one contribution; wire-level problems raise :class:`Abort`. ``on_header`` sees
+        the header once it passed the wire's checks, before any payload is read (and may refuse it)."""
         learner, fragment = "", -1
         header: pb.ContributionHeader | None = None
         payload = bytearray()
@@ -180,9 +182,12 @@ class Boundary:
                     if header.payload_bytes > self.max_payload:
                         raise Abort(RejectReason.TOO_LARGE, f"{header.payload_bytes} payload bytes, at most "
                                                              f"{self.max_payload} accepted")
-                elif chunk.HasField("header"):
-                    raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
-                self.count_in(learner, fragment, len(raw))
+                    self.count_in(learner, fragment, len(raw))
+                    await on_header(header)
+                else:
+                    if chunk.HasField("header"):
+                        raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
+                    self.count_in(learner, fragment, len(raw))
                 if chunk.offset != len(payload):
                     raise Abort(RejectReason.CHUNK_ASSEMBLY, f"chunk at offset {chunk.offset}, expected {len(payload)}")
                 if len(payload) + len(chunk.data) > header.payload_bytes:

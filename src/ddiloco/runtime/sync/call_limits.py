@@ -1,33 +1,57 @@
-"""What the synchronizer's callers may hold: calls at once, per peer and in all, and for how long.
+"""What the synchronizer's callers may hold: calls at once, per host, per learner and in all, and for how long.
 
-Every call holds a slot while it runs: at most ``per_peer`` per client host and ``total`` in
-all; beyond that a call is refused at once as ``busy`` (the learner retries, or folds the
-work into its next contribution). Uploads and full-state transfers have smaller pools of
-their own, because each holds memory: an upload its payload (at most the int4 size of the
-largest fragment), a state transfer a copy of the global state. Every stream has a deadline
-that allows ``min_bytes_per_s`` — the slowest link the run is configured for
-(``protocol.min_link_bytes_per_s``) — plus three leases; a client that stalls past it is cut
-off as ``timed_out``. So no client, and no burst of clients, can hold the synchronizer's
-memory or its call slots without end.
+A call is anonymous until it names a live session of a registered learner. While anonymous it
+holds a slot from its client host's pool (``per_peer``) and one from ``calls`` in all; beyond
+that it is refused at once as ``busy`` (the learner retries, or folds the work into its next
+contribution). Host pools cannot tell a member from honest learners behind the same address (a
+NAT, a login node, loopback), so nothing long-lived stays in them: a stream that proves its
+session (an upload's header, an update stream's request) leaves them for a pool of its own,
+accounted per learner.
+
+- An upload waits for its header in ``awaiting`` (per host; when full, the longest-waiting
+  stream of that host is closed to make room: honest learners send their header at once, so
+  a host that opens stalled streams only closes its own). Its header must name a live session
+  of its learner, asked of the core, before a slot in ``uploads`` is taken: at most one upload
+  per learner and fragment, ``UPLOADS_PER_LEARNER`` per learner, and room for as many for every
+  lease the registry grants (a full pool first closes the uploads of sessions no longer live).
+- An update stream is one per learner (a new one replaces the old: ``streams.py``).
+- Joins and state fetches hold one of ``transfers`` (each holds a copy of the global state).
+
+Every stream is held to the slowest link the run is configured for (``min_bytes_per_s``,
+``protocol.min_link_bytes_per_s``): an upload's header must arrive within a lease, and every
+later message by when a sender at that rate, one lease late, would have delivered it; every
+message sent must leave within three leases plus its bytes at that rate. A stream that falls
+behind is closed as ``timed_out`` (``DEADLINE_EXCEEDED``), counted per learner. So no client,
+no burst of clients and no member holding the shared token can hold the synchronizer's memory
+or the slots honest learners need for longer than that.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from ddiloco.core.messages import RejectReason
+from ddiloco.core.messages import RejectReason, Session
 from ddiloco.runtime.sync.boundary import Abort
+from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 
 LEASES_ALLOWED = 3.0
 """What every stream is allowed on top of its bytes at the slowest configured rate, in leases."""
 PER_PEER_CALLS = 64
-"""Calls one client host may hold at once (all learners of a host share its address)."""
+"""Anonymous calls one client host may hold at once (all learners of a host share its address)."""
+AWAITING_PER_PEER = 16
+"""Uploads of one client host waiting for their header at once (the longest-waiting one makes room)."""
+UPLOADS_PER_LEARNER = 2
+"""Uploads one learner may have in flight: one, and one its client gave up on that the server has
+not seen end yet (a learner sends one fragment at a time)."""
+
+Liveness = Callable[[list[tuple[str, Session]]], Awaitable[list[bool]]]
+"""Which of these (learner, session) pairs are live sessions (the core's answer)."""
 
 
 def peer_host(context: grpc.aio.ServicerContext) -> str:
@@ -45,29 +69,118 @@ def timed_out(what: str, seconds: float) -> Abort:
     return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
 
 
+class Slot:
+    """One place held in a pool; released once, by its holder or by the pool (evicted)."""
+
+    def __init__(self, pool: "Pool", key: str) -> None:
+        self.pool = pool
+        self.key = key
+        self.evicted: asyncio.Event = asyncio.Event()
+        self.reason: Abort | None = None
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.pool.drop(self)
+
+    def evict(self, reason: Abort) -> None:
+        """Free the place now; the holder's next wait ends with ``reason``."""
+        self.reason = reason
+        self.evicted.set()
+        self.release()
+
+
 @dataclass(slots=True)
 class Pool:
-    """At most ``limit`` holders at once, per key (one key: a plain pool)."""
+    """At most ``limit`` holders at once, per key (one key: a plain pool); when full, a newcomer
+    is refused as ``busy`` or, with ``evict_oldest``, takes the place of the oldest holder of its key."""
 
     limit: int
     what: str
-    held: collections.Counter = field(default_factory=collections.Counter)
+    evict_oldest: bool = False
+    held: dict[str, list[Slot]] = field(default_factory=dict)
+
+    def take(self, key: str = "") -> Slot:
+        holders = self.held.setdefault(key, [])
+        if len(holders) >= self.limit:
+            if not self.evict_oldest:
+                raise busy(f"{self.limit} {self.what}{' from ' + key if key else ''} at once")
+            holders[0].evict(busy(f"{self.limit} newer {self.what}{' from ' + key if key else ''}"))
+        slot = Slot(self, key)
+        self.held.setdefault(key, []).append(slot)
+        return slot
+
+    def drop(self, slot: Slot) -> None:
+        holders = self.held.get(slot.key, [])
+        if slot in holders:
+            holders.remove(slot)
+        if not holders:
+            self.held.pop(slot.key, None)
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str = "") -> AsyncIterator[None]:
-        """A slot, or :class:`Abort` (``busy``) when every one is taken."""
-        if self.held[key] >= self.limit:
-            raise busy(f"{self.limit} {self.what}{' from ' + key if key else ''} at once")
-        self.held[key] += 1
+    async def hold(self, key: str = "") -> AsyncIterator[Slot]:
+        """A slot for the block, or :class:`Abort` (``busy``) when every one is taken."""
+        slot = self.take(key)
         try:
-            yield
+            yield slot
         finally:
-            self.held[key] -= 1
-            if not self.held[key]:
-                del self.held[key]
+            slot.release()
 
     def __len__(self) -> int:
-        return sum(self.held.values())
+        return sum(map(len, self.held.values()))
+
+
+@dataclass(slots=True)
+class Upload:
+    slot: Slot
+    learner: str
+    session: Session
+    fragment: int
+
+
+class UploadSlots:
+    """Uploads whose header named a live session: per learner and fragment, per learner, in all."""
+
+    def __init__(self, max_learners: int) -> None:
+        self.total = UPLOADS_PER_LEARNER * max_learners
+        """Room for every lease the registry grants: live sessions alone never fill it."""
+        self.pool = Pool(self.total, "uploads")
+        self.uploads: list[Upload] = []
+
+    async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> Slot:
+        """A slot for an upload of a session the core just called live, or :class:`Abort` (``busy``)."""
+        for old in [u for u in self.uploads if u.learner == learner and u.session != session]:
+            self._evict(old, Abort(RejectReason.SUPERSEDED, f"learner {learner!r} registered again"))
+        mine = [u for u in self.uploads if u.learner == learner]
+        if any(u.fragment == fragment for u in mine) or len(mine) >= UPLOADS_PER_LEARNER:
+            raise busy(f"learner {learner!r} has an upload of fragment {fragment} or "
+                       f"{UPLOADS_PER_LEARNER} uploads in flight")
+        if len(self.uploads) >= self.total:
+            holders = list(self.uploads)
+            for upload, ok in zip(holders, await live([(u.learner, u.session) for u in holders])):
+                if not ok:
+                    self._evict(upload, Abort(RejectReason.UNKNOWN_LEARNER, f"the session of {upload.learner!r} "
+                                                                            "ended during its upload"))
+        slot = self.pool.take()
+        upload = Upload(slot, learner, session, fragment)
+        self.uploads.append(upload)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        self.uploads = [u for u in self.uploads if u.slot is not slot]
+        slot.release()
+
+    def _evict(self, upload: Upload, reason: Abort) -> None:
+        self.uploads.remove(upload)
+        upload.slot.evict(reason)
+
+    def __len__(self) -> int:
+        return len(self.uploads)
+
+
+_anonymous: contextvars.ContextVar[tuple[Slot, ...]] = contextvars.ContextVar("anonymous_slots", default=())
+"""The anonymous slots of the call this task serves (each gRPC call runs in a task of its own)."""
 
 
 class CallLimits:
@@ -75,9 +188,10 @@ class CallLimits:
         self.min_bytes_per_s = min_bytes_per_s
         self.lease_s = lease_s
         self.per_peer = Pool(PER_PEER_CALLS, "calls")
+        self.awaiting = Pool(AWAITING_PER_PEER, "uploads waiting for their header", evict_oldest=True)
         self.calls = Pool(max(256, 8 * max_learners), "calls")
         """Every live learner's few calls at once, and room for operators."""
-        self.uploads = Pool(max(16, 2 * max_learners), "uploads")
+        self.uploads = UploadSlots(max_learners)
         """Each holds its payload: at most the int4 size of the largest fragment."""
         self.transfers = Pool(8, "state transfers")
         """A join's or a fetch's: each holds a copy of the global state."""
@@ -87,10 +201,32 @@ class CallLimits:
         return LEASES_ALLOWED * self.lease_s + nbytes / self.min_bytes_per_s
 
     @contextlib.asynccontextmanager
-    async def call(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Hold one call slot for this caller's host and one in all, or :class:`Abort` (``busy``)."""
-        async with self.per_peer.hold(peer_host(context)), self.calls.hold():
+    async def call(self, context: grpc.aio.ServicerContext, *, upload: bool = False) -> AsyncIterator[None]:
+        """Hold one anonymous slot of this caller's host (of ``awaiting`` for an ``upload``) and one
+        in all until the call names its session (:meth:`bound_to_session`) or ends; or :class:`Abort` (``busy``)."""
+        host = (self.awaiting if upload else self.per_peer).take(peer_host(context))
+        try:
+            slots = (host, self.calls.take())
+        except Abort:
+            host.release()
+            raise
+        token = _anonymous.set(slots)
+        try:
             yield
+        finally:
+            _anonymous.reset(token)
+            for slot in slots:
+                slot.release()
+
+    def bound_to_session(self) -> None:
+        """The call named a live session: from now on it is accounted per learner, not per host."""
+        for slot in _anonymous.get():
+            slot.release()
+
+    def paced(self, requests: AsyncIterator[bytes]) -> "Paced":
+        """``requests``, each message by when the slowest configured link would have delivered it."""
+        slots = _anonymous.get()
+        return Paced(requests, self, slots[0] if slots else None)
 
     async def write(self, context: grpc.aio.ServicerContext, data: bytes, what: str) -> None:
         """Send one message of a stream, or :class:`Abort` (``timed_out``) when the client stops reading."""
@@ -99,3 +235,48 @@ class CallLimits:
             await asyncio.wait_for(context.write(data), seconds)
         except asyncio.TimeoutError:
             raise timed_out(what, seconds) from None
+
+
+class Paced:
+    """An upload's messages: the first (its header) within a lease, every later one by when a
+    sender at ``min_bytes_per_s`` that started a lease late would have delivered it whole. A
+    message later than that, or an evicted :attr:`slot`, ends the upload with :class:`Abort`."""
+
+    def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: Slot | None) -> None:
+        self._requests = requests
+        self._messages: AsyncIterator[bytes] | None = None
+        """Opened at the first read: a call refused before it (its token, say) leaves nothing unawaited."""
+        self._limits = limits
+        self.slot = slot
+        self._start = asyncio.get_running_loop().time()
+        self._received = 0
+
+    def __aiter__(self) -> "Paced":
+        return self
+
+    async def __anext__(self) -> bytes:
+        limits = self._limits
+        allowed = limits.lease_s
+        if self._received:
+            allowed += (self._received + MAX_MESSAGE_BYTES) / limits.min_bytes_per_s
+        wait_s = max(0.0, self._start + allowed - asyncio.get_running_loop().time())
+        if self._messages is None:
+            self._messages = self._requests.__aiter__()
+        read = asyncio.ensure_future(self._messages.__anext__())
+        waits = {read}
+        if self.slot is not None:
+            waits.add(asyncio.ensure_future(self.slot.evicted.wait()))
+        try:
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits - {read}:
+                task.cancel()
+        if not read.done():
+            read.cancel()
+            if self.slot is not None and self.slot.reason is not None:
+                raise self.slot.reason
+            raise Abort(RejectReason.TIMED_OUT, f"the upload sent {self._received} bytes in {allowed:.1f}s, "
+                                                 f"less than {limits.min_bytes_per_s:g} bytes/s after a lease")
+        raw = read.result()  # StopAsyncIteration ends the upload
+        self._received += len(raw)
+        return raw

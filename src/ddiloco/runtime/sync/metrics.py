@@ -55,8 +55,10 @@ class GoodputMeter:
         del self.intervals[:n]
 
     def goodput(self, wall_s: float) -> float:
+        """Never above 1: the credited seconds are clipped to wall time per learner by the core, but
+        more learners than ``run.learners`` may hold leases (up to four times as many)."""
         total = self.elapsed_before_s + wall_s
-        return self.credited_s / (self.learners * total) if total > 0 else 0.0
+        return min(1.0, self.credited_s / (self.learners * total)) if total > 0 else 0.0
 
     def uptime(self, started_s: float, now_s: float) -> float:
         recent, _ = covered_s(((max(start, started_s), min(end, now_s)) for start, end in self.intervals),

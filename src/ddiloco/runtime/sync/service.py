@@ -66,6 +66,7 @@ from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
+from ddiloco.runtime.sync.uploads import Uploads
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -132,6 +133,7 @@ class SyncService:
         self.boundary = Boundary(Authenticator(options.token, options.credentials), max(4 * f.numel for f in owned),
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
         self.calls = CallLimits(self.protocol.min_link_bytes_per_s, limits.max_learners, self.protocol.lease_s)
+        self.uploads = Uploads(self.boundary, self.calls, lambda: self._host)
         self.goodput = GoodputMeter(learners=config.run.learners)
         self.port: int | None = None
         self.process_start_s = time.monotonic()
@@ -245,10 +247,11 @@ class SyncService:
 
     # ---- RPC handlers ----------------------------------------------------------------------
 
-    async def _guarded(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Any]]) -> Any:
+    async def _guarded(self, context: grpc.aio.ServicerContext, work: Callable[[], Awaitable[Any]], *,
+                       upload: bool = False) -> Any:
         """Run a handler's work in a call slot; a wire-level problem ends the call with its reason."""
         try:
-            async with self.calls.call(context):
+            async with self.calls.call(context, upload=upload):
                 return await work()
         except wire.WireError as err:
             await self.boundary.reject(context, RejectReason.MALFORMED, str(err))
@@ -321,12 +324,7 @@ class SyncService:
 
     async def contribute(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            async with self.calls.uploads.hold():
-                deadline = self.calls.deadline_s(self.boundary.max_payload)
-                try:
-                    contribution = await asyncio.wait_for(self.boundary.assemble(requests, context), deadline)
-                except asyncio.TimeoutError:
-                    raise timed_out("the upload", deadline) from None
+            contribution = await self.uploads.receive(requests, context)
             reply = await self._host.handle(contribution)
             if isinstance(reply, Refused):
                 self.metrics.contributions.labels(str(reply.reason)).inc()
@@ -335,19 +333,20 @@ class SyncService:
             self.metrics.contributions.labels("accepted").inc()
             return self.boundary.out(contribution.learner_id, -1, pb.ContributeReply(stop=reply.stop))
 
-        return await self._guarded(context, work) or b""
+        return await self._guarded(context, work, upload=True) or b""
 
     async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async def work() -> None:
             req = self.boundary.receive(context, pb.UpdatesRequest, raw)
             name = req.learner_id
             session = wire.session_from_pb(req.session)
-            if not await self._host.query(lambda core: core.holds_session(name, session)):
+            if await self._host.query(lambda core: core.session_problem(name, session)) is not None:
                 # Not counted: joining again is the normal way back after a lease expiry or a restart.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"unknown_learner: no live session {session} for {name!r}: join again",
                                     trailing_metadata=((REASON_HEADER, str(RejectReason.UNKNOWN_LEARNER)),))
                 return
+            self.calls.bound_to_session()  # one stream per learner from here: a new one replaces it
             sub = self.streams.subscribe(name)
             try:
                 for p, chunks in self.streams.replay(list(req.have_versions)):

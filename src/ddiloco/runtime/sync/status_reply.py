@@ -110,6 +110,8 @@ def status_reply(service: Measured, core: SyncStatus, now: float, learner_offset
         ))
     for key, count in sorted(core.rounds_closed.items()):
         reply.rounds_closed.append(pb.CountEntry(key=key, count=count))
+    for key, count in sorted(core.claims_clipped.items()):
+        reply.claims_clipped.append(pb.CountEntry(key=key, count=count))
     rejections = collections.Counter(core.rejections) + service.boundary.rejections
     for key, count in sorted(rejections.items()):
         reply.rejections.append(pb.CountEntry(key=key, count=count))
