@@ -63,7 +63,8 @@ def test_bad_messages_are_rejected_with_their_reason_counted_and_never_touch_glo
         "non_finite": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, payload=nan_payload)),
         "norm_bound": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, payload=huge_payload)),
         "unknown_fragment": lambda: client.contribute(make_contribution(sync, "intruder", session, 99, 0)),
-        "bad_codec": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, codec="int8")),
+        "bad_codec": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, codec="int8",
+                                                                payload=good)),
         "future_version": lambda: client.contribute(make_contribution(sync, "intruder", session, 0, 0, base_version=7)),
         "unknown_learner": lambda: client.contribute(make_contribution(sync, "ghost", session, 0, 0)),
         "too_large": lambda: client.contribute_chunks([pb.ContributionChunk(

@@ -168,6 +168,7 @@ class Boundary:
         learner, fragment = "", -1
         header: pb.ContributionHeader | None = None
         payload = bytearray()
+        received = 0
         try:
             identity = self.admit(context)
             async for raw in requests:
@@ -184,22 +185,26 @@ class Boundary:
                                                              f"{self.max_payload} accepted")
                     self.count_in(learner, fragment, len(raw))
                     await on_header(header)
+                    # Exactly the announced size, allocated once: the chunks are copied into it and
+                    # it is the payload the core sees (no joined or converted copy of it).
+                    payload = bytearray(header.payload_bytes)
                 else:
                     if chunk.HasField("header"):
                         raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
                     self.count_in(learner, fragment, len(raw))
-                if chunk.offset != len(payload):
-                    raise Abort(RejectReason.CHUNK_ASSEMBLY, f"chunk at offset {chunk.offset}, expected {len(payload)}")
-                if len(payload) + len(chunk.data) > header.payload_bytes:
+                if chunk.offset != received:
+                    raise Abort(RejectReason.CHUNK_ASSEMBLY, f"chunk at offset {chunk.offset}, expected {received}")
+                if received + len(chunk.data) > header.payload_bytes:
                     raise Abort(RejectReason.CHUNK_ASSEMBLY, f"more than the announced {header.payload_bytes} bytes")
-                payload += chunk.data
+                payload[received:received + len(chunk.data)] = chunk.data
+                received += len(chunk.data)
             if header is None:
                 raise Abort(RejectReason.CHUNK_ASSEMBLY, "empty upload")
-            if len(payload) != header.payload_bytes:
+            if received != header.payload_bytes:
                 raise Abort(RejectReason.CHUNK_ASSEMBLY,
-                             f"upload ended after {len(payload)} of {header.payload_bytes} bytes")
+                             f"upload ended after {received} of {header.payload_bytes} bytes")
             try:
-                return wire.contribution_from_pb(header, bytes(payload))
+                return wire.contribution_from_pb(header, payload)  # type: ignore[arg-type]  # read-only from here
             except wire.WireError as err:
                 raise Abort(RejectReason.MALFORMED, str(err)) from None
         except Abort as err:

@@ -45,6 +45,7 @@ from ddiloco.core.actions import (
     StopLearners,
     SyncAction,
 )
+from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import Mode
 from ddiloco.core.messages import RejectReason, StopNotice
 from ddiloco.core.replay import replay_budget
@@ -124,13 +125,13 @@ class SyncService:
             embedding_fragments=[f.index for f in self.layout.plan.fragments if f.is_embedding],
             limits=limits, incarnation=self.incarnation, shard=self.shard, session_salt=secrets.randbits(64),
         )
-        owned = [self.layout.plan.fragments[p] for p in self.core.owned]
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
         self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
-        self.state_bytes = self.core.state_bytes
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
-        self.boundary = Boundary(Authenticator(options.token, options.credentials), max(4 * f.numel for f in owned),
+        uplink = get_codec(self.protocol.codec, block_size=self.protocol.block_size)
+        largest = max(self.layout.plan.fragments[p].numel for p in self.core.owned)
+        self.boundary = Boundary(Authenticator(options.token, options.credentials), uplink.encoded_size(largest),
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
         self.calls = CallLimits(self.protocol.min_link_bytes_per_s, limits.max_learners, self.protocol.lease_s)
         self.uploads = Uploads(self.boundary, self.calls, lambda: self._host)
@@ -297,7 +298,7 @@ class SyncService:
                 context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"))
 
         delivered = False
-        deadline = self.calls.deadline_s(self.state_bytes)
+        deadline = self.calls.deadline_s(self.core.state_bytes)
         try:
             await asyncio.wait_for(send(), deadline)
             delivered = True
@@ -377,7 +378,7 @@ class SyncService:
         async def work() -> None:
             self.boundary.receive(context, pb.FetchStateRequest, raw)
             async with self.calls.transfers.hold():
-                deadline = self.calls.deadline_s(self.state_bytes)
+                deadline = self.calls.deadline_s(self.core.state_bytes)
 
                 try:
                     await asyncio.wait_for(self.copies.send(self.core.owned, lambda chunk: self.calls.write(
