@@ -1,24 +1,25 @@
-"""The synchronizer at the scale of real models: what one shard and two shards sustain.
+"""The synchronizer at the scale of real models: its memory over a whole run, its merge rate, its status.
 
 Real synchronizer processes (``ddiloco sync --init``, real gRPC on loopback) serve a model of
-``--params`` parameters in P fragments; M synthetic learners (threads, each its own gRPC
-client) send int4 contributions of every fragment in turn, as fast as the synchronizer takes
-them, and keep their base versions current by polling its status. Measured side by side in
-one run and printed as ratios:
+``--params`` parameters in P = 24 fragments; M = 8 synthetic learners (threads in two load
+generator processes, each its own gRPC client) send int4 contributions of every fragment in
+turn, as fast as the synchronizer takes them. One run, measured side by side:
 
-- ``sustained_params_per_s``: outer-gradient parameters merged per second, 1 shard and 2
-  shards (each shard a process; its kernels run on one core), and ``shard_speedup_2``;
-- ``merge_vs_memcpy``: a round of M contributions merged in process (check, accumulate, close:
-  outer step, error feedback, int4 encode) against a copy of the same contributions' fp32
-  bytes into a preallocated, already-touched buffer — best of several, same run;
-- ``sync_rss_bytes_per_param``: the synchronizer's resident memory while it merges, above an idle one;
-- ``downlink_vs_model``: downlink bytes of a virtual-cluster run over the bandwidth model's
-  one update per fragment per period.
+- **the run** (one synchronizer with a state directory): the learners join, a merging window
+  opens, checkpoints are written every P rounds or ``--checkpoint-every`` seconds, two more
+  learners join during the window (their state transfers go out while rounds merge), then
+  the synchronizer is killed with ``kill -9`` and restarted with ``--resume``, and one more
+  learner joins it. Reported: ``steady_bytes_per_param`` (median resident memory in the
+  window), ``peak_bytes_per_param`` (VmHWM of each synchronizer process over the whole run,
+  the restored one included), ``status_p99_ms`` (status polled every 100 ms while merging),
+  merged parameters per second and per synchronizer core, and a plot of resident memory over
+  time with the checkpoints, joins, kill and restore marked;
+- **two shards** (``--shard 0/2``, ``1/2``): merge rate and each shard's peak memory;
+- ``merge_vs_memcpy``: a round of M contributions merged in process (check, accumulate,
+  close) against a memcpy of the bytes that merge must read and write (``merge_bytes``);
+- ``downlink_vs_model``: downlink bytes of a virtual-cluster run over the bandwidth model.
 
-It then prints the largest model one shard keeps up with at M = 8, H = P = 24, one step per
-second (each learner sends N/24 parameters per second), and the shards the paper's 12B run
-would need. The learners run on the same 2 cores as the synchronizer, so the figures are a
-floor: on a dedicated synchronizer host they would be higher.
+The learners run on the same 2 cores as the synchronizer, so rates are a floor.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +44,14 @@ from safetensors.torch import save_file
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import Contribution, Join
+from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 M = 8
 P = 24
 INT4 = get_codec("int4")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_init(path: Path, params: int, fragments: int) -> list[int]:
@@ -58,37 +62,84 @@ def write_init(path: Path, params: int, fragments: int) -> list[int]:
     return sizes
 
 
-def sync_args(init: Path, port_file: Path, shard: str | None) -> list[str]:
+def start_sync(init: Path, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port_file = tmp / f"port-{name}"
+    port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
     args = [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
             "--learners", str(M), "--tokens", str(10**15), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
             "--set", f"protocol.fragments={P}", "--set", f"protocol.period={P}", "--set", f"protocol.quorum={M}",
-            "--set", "protocol.staleness_max=1000", "--set", "protocol.lease_s=600", "--log-level", "warning"]
-    return args + (["--shard", shard] if shard else [])
-
-
-def start_shards(init: Path, shards: int, tmp: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, addresses = [], []
+            "--set", "protocol.staleness_max=1000", "--set", "protocol.lease_s=600", "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i in range(shards):
-        port_file = tmp / f"port-{shards}-{i}"
-        port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
-        shard = None if shards == 1 else f"{i}/{shards}"
-        procs.append(subprocess.Popen(sync_args(init, port_file, shard), env=env,
-                                      stdout=subprocess.DEVNULL, stderr=open(tmp / f"sync-{shards}-{i}.log", "wb")))
-        deadline = time.monotonic() + 300
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((tmp / f"sync-{shards}-{i}.log").read_text())
-            time.sleep(0.1)
-        addresses.append(f"127.0.0.1:{int(port_file.read_text())}")
-    return procs, addresses
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"sync-{name}.log", "ab"))
+    deadline = time.monotonic() + 900
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((tmp / f"sync-{name}.log").read_text())
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
 
 
-def rss_bytes(pid: int, field: str = "VmHWM") -> int:
+def proc_field(pid: int, name: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
+        if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} for {pid}")
+    raise RuntimeError(f"no {name} for {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def join_discarding(address: str, name: str) -> Session:
+    """Join as ``name``, reading the whole state transfer and keeping none of it."""
+    from ddiloco.runtime import wire
+
+    session = None
+    with SyncClient(address) as client:
+        for reply in client.stub.Join(wire.join_to_pb(Join(name, f"bench-{name}")), timeout=3600,
+                                      metadata=client.metadata):
+            if reply.HasField("header"):
+                session = wire.session_from_pb(reply.header.session)
+    assert session is not None
+    return session
+
+
+@dataclass
+class Timeline:
+    """Resident memory of the synchronizer processes over time, with what happened when."""
+
+    started: float = field(default_factory=time.monotonic)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    """(seconds, summed VmRSS, summed VmHWM)"""
+    events: list[tuple[float, str]] = field(default_factory=list)
+    peaks: dict[int, int] = field(default_factory=dict)
+    """Each process's VmHWM as last read."""
+    pids: list[int] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def mark(self, what: str) -> None:
+        self.events.append((self.now(), what))
+        print(f"  {self.now():7.1f}s  {what}", flush=True)
+
+    def sample(self) -> None:
+        rss = hwm = 0
+        for pid in list(self.pids):
+            try:
+                rss += proc_field(pid, "VmRSS")
+                self.peaks[pid] = proc_field(pid, "VmHWM")
+                hwm += self.peaks[pid]
+            except (OSError, RuntimeError):
+                self.pids.remove(pid)  # exited (or killed): its last peak stays
+        self.samples.append((self.now(), rss, hwm))
+
+    def run(self) -> None:
+        while not self.stop.wait(0.25):
+            self.sample()
 
 
 def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: float, seconds: float,
@@ -97,8 +148,8 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
 
     Uploads are pre-serialized (the header chunk is built per call, the payload chunks once)
     so that the generator spends as little CPU as it can: it shares the cores with the
-    synchronizers it measures. The window opens once every learner of every generator has
-    joined (a join sends the whole model) and a warm-up has passed.
+    synchronizers it measures. Base versions are kept current by polling status. The window
+    opens once every learner of every generator has joined and a warm-up has passed.
     """
     import grpc
 
@@ -111,6 +162,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
                 for p, n in enumerate(sizes)]
     bodies = [[pb.ContributionChunk(offset=o, data=payload[o:o + wire.CHUNK_BYTES]).SerializeToString()
                for o in range(0, len(payload), wire.CHUNK_BYTES)] for payload in payloads]
+    del payloads
     versions = [0] * P
     merged = [0]
     lock = threading.Lock()
@@ -132,7 +184,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
         channels = [grpc.insecure_channel(a, options=wire.KEEPALIVE_OPTIONS) for a in addresses]
         upload = [ch.stream_unary("/ddiloco.v2.Synchronizer/Contribute", request_serializer=None,
                                   response_deserializer=None) for ch in channels]
-        sessions = [SyncClient(a).join(Join(f"learner-{m}", f"bench-{m}")).state.session for a in addresses]
+        sessions = [join_discarding(a, f"learner-{m}") for a in addresses]
         ready.wait()
         seq = [0] * P
         p = m % P
@@ -140,12 +192,12 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
             shard = p % shards
             header = pb.ContributionHeader(
                 learner_id=f"learner-{m}", fragment=p, base_version=versions[p], seq=seq[p], tokens=1024, steps=1,
-                compute_s=1.0, step_time_s=1e-3, codec="int4", payload_bytes=len(payloads[p]),
+                compute_s=1e-3, step_time_s=1e-3, codec="int4", payload_bytes=INT4.encoded_size(sizes[p]),
                 session=wire.session_to_pb(sessions[shard]))
             seq[p] += 1
             first = pb.ContributionChunk(header=header, offset=0).SerializeToString()
             try:
-                upload[shard](iter([first, *bodies[p]]), metadata=client_metadata(None), timeout=60)
+                upload[shard](iter([first, *bodies[p]]), metadata=client_metadata(None), timeout=600)
                 if counting.is_set():
                     with lock:
                         merged[0] += sizes[p]
@@ -170,67 +222,163 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
     stop.set()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
-class Load:
+class Window:
     params_per_s: float
-    rss: int
     sync_cores: float
-    """CPU cores the synchronizer processes used during the window (summed)."""
     generator_cores: float
-    """CPU cores the load generators used."""
+    rss_median: int
+    status_ms: list[float]
 
 
-def sustained(init: Path, sizes: list[int], shards: int, seconds: float, tmp: Path) -> Load:
-    """What ``shards`` shards sustain, with their resident memory and the CPU the run used."""
+def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seconds: float, timeline: Timeline,
+                   extra_joins: int) -> Window:
+    """Load generators merge for ``seconds`` while status is polled and ``extra_joins`` learners join."""
+    ctx = multiprocessing.get_context("spawn")  # a fork of this process (torch, numba threads) can hang
+    out, joined = ctx.Queue(), ctx.Barrier(2)
+    loaders = [ctx.Process(target=_load, args=(addresses, sizes, range(i, M, 2), max(2.0, seconds / 5), seconds,
+                                               joined, out)) for i in range(2)]
+    timeline.mark(f"{M} learners join")
+    for loader in loaders:
+        loader.start()
+    for _ in loaders:
+        out.get(timeout=3600)
+    timeline.mark("merging window opens")
+    opened, cpu = time.perf_counter(), sum(cpu_seconds(pid) for pid in pids)
+    first_sample = len(timeline.samples)
+    status_ms: list[float] = []
+    stop = threading.Event()
 
-    procs, addresses = start_shards(init, shards, tmp)
+    def poll_status() -> None:
+        with SyncClient(addresses[0]) as client:
+            while not stop.wait(0.1):
+                started = time.perf_counter()
+                client.status_dict(timeout_s=60)
+                status_ms.append(1e3 * (time.perf_counter() - started))
+
+    def late_joins() -> None:
+        for j in range(extra_joins):
+            if stop.wait(seconds / (extra_joins + 1)):
+                return
+            timeline.mark(f"join of late-{j} (state transfer) begins")
+            for address in addresses:
+                join_discarding(address, f"late-{j}")
+            timeline.mark(f"join of late-{j} done")
+
+    helpers = [threading.Thread(target=poll_status, daemon=True), threading.Thread(target=late_joins, daemon=True)]
+    for th in helpers:
+        th.start()
+    results = [out.get(timeout=3600) for _ in loaders]
+    sync_cores = (sum(cpu_seconds(pid) for pid in pids) - cpu) / (time.perf_counter() - opened)
+    stop.set()
+    timeline.mark("merging window closes")
+    for loader in loaders:
+        loader.kill()
+        loader.join()
+    for th in helpers:
+        th.join(600)
+    window = [rss for _, rss, _ in timeline.samples[first_sample:]]
+    return Window(sum(r for r, _ in results), sync_cores, sum(c for _, c in results),
+                  int(statistics.median(window)) if window else 0, status_ms)
+
+
+def watch_checkpoints(address: str, timeline: Timeline, stop: threading.Event) -> None:
+    """Mark each checkpoint written (status counts them) on the timeline."""
+    seen = 0
+    with SyncClient(address) as client:
+        while not stop.wait(0.5):
+            try:
+                written = client.status_dict(timeout_s=60)["checkpoints"]
+            except (Unreachable, CallRefused):
+                return
+            if written > seen:
+                timeline.mark(f"checkpoint {written} written")
+                seen = written
+
+
+def the_run(init: Path, sizes: list[int], seconds: float, checkpoint_s: float, tmp: Path) -> dict:
+    """One synchronizer with checkpoints, joins while it merges, a kill -9 and a --resume."""
+    timeline = Timeline()
+    sampler = threading.Thread(target=timeline.run, daemon=True)
+    sampler.start()
+    state = ["--state-dir", str(tmp / "state"), "--checkpoint-every-rounds", str(P),
+             "--checkpoint-every", str(checkpoint_s)]
+    timeline.mark("synchronizer starts")
+    proc, address = start_sync(init, tmp, "run", *state)
+    timeline.pids.append(proc.pid)
+    timeline.mark("synchronizer serves")
+    stop_watch = threading.Event()
+    watcher = threading.Thread(target=watch_checkpoints, args=(address, timeline, stop_watch), daemon=True)
+    watcher.start()
+    window = merging_window([address], [proc.pid], sizes, seconds, timeline, extra_joins=2)
+    stop_watch.set()
+    watcher.join(60)
+    timeline.sample()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    timeline.mark("kill -9")
+    resumed, address = start_sync(init, tmp, "run", *state, "--resume")
+    timeline.pids.append(resumed.pid)
+    timeline.mark("restored from its checkpoint (--resume), serving")
+    join_discarding(address, "after-restore")
+    timeline.mark("a learner joined the restored synchronizer")
+    time.sleep(2.0)
+    timeline.sample()
+    timeline.stop.set()
+    sampler.join(10)
+    peaks = dict(timeline.peaks)
+    resumed.kill()
+    resumed.wait()
+    return {"window": window, "timeline": timeline, "peaks": peaks}
+
+
+def two_shards(init: Path, sizes: list[int], seconds: float, tmp: Path) -> dict:
+    timeline = Timeline()
+    sampler = threading.Thread(target=timeline.run, daemon=True)
+    sampler.start()
+    procs, addresses = [], []
     try:
-        # Spawned, not forked: a child forked after torch's and numba's thread pools started
-        # (the in-process merge measurement) hangs in its first torch call.
-        ctx = multiprocessing.get_context("spawn")
-        out, joined = ctx.Queue(), ctx.Barrier(2)
-        loaders = [ctx.Process(target=_load, args=(addresses, sizes, range(i, M, 2), max(2.0, seconds / 5), seconds,
-                                                   joined, out)) for i in range(2)]
-        for loader in loaders:
-            loader.start()
-        for _ in loaders:
-            out.get(timeout=600)
-        sync_cpu, opened = sum(cpu_seconds(proc.pid) for proc in procs), time.perf_counter()
-        results = [out.get(timeout=600) for _ in loaders]
-        sync_cores = (sum(cpu_seconds(proc.pid) for proc in procs) - sync_cpu) / (time.perf_counter() - opened)
-        rss = sum(rss_bytes(proc.pid, "VmRSS") for proc in procs)  # steady state, after the joins
-        for loader in loaders:
-            loader.kill()
-            loader.join()
-        return Load(sum(r for r, _ in results), rss, sync_cores, sum(c for _, c in results))
+        for i in range(2):
+            proc, address = start_sync(init, tmp, f"shard-{i}", "--shard", f"{i}/2")
+            procs.append(proc)
+            addresses.append(address)
+            timeline.pids.append(proc.pid)
+        window = merging_window(addresses, [p.pid for p in procs], sizes, seconds, timeline, extra_joins=0)
+        timeline.sample()
+        return {"window": window, "peaks": [timeline.peaks[p.pid] for p in procs]}
     finally:
+        timeline.stop.set()
         for proc in procs:
             proc.kill()
             proc.wait()
 
 
 def idle_rss(init_small: Path, tmp: Path) -> int:
-    procs, _ = start_shards(init_small, 1, tmp)
+    proc, _ = start_sync(init_small, tmp, "idle")
     try:
         time.sleep(1.0)
-        return rss_bytes(procs[0].pid, "VmRSS")
+        return proc_field(proc.pid, "VmRSS")
     finally:
-        procs[0].kill()
-        procs[0].wait()
+        proc.kill()
+        proc.wait()
+
+
+def merge_bytes(numel: int, learners: int) -> int:
+    """Bytes a round of ``learners`` int4 contributions must read and write, per the fused path:
+    each contribution's payload read twice (check, accumulate) and the fp32 accumulator read and
+    written; the close reads and zeroes the accumulator, reads and writes Θ (fp32), the bf16
+    momentum and the int8 residual, and writes the int4 update."""
+    payload = INT4.encoded_size(numel)
+    per_contribution = 2 * payload + 8 * numel
+    close = (4 + 4) + (4 + 4) + (2 + 2) + (1 + 1)
+    return learners * per_contribution + close * numel + payload
 
 
 def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
-    """(ratio, merge seconds, memcpy seconds): a round of M int4 contributions vs copying their fp32 bytes.
-
-    Rounds follow each other on one synchronizer (its buffers exist, as in a long run); each
-    round is timed from its first contribution to its close, best of ``repeats`` after one.
-    """
+    """(ratio, merge seconds, memcpy seconds): a round of M int4 contributions against a memcpy
+    that moves as many bytes as the round must read and write (a copy of B/2 bytes reads B/2
+    and writes B/2). Best of ``repeats`` after one, rounds following each other on one
+    synchronizer, the copy into a buffer already touched."""
     protocol = ProtocolConfig(fragments=1, period=P, quorum=M, lease_s=1e9, space_rounds=False)
     payloads = [INT4.encode(torch.randn(numel) * 1e-3) for _ in range(M)]
     sync = Synchronizer(protocol, [torch.randn(numel) * 0.02])
@@ -238,14 +386,14 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
     rounds = []
     for r in range(repeats + 1):
         contributions = [Contribution(learner_id=f"l{m}", session=sessions[m], fragment=0, base_version=r, seq=r,
-                                      tokens=1024, steps=1, compute_s=1.0, step_time_s=1.0, codec="int4",
+                                      tokens=1024, steps=1, compute_s=1e-3, step_time_s=1e-3, codec="int4",
                                       payload=payloads[m]) for m in range(M)]
         started = time.perf_counter()
         for c in contributions:
             sync.handle(c, 1.0 + r)
         rounds.append(time.perf_counter() - started)
         assert sync.versions() == (r + 1,), "the round closes with the last contribution"
-    src = np.random.default_rng(0).standard_normal(M * numel, dtype=np.float32)
+    src = np.random.default_rng(0).standard_normal(merge_bytes(numel, M) // 8, dtype=np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touched: the pages exist before the timing
     copies = []
@@ -273,63 +421,118 @@ def downlink_vs_model(quick: bool) -> float:
     return down.counted_bytes / down.predicted_bytes
 
 
+def plot(timeline: Timeline, params: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s for s, _, _ in timeline.samples]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.plot(t, [r / params for _, r, _ in timeline.samples], label="resident (VmRSS)", color="tab:blue")
+    ax.plot(t, [h / params for _, _, h in timeline.samples], label="peak so far (VmHWM)", color="tab:red", lw=0.8)
+    colors = {"checkpoint": "tab:green", "join": "tab:purple", "kill": "black", "restor": "tab:orange"}
+    for when, what in timeline.events:
+        color = next((c for k, c in colors.items() if k in what), None)
+        if color is None:
+            continue
+        ax.axvline(when, color=color, lw=0.8, ls="--")
+        ax.text(when, 0.3, what, rotation=90, fontsize=7, va="bottom", ha="right", color=color)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("bytes per parameter")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Synchronizer memory over a run: {params / 1e9:.2g}B parameters, M={M}, P={P} "
+                 "(checkpoints, joins, kill -9, --resume)")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def stamp(argv: list[str]) -> dict:
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"commit": commit, "command": "python benchmarks/bench_sync_scale.py " + " ".join(argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB", "load": os.getloadavg()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~20M parameters, shorter windows (CI-sized)")
+    parser.add_argument("--quick", action="store_true", help="20M parameters, short windows (CI-sized)")
     parser.add_argument("--params", type=float, help="model parameters (default 100M; quick 20M)")
-    parser.add_argument("--seconds", type=float, help="measuring window per configuration (default 30; quick 10)")
+    parser.add_argument("--seconds", type=float, help="merging window per configuration (default 60; quick 10)")
+    parser.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 20; quick 3)")
+    parser.add_argument("--no-shards", action="store_true", help="skip the two-shard measurement")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="plot resident memory over the run")
     args = parser.parse_args()
     params = int(args.params or (20e6 if args.quick else 100e6))
-    seconds = args.seconds or (10.0 if args.quick else 30.0)
-    if params < P or seconds <= 0:
-        raise SystemExit("bench_sync_scale: error: --params must be at least 24 and --seconds positive")
+    seconds = args.seconds or (10.0 if args.quick else 60.0)
+    checkpoint_s = args.checkpoint_every or (3.0 if args.quick else 20.0)
+    if params < P or seconds <= 0 or checkpoint_s <= 0:
+        raise SystemExit("bench_sync_scale: error: --params must be at least 24, --seconds and --checkpoint-every "
+                         "positive")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         init, small = tmp / "init.safetensors", tmp / "small.safetensors"
         sizes = write_init(init, params, P)
         write_init(small, P * 1000, P)
-        ratio, merge_s, copy_s = merge_vs_memcpy(sizes[0], repeats=5)
+        ratio, merge_s, copy_s = merge_vs_memcpy(sizes[0], repeats=3 if params > 2e8 else 5)
         baseline = idle_rss(small, tmp)
-        single = sustained(init, sizes, 1, seconds, tmp)
-        double = sustained(init, sizes, 2, seconds, tmp)
-    one, two = single.params_per_s, double.params_per_s
+        print(f"the run: {params / 1e6:.0f}M parameters, {M} learners, {seconds:.0f}s merging window", flush=True)
+        run = the_run(init, sizes, seconds, checkpoint_s, tmp)
+        shards = None if args.no_shards else two_shards(init, sizes, seconds, tmp)
     downlink = downlink_vs_model(args.quick)
-    rss_per_param = (single.rss - baseline) / params
-    # The generators share the machine's cores: at the CPU cost per parameter measured with one
-    # shard (synchronizer + generators), this is about what the machine's cores allow.
-    cores = os.cpu_count() or 1
-    ceiling = cores * one / (single.sync_cores + single.generator_cores)
+    window: Window = run["window"]
+    status = sorted(window.status_ms)
+    p99 = status[min(len(status) - 1, int(0.99 * len(status)))] if status else float("nan")
+    one = window.params_per_s
     result = {
         "params": params, "learners": M, "fragments": P,
+        "steady_bytes_per_param": round(window.rss_median / params, 2),
+        "steady_bytes_per_param_above_idle": round((window.rss_median - baseline) / params, 2),
+        "peak_bytes_per_param": round(max(run["peaks"].values()) / params, 2),
+        "peak_bytes_per_process": sorted(run["peaks"].values()),
+        "status_p99_ms": round(p99, 1), "status_median_ms": round(statistics.median(status), 1) if status else None,
+        "status_calls": len(status),
+        "sustained_params_per_s": round(one),
+        "sync_params_per_core_s": round(one / window.sync_cores) if window.sync_cores else None,
+        "cores_used": {"sync": round(window.sync_cores, 2), "generators": round(window.generator_cores, 2)},
         "merge_vs_memcpy": round(ratio, 3), "merge_round_s": round(merge_s, 4), "memcpy_s": round(copy_s, 4),
-        "sustained_params_per_s": {"1": round(one), "2": round(two)},
-        "shard_speedup_2": round(two / one, 3),
-        "shard_speedup_ceiling": round(ceiling / one, 3),
-        "sync_params_per_core_s": {"1": round(one / single.sync_cores), "2": round(two / double.sync_cores)},
-        "cores_used": {str(n): {"sync": round(r.sync_cores, 2), "generators": round(r.generator_cores, 2)}
-                       for n, r in ((1, single), (2, double))},
-        "sync_rss_bytes_per_param": round(rss_per_param, 2),
+        "merge_bytes_per_param": round(merge_bytes(sizes[0], M) / sizes[0], 2),
+        "merged_params_per_s_in_process": round(M * sizes[0] / merge_s),
+        "idle_rss_bytes": baseline,
+        "events": [(round(t, 1), what) for t, what in run["timeline"].events],
         "downlink_vs_model": round(downlink, 3),
-        "load": os.getloadavg(),
     }
-    keeps_up = one * P / M  # each learner sends N / P parameters per step
+    if shards is not None:
+        two: Window = shards["window"]
+        result["two_shards"] = {
+            "sustained_params_per_s": round(two.params_per_s), "speedup": round(two.params_per_s / one, 3),
+            "peak_bytes_per_shard": shards["peaks"],
+            "peak_bytes_per_param_of_its_fragments": [round(peak / (params / 2), 2) for peak in shards["peaks"]],
+            "cores_used": {"sync": round(two.sync_cores, 2), "generators": round(two.generator_cores, 2)}}
+    result.update(stamp(sys.argv[1:]))
     print(f"model {params / 1e6:.0f}M params in {P} fragments, M={M} synthetic learners")
-    print(f"merge vs memcpy: a round of {M} x {sizes[0] / 1e6:.1f}M int4 contributions {merge_s * 1e3:.0f} ms, copying "
-          f"their fp32 bytes {copy_s * 1e3:.0f} ms -> {ratio:.3f}")
-    print(f"sustained: 1 shard {one / 1e6:.1f}M params/s, 2 shards {two / 1e6:.1f}M params/s -> speedup {two / one:.2f}")
-    for n, r in ((1, single), (2, double)):
-        print(f"  {n} shard(s): synchronizers used {r.sync_cores:.2f} cores ({r.params_per_s / r.sync_cores / 1e6:.0f}M "
-              f"params per core-second), the load generators {r.generator_cores:.2f}")
-    print(f"  at one shard's CPU cost per parameter, {cores} cores shared with the generators allow a speedup of "
-          f"about {ceiling / one:.2f}")
-    print(f"synchronizer memory: {rss_per_param:.1f} bytes per parameter above an idle one")
-    print(f"downlink bytes vs the bandwidth model (one update per fragment per period): {downlink:.3f}")
-    print(f"one shard keeps up with a model of {keeps_up / 1e9:.2f}B parameters at M=8, H=P=24, 1 step/s; "
-          f"the paper's 12B model needs {12e9 * M / P / one:.0f} such shards (and hosts with cores to spare)")
+    print(f"memory: steady {result['steady_bytes_per_param']} B/param (median resident while merging), peak "
+          f"{result['peak_bytes_per_param']} B/param (VmHWM over the run: checkpoints, 2 joins, kill -9, --resume)")
+    print(f"status while merging: p99 {result['status_p99_ms']} ms, median {result['status_median_ms']} ms "
+          f"({len(status)} calls)")
+    print(f"merge: {one / 1e6:.1f}M params/s sustained, {window.sync_cores:.2f} synchronizer cores "
+          f"({result['sync_params_per_core_s'] / 1e6:.0f}M params per core-second), generators "
+          f"{window.generator_cores:.2f} cores")
+    print(f"merge vs memcpy of the {result['merge_bytes_per_param']} B/param a round reads and writes: "
+          f"{merge_s * 1e3:.0f} ms vs {copy_s * 1e3:.0f} ms -> {ratio:.3f}")
+    if shards is not None:
+        print(f"two shards: {result['two_shards']['sustained_params_per_s'] / 1e6:.1f}M params/s (x"
+              f"{result['two_shards']['speedup']}), peaks {[round(p / 1e9, 2) for p in shards['peaks']]} GB")
+    print(f"downlink bytes vs the bandwidth model: {downlink:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(run["timeline"], params, Path(args.plot))
 
 
 if __name__ == "__main__":
