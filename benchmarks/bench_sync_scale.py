@@ -143,13 +143,18 @@ class Timeline:
 
 
 def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: float, seconds: float,
-          joined: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+          joined: multiprocessing.Barrier, out: multiprocessing.Queue, counted: multiprocessing.Value) -> None:
     """One load-generator process: learners as threads, each its own gRPC channel per shard.
 
+    Each learner sends its fragments in turn, as fast as the synchronizer takes them, under
+    the learners' own send rule (``core/learner.py``): a fragment is not sent again until the
+    round of its last send has closed (its version moved on); it goes on with the next one.
     Uploads are pre-serialized (the header chunk is built per call, the payload chunks once)
     so that the generator spends as little CPU as it can: it shares the cores with the
     synchronizers it measures. Base versions are kept current by polling status. The window
-    opens once every learner of every generator has joined and a warm-up has passed.
+    opens once every learner of every generator has joined and a warm-up has passed; merged
+    parameters are added to ``counted`` as they are accepted, so the parent can take rates
+    over any part of the window.
     """
     import grpc
 
@@ -187,11 +192,20 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
         sessions = [join_discarding(a, f"learner-{m}") for a in addresses]
         ready.wait()
         seq = [0] * P
-        p = m % P
+        sent = [-1] * P  # the base version of this learner's last send of each fragment
+        p, waiting = m % P, 0
         while not stop.is_set():
+            if versions[p] <= sent[p]:  # its round has not closed: the next fragment
+                p, waiting = (p + 1) % P, waiting + 1
+                if waiting >= P:
+                    stop.wait(0.02)
+                    waiting = 0
+                continue
+            waiting = 0
+            sent[p] = versions[p]
             shard = p % shards
             header = pb.ContributionHeader(
-                learner_id=f"learner-{m}", fragment=p, base_version=versions[p], seq=seq[p], tokens=1024, steps=1,
+                learner_id=f"learner-{m}", fragment=p, base_version=sent[p], seq=seq[p], tokens=1024, steps=1,
                 compute_s=1e-3, step_time_s=1e-3, codec="int4", payload_bytes=INT4.encoded_size(sizes[p]),
                 session=wire.session_to_pb(sessions[shard]))
             seq[p] += 1
@@ -201,6 +215,8 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
                 if counting.is_set():
                     with lock:
                         merged[0] += sizes[p]
+                    with counted.get_lock():
+                        counted.value += sizes[p]
             except grpc.RpcError:
                 pass
             p = (p + 1) % P
@@ -225,19 +241,23 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
 @dataclass
 class Window:
     params_per_s: float
+    """Over the whole window."""
     sync_cores: float
     generator_cores: float
     rss_median: int
     status_ms: list[float]
+    clean_params_per_s: float
+    """Before the first late join (the whole window without them)."""
+    clean_sync_cores: float
 
 
 def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seconds: float, timeline: Timeline,
                    extra_joins: int) -> Window:
     """Load generators merge for ``seconds`` while status is polled and ``extra_joins`` learners join."""
     ctx = multiprocessing.get_context("spawn")  # a fork of this process (torch, numba threads) can hang
-    out, joined = ctx.Queue(), ctx.Barrier(2)
+    out, joined, counted = ctx.Queue(), ctx.Barrier(2), ctx.Value("q", 0)
     loaders = [ctx.Process(target=_load, args=(addresses, sizes, range(i, M, 2), max(2.0, seconds / 5), seconds,
-                                               joined, out)) for i in range(2)]
+                                               joined, out, counted)) for i in range(2)]
     timeline.mark(f"{M} learners join")
     for loader in loaders:
         loader.start()
@@ -248,6 +268,11 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     first_sample = len(timeline.samples)
     status_ms: list[float] = []
     stop = threading.Event()
+    clean: list[tuple[float, float]] = []  # (params/s, synchronizer cores) before the first late join
+
+    def mark_clean() -> None:
+        elapsed = time.perf_counter() - opened
+        clean.append((counted.value / elapsed, (sum(cpu_seconds(pid) for pid in pids) - cpu) / elapsed))
 
     def poll_status() -> None:
         with SyncClient(addresses[0]) as client:
@@ -257,9 +282,11 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
                 status_ms.append(1e3 * (time.perf_counter() - started))
 
     def late_joins() -> None:
-        for j in range(extra_joins):
-            if stop.wait(seconds / (extra_joins + 1)):
+        for j in range(extra_joins):  # at half the window and later: the first half is clean
+            if stop.wait(seconds / 2 if j == 0 else seconds / (2 * extra_joins)):
                 return
+            if j == 0:
+                mark_clean()
             timeline.mark(f"join of late-{j} (state transfer) begins")
             for address in addresses:
                 join_discarding(address, f"late-{j}")
@@ -271,6 +298,8 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     results = [out.get(timeout=3600) for _ in loaders]
     sync_cores = (sum(cpu_seconds(pid) for pid in pids) - cpu) / (time.perf_counter() - opened)
     stop.set()
+    whole = sum(r for r, _ in results)
+    clean_rate, clean_cores = clean[0] if clean else (whole, sync_cores)
     timeline.mark("merging window closes")
     for loader in loaders:
         loader.kill()
@@ -278,8 +307,8 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     for th in helpers:
         th.join(600)
     window = [rss for _, rss, _ in timeline.samples[first_sample:]]
-    return Window(sum(r for r, _ in results), sync_cores, sum(c for _, c in results),
-                  int(statistics.median(window)) if window else 0, status_ms)
+    return Window(whole, sync_cores, sum(c for _, c in results), int(statistics.median(window)) if window else 0,
+                  status_ms, clean_rate, clean_cores)
 
 
 def watch_checkpoints(address: str, timeline: Timeline, stop: threading.Event) -> None:
@@ -319,7 +348,11 @@ def the_run(init: Path, sizes: list[int], seconds: float, checkpoint_s: float, t
     timeline.mark("kill -9")
     resumed, address = start_sync(init, tmp, "run", *state, "--resume")
     timeline.pids.append(resumed.pid)
-    timeline.mark("restored from its checkpoint (--resume), serving")
+    with SyncClient(address) as client:
+        status = client.status_dict(timeout_s=120)
+    restored = {"checkpoint": status["checkpoints"], "versions": sum(f["version"] for f in status["fragments"])}
+    timeline.mark(f"restored from checkpoint {restored['checkpoint']} (--resume, {restored['versions']} "
+                  "versions merged), serving")
     join_discarding(address, "after-restore")
     timeline.mark("a learner joined the restored synchronizer")
     time.sleep(2.0)
@@ -329,7 +362,7 @@ def the_run(init: Path, sizes: list[int], seconds: float, checkpoint_s: float, t
     peaks = dict(timeline.peaks)
     resumed.kill()
     resumed.wait()
-    return {"window": window, "timeline": timeline, "peaks": peaks}
+    return {"window": window, "timeline": timeline, "peaks": peaks, "restored": restored}
 
 
 def two_shards(init: Path, sizes: list[int], seconds: float, tmp: Path) -> dict:
@@ -461,14 +494,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20M parameters, short windows (CI-sized)")
     parser.add_argument("--params", type=float, help="model parameters (default 100M; quick 20M)")
-    parser.add_argument("--seconds", type=float, help="merging window per configuration (default 60; quick 10)")
+    parser.add_argument("--seconds", type=float, help="merging window per configuration (default 90; quick 10)")
     parser.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 20; quick 3)")
     parser.add_argument("--no-shards", action="store_true", help="skip the two-shard measurement")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="PNG", help="plot resident memory over the run")
     args = parser.parse_args()
     params = int(args.params or (20e6 if args.quick else 100e6))
-    seconds = args.seconds or (10.0 if args.quick else 60.0)
+    seconds = args.seconds or (10.0 if args.quick else 90.0)
     checkpoint_s = args.checkpoint_every or (3.0 if args.quick else 20.0)
     if params < P or seconds <= 0 or checkpoint_s <= 0:
         raise SystemExit("bench_sync_scale: error: --params must be at least 24, --seconds and --checkpoint-every "
@@ -488,7 +521,7 @@ def main() -> None:
     window: Window = run["window"]
     status = sorted(window.status_ms)
     p99 = status[min(len(status) - 1, int(0.99 * len(status)))] if status else float("nan")
-    one = window.params_per_s
+    one = window.clean_params_per_s
     result = {
         "params": params, "learners": M, "fragments": P,
         "steady_bytes_per_param": round(window.rss_median / params, 2),
@@ -498,12 +531,14 @@ def main() -> None:
         "status_p99_ms": round(p99, 1), "status_median_ms": round(statistics.median(status), 1) if status else None,
         "status_calls": len(status),
         "sustained_params_per_s": round(one),
-        "sync_params_per_core_s": round(one / window.sync_cores) if window.sync_cores else None,
-        "cores_used": {"sync": round(window.sync_cores, 2), "generators": round(window.generator_cores, 2)},
+        "sync_params_per_core_s": round(one / window.clean_sync_cores) if window.clean_sync_cores else None,
+        "cores_used": {"sync": round(window.clean_sync_cores, 2), "generators": round(window.generator_cores, 2)},
+        "params_per_s_whole_window_with_joins": round(window.params_per_s),
         "merge_vs_memcpy": round(ratio, 3), "merge_round_s": round(merge_s, 4), "memcpy_s": round(copy_s, 4),
         "merge_bytes_per_param": round(merge_bytes(sizes[0], M) / sizes[0], 2),
         "merged_params_per_s_in_process": round(M * sizes[0] / merge_s),
         "idle_rss_bytes": baseline,
+        "restored": run["restored"],
         "events": [(round(t, 1), what) for t, what in run["timeline"].events],
         "downlink_vs_model": round(downlink, 3),
     }
@@ -511,6 +546,7 @@ def main() -> None:
         two: Window = shards["window"]
         result["two_shards"] = {
             "sustained_params_per_s": round(two.params_per_s), "speedup": round(two.params_per_s / one, 3),
+            "sync_params_per_core_s": round(two.params_per_s / two.sync_cores) if two.sync_cores else None,
             "peak_bytes_per_shard": shards["peaks"],
             "peak_bytes_per_param_of_its_fragments": [round(peak / (params / 2), 2) for peak in shards["peaks"]],
             "cores_used": {"sync": round(two.sync_cores, 2), "generators": round(two.generator_cores, 2)}}
@@ -520,7 +556,8 @@ def main() -> None:
           f"{result['peak_bytes_per_param']} B/param (VmHWM over the run: checkpoints, 2 joins, kill -9, --resume)")
     print(f"status while merging: p99 {result['status_p99_ms']} ms, median {result['status_median_ms']} ms "
           f"({len(status)} calls)")
-    print(f"merge: {one / 1e6:.1f}M params/s sustained, {window.sync_cores:.2f} synchronizer cores "
+    print(f"merge: {one / 1e6:.1f}M params/s sustained before the late joins ({window.params_per_s / 1e6:.1f}M over "
+          f"the whole window), {window.clean_sync_cores:.2f} synchronizer cores "
           f"({result['sync_params_per_core_s'] / 1e6:.0f}M params per core-second), generators "
           f"{window.generator_cores:.2f} cores")
     print(f"merge vs memcpy of the {result['merge_bytes_per_param']} B/param a round reads and writes: "

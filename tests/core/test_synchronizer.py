@@ -303,6 +303,21 @@ def test_checkpoints_are_asked_for_every_n_rounds():
     assert [sync.fragment_state(p)["version"] for p in sync.owned] == list(sync.versions())
 
 
+def test_the_first_checkpoint_by_time_comes_a_period_after_the_run_began():
+    """Before, the time limit counted from the last checkpoint, and with none yet it never
+    fired: a model whose rounds were slow went without any checkpoint until the round limit."""
+    config = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9)
+    limits = RunLimits(checkpoint_every_rounds=1000, checkpoint_every_s=5.0)
+    plan, sync, cores, params = make_cluster(config, learners=1, limits=limits)
+    checkpoints = []
+    for rnd in range(3):
+        for c in contributions_for(cores, params, fragment=rnd % 3, seed=rnd):
+            actions = sync.handle(c, 3.0 * (rnd + 1))
+            deliver(actions, cores)
+            checkpoints += [a for a in actions if isinstance(a, Checkpoint)]
+    assert len(checkpoints) == 1  # at 6 s, the first round past 5 s after the join at 0
+
+
 def test_a_learner_that_never_leaves_is_drained_after_the_timeout():
     config = dataclasses.replace(BASE, quorum=3, lease_s=1e6)
     limits = RunLimits(tokens=150, drain_timeout_s=20.0)

@@ -116,8 +116,10 @@ class RunState:
             return False
         if limits.checkpoint_every_rounds and self.rounds_since_checkpoint >= limits.checkpoint_every_rounds:
             return True
-        last = self.last_checkpoint_s if self.last_checkpoint_s is not None else now
-        return bool(limits.checkpoint_every_s) and now - last >= limits.checkpoint_every_s
+        # The first one is due a period after the run began (not never: a large model's first
+        # rounds may take longer than the time limit to reach the round limit).
+        last = self.last_checkpoint_s if self.last_checkpoint_s is not None else self.started_at_s
+        return bool(limits.checkpoint_every_s) and last is not None and now - last >= limits.checkpoint_every_s
 
     def elapsed_s(self, now: float) -> float:
         return 0.0 if self.started_at_s is None else now - self.started_at_s

@@ -93,6 +93,8 @@ class SyncHost:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self.view: CoreView = core.view()  # before the thread starts: nobody else holds the core yet
         self._status: tuple[float, SyncStatus] = (time.monotonic(), core.status(clock()))
+        self._busy_since: float | None = None
+        """When the event the core's thread is handling began (None: it is not handling one)."""
         self._timer: asyncio.Task | None = None
         self._stopped = False
         self.failure: BaseException | None = None
@@ -106,6 +108,9 @@ class SyncHost:
     async def status(self) -> SyncStatus:
         """The core's status: asked of its thread, or — when that is busy merging for longer than
         ``STATUS_WAIT_S`` — the one it last published."""
+        busy_since = self._busy_since
+        if busy_since is not None and time.monotonic() - busy_since >= STATUS_WAIT_S:
+            return self._status[1]  # a long event (a merge) is under way: do not queue behind it
         asked = asyncio.ensure_future(self.query(self._publish_status))
         try:
             return await asyncio.wait_for(asyncio.shield(asked), STATUS_WAIT_S)
@@ -122,7 +127,11 @@ class SyncHost:
 
         def run() -> tuple[list[SyncAction], float, CoreView]:
             started = time.perf_counter()
-            actions = self.core.handle(event, self.clock())
+            self._busy_since = time.monotonic()
+            try:
+                actions = self.core.handle(event, self.clock())
+            finally:
+                self._busy_since = None
             elapsed = time.perf_counter() - started
             if time.monotonic() - self._status[0] >= STATUS_REFRESH_S:
                 self._publish_status(self.core)
