@@ -497,6 +497,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="merging window per configuration (default 90; quick 10)")
     parser.add_argument("--checkpoint-every", type=float, help="seconds between checkpoints (default 20; quick 3)")
     parser.add_argument("--no-shards", action="store_true", help="skip the two-shard measurement")
+    parser.add_argument("--no-downlink", action="store_true", help="skip the virtual run that counts downlink bytes")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--plot", metavar="PNG", help="plot resident memory over the run")
     args = parser.parse_args()
@@ -517,7 +518,7 @@ def main() -> None:
         print(f"the run: {params / 1e6:.0f}M parameters, {M} learners, {seconds:.0f}s merging window", flush=True)
         run = the_run(init, sizes, seconds, checkpoint_s, tmp)
         shards = None if args.no_shards else two_shards(init, sizes, seconds, tmp)
-    downlink = downlink_vs_model(args.quick)
+    downlink = float("nan") if args.no_downlink else downlink_vs_model(args.quick)
     window: Window = run["window"]
     status = sorted(window.status_ms)
     p99 = status[min(len(status) - 1, int(0.99 * len(status)))] if status else float("nan")

@@ -22,6 +22,7 @@ from ddiloco.runtime.auth import (
     server_credentials,
 )
 from ddiloco.runtime.layout import layout_from_file
+from ddiloco.runtime.sync.memory import fewer_malloc_arenas
 from ddiloco.runtime.sync.server import serve
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.status_page import StatusPage
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every_s=args.checkpoint_every,
         shard=shard,
     )
+    fewer_malloc_arenas()  # before the model is read and the gRPC threads start
     layout = None
     if args.init:
         layout = layout_from_file(args.init, config.protocol.for_mode(config.run.mode, config.run.learners))
