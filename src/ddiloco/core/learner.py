@@ -351,6 +351,7 @@ class Learner:
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):
             self.watch.arrived(self.step)
+            self.schedule.answered(request.fragment, request.seq)
         return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])
 
     def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:

@@ -31,6 +31,9 @@ class _InFlight:
     and a waiting learner waits for it."""
 
     sent_at_step: int
+    seq: int
+    answered: bool = False
+    """The synchronizer accepted it (it now waits for the round's update)."""
     wait_until_s: float | None = None
     """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
 
@@ -70,9 +73,17 @@ class SendSchedule:
         from the same anchor and carry that contribution's progress a second time once it is
         merged. The send waits for the update (training does not), at most one more period:
         an update that late was lost (the send then brings the gap to light) or the
-        synchronizer is far behind."""
+        synchronizer is far behind. It always waits while the call itself is unanswered: on a
+        link whose round trip spans many periods, sends would otherwise queue behind each other
+        without bound, each to be refused as stale; held, the next one folds in their steps."""
         flight = self._in_flight.get(p)
-        return flight is not None and step - flight.sent_at_step < 2 * self.period
+        return flight is not None and (not flight.answered or step - flight.sent_at_step < 2 * self.period)
+
+    def answered(self, p: int, seq: int) -> None:
+        """Contribution ``seq`` of fragment p was accepted: it now waits only for its update."""
+        flight = self._in_flight.get(p)
+        if flight is not None and flight.seq == seq:
+            flight.answered = True
 
     def take(self, p: int, step: int) -> tuple[Counters, int]:
         """Fragment p goes out at ``step``: its counters and sequence number, and a fresh start."""
@@ -80,7 +91,7 @@ class SendSchedule:
         self.seq[p] += 1
         self.counters[p] = Counters(first_step=step + 1)
         self.next_due[p] = step + self.period
-        self._in_flight[p] = _InFlight(sent_at_step=step)
+        self._in_flight[p] = _InFlight(sent_at_step=step, seq=seq)
         return counters, seq
 
     def fold(self, c: Contribution) -> None:
