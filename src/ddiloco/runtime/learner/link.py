@@ -320,8 +320,10 @@ class ShardChannel:
         self.link.stats.joins += 1
         session = result.state.session
         assert session is not None
-        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s", session.incarnation,
-                 self.shard, session.number, list(result.state.versions()))
+        joins = self.link.stats.joins
+        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s%s", session.incarnation,
+                 self.shard, session.number, list(result.state.versions()),
+                 f": a rejoin, registration {joins} of this process" if joins > len(self.link.channels) else "")
         self.link.inbox.put((Inbox.ADMITTED, (self.shard, result)))  # adopted by the training thread
         self._session = session
         self._session_changed.set()
