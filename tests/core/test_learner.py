@@ -30,7 +30,9 @@ def test_fragments_fall_due_at_their_offsets_with_counters_since_last_send():
         local_step(params, seed=s)
         for c in step(core, 10, 0.5, now=s):
             sent.append((s, c.fragment, c.steps, c.tokens, c.first_step))
-            deliver(sync.handle(c, s), [core], now=s)  # each round closes at once: the next send is not held
+            answer = sync.handle(c, s)
+            answer_core(core, c, answer[0], s)
+            deliver(answer, [core], now=s)  # each round closes at once: the next send is not held
     offsets = {f.index: f.offset for f in plan.fragments}
     assert [(s, p) for s, p, *_ in sent] == sorted(
         ((s, p) for s in range(1, 7) for p in range(3) if s % 3 == offsets[p]), key=lambda sp: sp[0]
@@ -330,7 +332,9 @@ def test_a_learner_whose_link_carries_half_its_sends_says_so_once():
         in_flight += step(core, 10, 1.0, float(s))
         if s % (2 * BASE.period) == 0:  # the link answers every other period: a send waits for the one before
             for c in in_flight:
-                deliver(sync.handle(c, float(s)), [core], now=float(s))
+                answer = sync.handle(c, float(s))
+                answer_core(core, c, answer[0], float(s))
+                deliver(answer, [core], now=float(s))
             in_flight = []
         said += [a for a in core.tick(float(s)) if isinstance(a, Behind)]
     (notice,) = said
@@ -342,7 +346,9 @@ def test_a_learner_whose_link_keeps_up_is_not_behind():
     for s in range(1, 20 * BASE.period):
         local_step(params, seed=s)
         for c in step(core, 10, 1.0, float(s)):
-            deliver(sync.handle(c, float(s)), [core], now=float(s))  # answered at once
+            answer = sync.handle(c, float(s))
+            answer_core(core, c, answer[0], float(s))
+            deliver(answer, [core], now=float(s))  # answered at once
         assert not [a for a in core.tick(float(s)) if isinstance(a, Behind)] and not core.watch.behind
 
 

@@ -381,6 +381,7 @@ class Learner:
         if not self.is_current(request):
             return []  # about a session we already left
         if isinstance(request, Contribution):
+            self.schedule.answered(request.fragment, request.seq)
             self.schedule.landed(request.fragment)
         if self._stale_on_its_link(request, reason):
             return self.watch.refused_stale(request.fragment, request.base_version, self.versions[request.fragment])
