@@ -54,6 +54,18 @@ def resolve_config_of_sync(run_config: dict | None) -> Config:
     return config.validate()
 
 
+def start_runtime(args: argparse.Namespace, clients: list[SyncClient], model: torch.nn.Module, workload: Workload,
+                  sync_config: dict) -> LearnerRuntime:
+    """Join the run; a model the synchronizer does not serve is an error naming both sides' models."""
+    try:
+        return LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
+                              tokens_per_step=workload.tokens_per_step)
+    except LayoutMismatch as err:
+        raise LayoutMismatch(f"{err}. This learner's model: {describe_model(workload.config, model)}; the "
+                             f"synchronizer's run: {describe_model(resolve_config_of_sync(sync_config))} (leave out "
+                             "--preset to train the synchronizer's model, or give both sides the same preset)") from None
+
+
 def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> int:
     """Train as learner ``args.id``; ``resolve_config`` turns the synchronizer's configuration into
     this learner's (the command line's workload options, if any, checked against it)."""
@@ -103,13 +115,7 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
     sampler = workload.sampler(index, rank)
-    try:
-        runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
-                                 tokens_per_step=workload.tokens_per_step)
-    except LayoutMismatch as err:
-        raise LayoutMismatch(f"{err}. This learner's model: {describe_model(config, model)}; the synchronizer's run: "
-                             f"{describe_model(resolve_config_of_sync(box[0]))} (leave out --preset to train the "
-                             "synchronizer's model, or give both sides the same preset)") from None
+    runtime = start_runtime(args, clients, model, workload, sync_config=box[0])
     if runtime.should_stop:  # the synchronizer refused our join: the run is over
         log.info("the run is already finished")
         runtime.close(flush=False)
