@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins, write_events
+from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, SyncRestart
 from ddiloco.chaos.schedule import Fault
 from ddiloco.config import build_config
@@ -71,4 +71,22 @@ def test_each_broken_property_is_named(tmp_path) -> None:
 
 def test_rejections_and_rejoins_of_one_incarnation(tmp_path) -> None:
     assert rejections([sample(0, "a", (0,), rejected={"stale": 3, "duplicate": 0})]) == {"stale": 3}
-    assert rejoins(tmp_path / "missing.log") == 0
+    assert rejoins_by_learner(tmp_path / "missing.log") == {}
+
+
+def test_a_learner_that_rejoins_far_more_often_than_its_faults_explain_fails_the_verdict(tmp_path) -> None:
+    """Issue 29, item 1: ten rejoins of learner-1 under one latency fault, and the verdict said ok."""
+    config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
+    latency = FaultRecord(Fault(at_s=1, kind=FaultKind.LATENCY, target="learner-1", duration_s=5, delay_s=0.205),
+                          started_s=1.0, ended_s=6.0)
+    samples = [sample(0, "a", (0, 0)), sample(9, "a", (9, 9))]
+    loop = outcome(tmp_path, samples, [latency], [])
+    loop.sync_log.write_text("learner learner-0 joined (index 0\nlearner learner-1 joined (index 1\n"
+                             + "learner learner-1 rejoined (index 1\n" * 10)
+    report = build_report(loop, config, window_s=10, seed=0, baseline=None)
+    assert report["rejoins"] == 10 and report["rejoins_by_learner"] == {"learner-0": 0, "learner-1": 10}
+    assert report["rejoins_explained"] == {"learner-0": 0, "learner-1": 1}
+    assert report["violations"] == ["learner-1 rejoined 10 times, 1 explained by faults (a rejoin loop)"]
+    loop.sync_log.write_text("learner learner-0 joined (index 0\nlearner learner-1 joined (index 1\n"
+                             "learner learner-1 rejoined (index 1\n")
+    assert build_report(loop, config, window_s=10, seed=0, baseline=None)["violations"] == []  # one per fault

@@ -296,6 +296,9 @@ def test_contributions_delayed_and_arriving_back_to_back_are_still_plausible():
     plan, sync, cores, params = make_cluster(config, learners=2)
     first = a_contribution(cores, params)
     fragment = first.fragment
+    # The learner's call timed out (its next send of the fragment waits for an answer), yet the
+    # contribution was on its way and reaches the synchronizer late.
+    cores[0].on_undelivered(first, 0.0)
     while True:
         local_step(params[0], seed=cores[0].step)
         due = step(cores[0], tokens=100, duration_s=1.0)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddiloco.core.actions import Behind, Fail, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import Refused, Behind, Fail, Outage, OutagePhase, SendHeartbeat, SendJoin, SendLeave, Stale, Starved
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
@@ -30,7 +30,9 @@ def test_fragments_fall_due_at_their_offsets_with_counters_since_last_send():
         local_step(params, seed=s)
         for c in step(core, 10, 0.5, now=s):
             sent.append((s, c.fragment, c.steps, c.tokens, c.first_step))
-            deliver(sync.handle(c, s), [core], now=s)  # each round closes at once: the next send is not held
+            answer = sync.handle(c, s)
+            answer_core(core, c, answer[0], s)
+            deliver(answer, [core], now=s)  # each round closes at once: the next send is not held
     offsets = {f.index: f.offset for f in plan.fragments}
     assert [(s, p) for s, p, *_ in sent] == sorted(
         ((s, p) for s in range(1, 7) for p in range(3) if s % 3 == offsets[p]), key=lambda sp: sp[0]
@@ -129,11 +131,33 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
 
 
+def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_join_again():
+    """Issue 29, item 1: on a link whose round trip spans more rounds than the staleness bound,
+    every contribution comes back stale although the updates reach the learner in order; a new
+    registration would come over the same link as late. The learner says so once and trains on."""
+    config = dataclasses.replace(BASE, downlink_codec="fp32")
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    sent = []
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        sent += step(core, 10, 1.0)
+    c = sent[0]
+    payload = torch.zeros(plan.fragments[c.fragment].numel).numpy().tobytes()
+    assert core.on_update(update(core, c.fragment, c.base_version + 1, payload), 3.0) == []  # an update since
+    (said,) = core.on_refused(c, RejectReason.STALE, 3.0)
+    assert said == Stale(c.fragment, c.base_version, c.base_version + 1) and not core.rejoining()
+    assert core.on_refused(c, RejectReason.STALE, 3.5) == []  # said once
+    assert core.phase is LearnerPhase.TRAINING and core.can_step(3.5)
+    core.on_accepted(sent[1], 4.0)  # work accepted again: a later episode is said again
+    assert core.on_refused(c, RejectReason.STALE, 4.5) != []
+
+
 @pytest.mark.parametrize("reason", ["duplicate", "non_finite", "norm_bound", "bad_size", "implausible"])
 def test_refusals_of_one_contribution_drop_it_and_training_goes_on(reason):
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     local_step(params, seed=1)
     sent = step(core, 10, 1.0)
+    core.on_accepted(sent[0], 1.0)  # answered: its fragment is held only until its update (or two periods)
     while not any(c.fragment == sent[0].fragment for c in step(core, 10, 1.0)):
         pass  # the fragment's next contribution went out: ``sent[0]`` is no longer the newest
     assert core.on_refused(sent[0], RejectReason(reason), 1.0) == []
@@ -284,8 +308,11 @@ def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
     for s in range(1, 3 * BASE.period + 2):
         local_step(params, seed=s)
         for c in step(core, 10, 1.0, float(s)):
-            core.on_undelivered(c, float(s))  # the link carries nothing
-        said += [a for a in core.tick(float(s)) if isinstance(a, Starved)]
+            core.on_undelivered(c, float(s))  # the link carries none of its work ...
+        for action in core.tick(float(s)):
+            said += [action] if isinstance(action, Starved) else []
+            if isinstance(action, SendHeartbeat):
+                core.on_accepted(action.message, float(s))  # ... but its heartbeats: no outage
     (notice,) = said
     assert notice.steps == 3 * BASE.period and core.watch.starved
     local_step(params, seed=99)
@@ -305,7 +332,9 @@ def test_a_learner_whose_link_carries_half_its_sends_says_so_once():
         in_flight += step(core, 10, 1.0, float(s))
         if s % (2 * BASE.period) == 0:  # the link answers every other period: a send waits for the one before
             for c in in_flight:
-                deliver(sync.handle(c, float(s)), [core], now=float(s))
+                answer = sync.handle(c, float(s))
+                answer_core(core, c, answer[0], float(s))
+                deliver(answer, [core], now=float(s))
             in_flight = []
         said += [a for a in core.tick(float(s)) if isinstance(a, Behind)]
     (notice,) = said
@@ -317,5 +346,44 @@ def test_a_learner_whose_link_keeps_up_is_not_behind():
     for s in range(1, 20 * BASE.period):
         local_step(params, seed=s)
         for c in step(core, 10, 1.0, float(s)):
-            deliver(sync.handle(c, float(s)), [core], now=float(s))  # answered at once
+            answer = sync.handle(c, float(s))
+            answer_core(core, c, answer[0], float(s))
+            deliver(answer, [core], now=float(s))  # answered at once
         assert not [a for a in core.tick(float(s)) if isinstance(a, Behind)] and not core.watch.behind
+
+
+def answer_core(core, request, reply, now):
+    if isinstance(reply, Refused):
+        return core.on_refused(request, reply.reason, now)
+    return core.on_accepted(request, now)
+
+
+def test_an_outage_is_said_when_it_begins_summarized_at_intervals_and_said_when_it_ends():
+    """Issue 29, items 2 and 3: with the synchronizer down a learner logged every undelivered call
+    (about 170 lines a second), and once it was back, the contributions that carried the folded
+    steps made it warn that its link was too slow. One action per change of state and a summary
+    every OUTAGE_SUMMARY_S; the outage's folds are not a slow link, nor is it starved."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    said, now = [], 0.0
+    for s in range(1, 301):  # 30 s of steps of 0.1 s, nothing answered
+        now = s / 10
+        local_step(params, seed=s)
+        for c in step(core, 10, 0.1, now):
+            said += core.on_undelivered(c, now)
+        for action in core.tick(now):
+            said += [action] if not isinstance(action, SendHeartbeat) else core.on_undelivered(action.message, now)
+    phases = [a.phase for a in said if isinstance(a, Outage)]
+    assert phases == [OutagePhase.BEGAN, OutagePhase.ONGOING, OutagePhase.ONGOING]  # at 5 s, then 15 s and 25 s
+    assert not [a for a in said if not isinstance(a, Outage)]  # neither starved nor behind
+    assert said[-1].folded > 200 and said[-1].for_s == pytest.approx(25.0, abs=0.2)
+    said = []
+    for s in range(301, 301 + 40 * BASE.period):  # back: everything is answered
+        now = s / 10
+        local_step(params, seed=s)
+        for request in [*step(core, 10, 0.1, now), *(a.message for a in core.tick(now) if isinstance(a, SendHeartbeat))]:
+            answer = sync.handle(request, now)
+            said += answer_core(core, request, answer[0], now)
+            deliver(answer, [core], now=now)
+    ended = [a for a in said if isinstance(a, Outage)]
+    assert [a.phase for a in ended] == [OutagePhase.ENDED] and ended[0].for_s == pytest.approx(30.0, abs=0.2)
+    assert not [a for a in said if isinstance(a, (Behind, Starved))]

@@ -37,3 +37,16 @@ def test_a_learner_with_no_send_in_flight_goes_by_the_round_age() -> None:
     assert schedule.next_due[0] == 39
     schedule.align(0, 40, steps_since_round_began=40)  # missed the round: at least one step
     assert schedule.next_due[0] == 41
+
+
+def test_a_fragment_whose_call_is_unanswered_is_not_sent_again_even_after_updates() -> None:
+    """Issue 29: under a 205 ms latency every update of a round the learner did not reach landed
+    the fragment, the next send went out behind the unanswered one, and 265 contributions queued,
+    each to be refused as stale. Until its call ends the fragment waits, its steps folding in."""
+    schedule = sent_at(12)
+    schedule.align(0, 14, steps_since_round_began=0)  # an update of p came (someone else's round) ...
+    schedule.landed(0)
+    assert schedule.due(100) == []  # ... the call is still out: nothing more is queued behind it
+    schedule.count(tokens=10, duration_s=0.1)
+    schedule.answered(0, seq=0)  # accepted, refused or undelivered
+    assert schedule.due(100) == [0] and schedule.counters[0].steps == 1

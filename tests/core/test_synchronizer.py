@@ -34,7 +34,8 @@ def contributions_for(cores, params, fragment, seed=0):
     """Have every learner step until ``fragment`` falls due; return its contributions.
 
     The other fragments' contributions are never delivered (the learner is told so, and folds
-    them into its next ones)."""
+    them into its next ones); the learner is told its call for ``fragment`` was answered (a learner
+    holds a fragment's next send while the last one is unanswered)."""
     out = []
     for m, (core, p) in enumerate(zip(cores, params)):
         for _ in range(100):
@@ -45,6 +46,7 @@ def contributions_for(cores, params, fragment, seed=0):
                     core.on_undelivered(c, 0.0)
             match = [c for c in due if c.fragment == fragment]
             if match:
+                core.on_accepted(match[0], 0.0)
                 out.append(match[0])
                 break
         else:

@@ -16,8 +16,11 @@ from ddiloco.config import Config
 from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
-JOINED = re.compile(r"learner (\S+) joined \(")
+JOINED = re.compile(r"learner (\S+) (?:re)?joined \(")
 """The synchronizer's log line for every registration (first joins and rejoins, every incarnation)."""
+LOOP_SLACK = 1
+"""Rejoins of one learner beyond those its faults explain that are not yet a loop (one update
+lost under load, a lease that ran out on a busy machine)."""
 
 MAX_LABELS = 20
 """Faults named above the plot; beyond this many only their colours mark them."""
@@ -50,13 +53,31 @@ def rejections(samples: list[Sample]) -> dict[str, int]:
     return {reason: n for reason, n in sorted(total.items()) if n}
 
 
-def rejoins(sync_log: Path) -> int:
+def rejoins_by_learner(sync_log: Path) -> dict[str, int]:
     """Registrations beyond each learner's first: after a kill, a freeze, a partition or a new incarnation."""
     try:
         joined = JOINED.findall(sync_log.read_text(errors="replace"))
     except OSError:
-        return 0
-    return len(joined) - len(set(joined))
+        return {}
+    return {name: n - 1 for name, n in sorted(collections.Counter(joined).items())}
+
+
+def explained_rejoins(outcome: ChaosOutcome, learners: int) -> dict[str, int]:
+    """Per learner, the rejoins its faults may cause at the logged synchronizer: one per fault on
+    the learner, one per restart of that synchronizer process."""
+    logged = outcome.sync_names[0]
+    restarts = sum(1 for r in outcome.sync_restarts if r.target in (logged, "sync"))
+    explained = {learner_name(i): restarts for i in range(learners)}
+    for r in outcome.records:
+        if r.started_s is not None and not r.skipped and r.fault.target in explained:
+            explained[r.fault.target] += 1
+    return explained
+
+
+def rejoin_loops(rejoins: dict[str, int], explained: dict[str, int]) -> list[str]:
+    """Learners that registered again more often than their faults explain: a rejoin loop."""
+    return [f"{name} rejoined {n} times, {explained.get(name, 0)} explained by faults (a rejoin loop)"
+            for name, n in rejoins.items() if n > explained.get(name, 0) + LOOP_SLACK]
 
 
 def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed: int,
@@ -73,6 +94,8 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
                   + outcome.restart_pauses_s, default=0.0)
     grace_s = max((s.grace_window_s for s in running), default=0.0)
     status = outcome.final_status
+    rejoined = rejoins_by_learner(outcome.sync_log)
+    explained = explained_rejoins(outcome, config.run.learners)
     report: dict[str, Any] = {
         "faults": {str(k): injected.get(str(k), 0) for k in REAL},
         "longest_pause_s": round(longest, 3),
@@ -81,7 +104,9 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "lease_s": config.protocol.lease_s,
         "sync_downtime_s": round(sum(up - down for down, up in outcome.sync_down), 3),
         "sync_restarts": [r.to_dict() for r in outcome.sync_restarts],
-        "rejoins": rejoins(outcome.sync_log),
+        "rejoins": sum(rejoined.values()),
+        "rejoins_by_learner": rejoined,
+        "rejoins_explained": explained,
         "learners_alive_at_end": alive_at_end,
         "learners_expected_at_end": config.run.learners - len(left_down),
         "learners": config.run.learners,
@@ -123,6 +148,7 @@ def violations(report: dict[str, Any], failure: str) -> list[str]:
     if report["longest_pause_s"] > report["pause_bound_s"]:
         found.append(f"longest pause without a merge {report['longest_pause_s']:.2f}s exceeds the bound "
                      f"{report['pause_bound_s']:.2f}s (grace window + lease)")
+    found += rejoin_loops(report.get("rejoins_by_learner", {}), report.get("rejoins_explained", {}))
     return found
 
 

@@ -11,8 +11,12 @@ import argparse
 from dataclasses import replace
 
 from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options, config_from_args
-from ddiloco.config import PRESETS, Config, apply_section
+from ddiloco.config import PRESETS, Config, apply_override, load_toml
 from ddiloco.runtime.learner import process
+
+JOIN_TIMEOUT_S = 600.0
+"""How long ``ddiloco learner`` waits at start for a synchronizer that does not answer: long enough
+for one started later by hand or by a scheduler, short enough that a wrong address ends."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: the run's budget)")
     parser.add_argument("--min-step-s", type=float, default=0.0, metavar="SECONDS",
                         help="pad every inner step to at least this long (emulates slower hardware)")
-    parser.add_argument("--join-timeout", type=float, metavar="SECONDS",
-                        help="give up if the synchronizer stays unreachable this long at start (default: never)")
+    parser.add_argument("--join-timeout", type=float, metavar="SECONDS", default=JOIN_TIMEOUT_S,
+                        help=f"give up if the synchronizer stays unreachable this long at start (default: "
+                             f"{JOIN_TIMEOUT_S:g}; 0 waits for ever); a warning comes after a few seconds")
     add_log_level_option(parser)
     parser.add_argument("--progress-file", metavar="FILE",
                         help="keep this learner's own step count in FILE (JSON, rewritten about twice a second)")
@@ -52,20 +57,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _config_from_sync(run_config: dict) -> Config:
-    config = Config()
-    for section, values in run_config.items():
-        config = apply_section(config, section, values, origin="the synchronizer's configuration")
-    return config.validate()
-
-
 def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
-    """The synchronizer's configuration, or the local options with the run's M (data shards)."""
-    local = any(getattr(args, k) for k in ("preset", "config", "overrides", "corpus")) or args.seed is not None
-    if not local:
-        return _config_from_sync(sync_config)
+    """The synchronizer's configuration, with the local options on top; with ``--preset``, the
+    local options alone (and the run's M, its data shards). Without ``--preset`` a learner's
+    ``--set`` changes one value of the run it joins: it once switched to the default preset
+    silently, then failed on a model shape the synchronizer did not have."""
     if args.preset is None:
-        args.preset = "default"
+        config = process.resolve_config_of_sync(sync_config)
+        if args.config:
+            config = load_toml(config, args.config)
+        for assignment in args.overrides or ():
+            config = apply_override(config, assignment)
+        run = replace(config.run, seed=config.run.seed if args.seed is None else args.seed)
+        return replace(config, run=run, train=replace(config.train, corpus=args.corpus or config.train.corpus)).validate()
     config = config_from_args(args)
     learners = int(sync_config["run"]["learners"])
     return replace(config, run=replace(config.run, learners=learners, mode=sync_config["run"]["mode"]))

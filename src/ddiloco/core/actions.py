@@ -282,4 +282,42 @@ class Behind:
         return self.period / self.steps_per_send
 
 
-LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved | Behind
+@dataclass(frozen=True, slots=True)
+class Stale:
+    """A contribution of ``fragment`` measured from version ``base_version`` was refused as stale
+    although updates reach this learner in order (it holds ``held_version`` by now): its link's
+    round trip spans more rounds than ``protocol.staleness_max``. Registering again would bring
+    no fresher state (the state takes the same link), so the learner trains on, following the
+    global model through its updates; its own work is not merged until the link is faster or
+    the rounds slower. Said once, and again only after a contribution was accepted."""
+
+    fragment: int
+    base_version: int
+    held_version: int
+
+
+class OutagePhase(enum.StrEnum):
+    BEGAN = "began"
+    """The first call to go unanswered after the shard answered (or before it ever did)."""
+    ONGOING = "ongoing"
+    """Still unreachable: a summary, every ``link_watch.OUTAGE_SUMMARY_S``."""
+    ENDED = "ended"
+    """The shard answered again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """Synchronizer shard ``shard`` does not answer (or answers again): one action per change of
+    state and a summary at intervals, never one per call, so a driver's log of a 30 s outage
+    fits on a screen. ``for_s``: since the first call went unanswered; ``folded``: contributions
+    that could not be delivered and went into the next ones; ``joined``: the learner held a state
+    when it began (else it is still waiting for its first)."""
+
+    shard: int
+    phase: OutagePhase
+    for_s: float = 0.0
+    folded: int = 0
+    joined: bool = True
+
+
+LearnerAction = Send | SendJoin | SendHeartbeat | SendLeave | Fail | Starved | Behind | Stale | Outage

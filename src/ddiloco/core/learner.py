@@ -71,7 +71,7 @@ class UpdateResult(enum.StrEnum):
 REJOIN_ON = frozenset({
     RejectReason.UNKNOWN_LEARNER,  # lease expired, or the synchronizer restarted
     RejectReason.SUPERSEDED,       # the synchronizer holds a newer session of ours than we do
-    RejectReason.STALE,            # our anchors are too far behind the global versions
+    RejectReason.STALE,            # our anchors are too far behind and no update came since (``_stale_on_its_link``)
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
@@ -225,7 +225,7 @@ class Learner:
         link.admitted(state.session, now)
         if self.phase is LearnerPhase.JOINING and all(lk.session is not None for lk in self.links):
             self.phase = LearnerPhase.TRAINING
-        return self.on_stop(now) if stop else []
+        return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])
 
     def _adopt(self, state: GlobalState, shard: int) -> None:
         owned = [f.index for f in self.plan.fragments if self.config.shard_of(f.index) == shard]
@@ -274,7 +274,7 @@ class Learner:
         assert session is not None
         delta = self._anchors[p] - flatten(self._tensors[p])
         counters, seq = self.schedule.take(p, self.step)
-        self.watch.sent(counters.steps)
+        self.watch.sent(p, counters.steps)
         header = Contribution(
             learner_id=self.learner_id,
             session=session,
@@ -351,11 +351,14 @@ class Learner:
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):
             self.watch.arrived(self.step)
-        return self.on_stop(now) if stop else []
+            self.schedule.answered(request.fragment, request.seq)
+        return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])
 
     def on_refused(self, request: Request, reason: RejectReason, now: float, *, shard: int = 0) -> list[LearnerAction]:
         """React to a refusal, by reason (the table is ``REJOIN_ON`` / ``FATAL``)."""
-        reason = RejectReason(reason)
+        return self.watch.answered(shard, now, self.step) + self._refused(request, RejectReason(reason), now, shard)
+
+    def _refused(self, request: Request, reason: RejectReason, now: float, shard: int) -> list[LearnerAction]:
         if reason in FATAL:
             self.phase = LearnerPhase.FAILED
             why = (f"another process registered as learner {self.learner_id!r} after this one, which stops "
@@ -378,12 +381,24 @@ class Learner:
         if not self.is_current(request):
             return []  # about a session we already left
         if isinstance(request, Contribution):
+            self.schedule.answered(request.fragment, request.seq)
             self.schedule.landed(request.fragment)
+        if self._stale_on_its_link(request, reason):
+            return self.watch.refused_stale(request.fragment, request.base_version, self.versions[request.fragment])
         target = self._shard_of(request)
         if ((reason in REJOIN_ON or self._impossible_duplicate(request, reason)) and target is not None
                 and self.phase is LearnerPhase.TRAINING and not self.links[target].joining):
             return self._join(target)
         return []  # an old duplicate, or a contribution the synchronizer found unusable: dropped
+
+    def _stale_on_its_link(self, request: Request, reason: RejectReason) -> bool:
+        """Refused as stale although updates of its fragment reached us since it was sent: the
+        learner follows the global model as closely as its link allows, and its round trip spans
+        more rounds than the staleness bound. A new registration would not help (the state comes
+        over the same link, as late) and would turn every contribution into a full state download
+        — a rejoin loop. Only a learner whose updates stopped coming registers again."""
+        return (reason is RejectReason.STALE and isinstance(request, Contribution)
+                and self.versions[request.fragment] > request.base_version)
 
     def _impossible_duplicate(self, request: Request, reason: RejectReason) -> bool:
         """The synchronizer holds our newest sequence number for a fragment, or a later one: a
@@ -393,17 +408,17 @@ class Learner:
                 and request.seq == self.schedule.seq[request.fragment] - 1)
 
     def on_undelivered(self, request: Request, now: float, *, shard: int = 0) -> list[LearnerAction]:
-        """A call got no answer (synchronizer down, network): retry, fold or drop."""
-        if isinstance(request, Join):
-            if self.links[shard].joining:
-                self.links[shard].retry_later(now)
-            return []
-        if isinstance(request, Contribution):
-            if self.is_current(request) and self.phase is not LearnerPhase.STOPPED:
-                self.schedule.fold(request)
-            else:
-                self.dropped += 1  # measured from a state we no longer hold
-        return []  # heartbeats and leaves: the next heartbeat or the lease takes care of it
+        """A call got no answer (synchronizer down, network): retry, fold or drop (heartbeats and
+        leaves: the next heartbeat or the lease takes care of it); an outage is said once."""
+        folded = None
+        if isinstance(request, Join) and self.links[shard].joining:
+            self.links[shard].retry_later(now)
+        elif isinstance(request, Contribution) and self.is_current(request) and self.phase is not LearnerPhase.STOPPED:
+            self.schedule.fold(request)
+            folded = request.fragment
+        elif isinstance(request, Contribution):
+            self.dropped += 1  # measured from a state we no longer hold
+        return self.watch.unanswered(shard, now, joined=self.joined, folded=folded)
 
     def on_stop(self, now: float) -> list[LearnerAction]:
         """The synchronizer says the budget is spent: the driver closes at the next step boundary."""
@@ -417,7 +432,7 @@ class Learner:
         Afterwards ``next_deadline()`` is later than ``now`` (or None).
         """
         self.schedule.expire_waits(now)
-        actions: list[LearnerAction] = []
+        actions = self.watch.outages(now) if self.phase in (LearnerPhase.TRAINING, LearnerPhase.JOINING) else []
         actions += self.watch.check(self.step, training=self.phase is LearnerPhase.TRAINING, rejoining=self.rejoining())
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):

@@ -47,12 +47,15 @@ class SendSchedule:
         self.seq = [0] * len(plan.fragments)
         self.next_due = [_first_due(f.offset, plan.period) for f in plan.fragments]
         self._in_flight: dict[int, _InFlight] = {}
+        self._unanswered: dict[int, int] = {}
+        """Per fragment, the sequence number of a contribution whose call has not ended yet."""
 
     def restart(self, p: int, step: int) -> None:
         """A global value was adopted for ``p``: count from the next step, sequence numbers from 0."""
         self.counters[p] = Counters(first_step=step + 1)
         self.seq[p] = 0
         self._in_flight.pop(p, None)
+        self._unanswered.pop(p, None)
 
     def count(self, tokens: int, duration_s: float) -> None:
         """One inner step, for every fragment."""
@@ -70,9 +73,19 @@ class SendSchedule:
         from the same anchor and carry that contribution's progress a second time once it is
         merged. The send waits for the update (training does not), at most one more period:
         an update that late was lost (the send then brings the gap to light) or the
-        synchronizer is far behind."""
+        synchronizer is far behind. It always waits while the call itself is unanswered: on a
+        link whose round trip spans many periods, sends would otherwise queue behind each other
+        without bound, each to be refused as stale; held, the next one folds in their steps."""
+        flight = self._in_flight.get(p)
+        if p in self._unanswered:
+            return True
         flight = self._in_flight.get(p)
         return flight is not None and step - flight.sent_at_step < 2 * self.period
+
+    def answered(self, p: int, seq: int) -> None:
+        """The call that carried contribution ``seq`` of fragment p ended (accepted, refused or undelivered)."""
+        if self._unanswered.get(p) == seq:
+            del self._unanswered[p]
 
     def take(self, p: int, step: int) -> tuple[Counters, int]:
         """Fragment p goes out at ``step``: its counters and sequence number, and a fresh start."""
@@ -81,6 +94,7 @@ class SendSchedule:
         self.counters[p] = Counters(first_step=step + 1)
         self.next_due[p] = step + self.period
         self._in_flight[p] = _InFlight(sent_at_step=step)
+        self._unanswered[p] = seq
         return counters, seq
 
     def fold(self, c: Contribution) -> None:
@@ -91,6 +105,7 @@ class SendSchedule:
         counters.steps += c.steps
         counters.compute_s += c.compute_s
         counters.first_step = min(counters.first_step, c.first_step)
+        self.answered(c.fragment, c.seq)
         self.landed(c.fragment)
 
     def landed(self, p: int) -> None:

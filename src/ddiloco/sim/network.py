@@ -69,6 +69,13 @@ class Network:
         for d in Direction:
             self._links[(learner, d)].busy_until_s = now
 
+    def set_latency(self, learner: str, latency_s: float) -> None:
+        """One learner's link gets its own one-way latency, both ways (a cross-region learner)."""
+        if latency_s < 0:
+            raise ValueError(f"latency must be >= 0, got {latency_s}")
+        for d in Direction:
+            self._links[(learner, d)].latency_s = latency_s
+
     def partition(self, learner: str, until_s: float) -> None:
         self._partitioned_until[learner] = max(until_s, self._partitioned_until.get(learner, 0.0))
 

@@ -33,7 +33,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddiloco.core.actions import Behind, Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave, Starved
+from ddiloco.core.actions import (Behind, Fail, LearnerAction, Outage, OutagePhase, Send, SendHeartbeat, SendJoin,
+                                  SendLeave, Stale, Starved)
 from ddiloco.core.learner import Learner
 from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
 from ddiloco.core.messages import Request, Session, StopNotice
@@ -63,6 +64,32 @@ class LinkStats:
     rejected: Counter = field(default_factory=Counter)
     joins: int = 0
     unreachable: int = 0
+
+
+REPEAT_EVERY_S = 30.0
+"""A refusal repeated for the same reason is logged again at most this often, with its count."""
+
+
+class Repeats:
+    """Refusals logged once per reason and then summarized: on a slow link every contribution may
+    be refused alike (``stale``), and a line per call buries everything else in the log."""
+
+    def __init__(self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._clock = clock
+        self._said: dict[object, tuple[float, int]] = {}
+        """Per key: when it was last logged, and how many times it came since."""
+
+    def say(self, key: object, fmt: str, *args: object) -> None:
+        now = self._clock()
+        said = self._said.get(key)
+        if said is None or now - said[0] >= REPEAT_EVERY_S:
+            repeats = f" ({said[1]} more like it in the last {now - said[0]:.0f} s)" if said and said[1] else ""
+            self._log.info(fmt + "%s", *args, repeats)
+            self._said[key] = (now, 0)
+        else:
+            self._said[key] = (said[0], said[1] + 1)
+            self._log.debug(fmt, *args)
 
 
 def next_delay(delay: float) -> float:
@@ -119,9 +146,18 @@ class LearnerLink:
             elif isinstance(action, SendLeave):
                 self._leaves.append(action)  # once the senders have delivered what is queued
             elif isinstance(action, Starved):
-                log.warning("none of this learner's work has reached the synchronizer in its last %d steps: its link "
-                            "is too slow for the protocol, or the synchronizer is unreachable (%d contributions "
-                            "waiting)", action.steps, self.backlog)
+                log.warning("none of this learner's work has reached the synchronizer in its last %d steps, although "
+                            "it answers: its link is too slow for the protocol (%d contributions waiting)",
+                            action.steps, self.backlog)
+            elif isinstance(action, Stale):
+                log.warning("this learner's contributions arrive stale: fragment %d, measured from version %d, was "
+                            "refused although updates reach it in order (it holds version %d by now): its link's "
+                            "round trip spans more rounds than protocol.staleness_max. It trains on, following the "
+                            "global model, without registering again; its own work is merged again once the link "
+                            "is faster or the rounds slower (a larger protocol.period or protocol.staleness_max)",
+                            action.fragment, action.base_version, action.held_version)
+            elif isinstance(action, Outage):
+                self.channels[action.shard].say_outage(action)
             elif isinstance(action, Behind):
                 log.warning("this learner's link carries %.0f%% of the contributions the protocol makes (each carried "
                             "%.1f steps, not H = %d): its work reaches the global model that much slower; the link "
@@ -175,6 +211,9 @@ class ShardChannel:
         self._session: Session | None = None
         self._session_changed = threading.Event()
         self._stream: Any = None
+        self.last_error = ""
+        """Why the last call went unanswered (for the outage's lines)."""
+        self.refusals = Repeats(log)
         name = f"{link.core.learner_id}-{shard}"
         self._threads = [
             threading.Thread(target=self._sender, name=f"ddiloco-send-{name}", daemon=True),
@@ -190,6 +229,22 @@ class ShardChannel:
         self._control.put(action)
         self._control_wake.set()
 
+    def say_outage(self, outage: Outage) -> None:
+        """One line when the shard stops answering, a summary at intervals, one line when it is back."""
+        where = f"the synchronizer at {self.client.address} (shard {self.shard})"
+        if outage.phase is OutagePhase.ENDED:
+            log.warning("%s answers again after %.0f s%s", where, outage.for_s,
+                        f"; {outage.folded} contributions were folded into later ones" if outage.joined else "")
+        elif not outage.joined:
+            log.warning("no answer from %s for %.0f s (%s): is it running, and is this its gRPC port (not the status "
+                        "page's)? Still trying", where, outage.for_s, self.last_error)
+        elif outage.phase is OutagePhase.BEGAN:
+            log.warning("%s does not answer (%s): training goes on, contributions are folded into later ones until "
+                        "it is back", where, self.last_error)
+        else:
+            log.warning("%s unreachable for %.0f s; %d contributions folded so far, training goes on", where,
+                        outage.for_s, outage.folded)
+
     def wake(self) -> None:
         self._control_wake.set()
         self._session_changed.set()
@@ -201,13 +256,14 @@ class ShardChannel:
             reply = call()
         except Unreachable as err:
             link.stats.unreachable += 1
-            log.info("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
+            self.last_error = str(err)  # an outage is said by the core's Outage actions, not per call
+            log.debug("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
             link.tell_core(lambda core: core.on_undelivered(request, link.clock(), shard=shard))
             return None
         except CallRefused as err:  # a wrong secret too: whether to go on is the core's decision
             reason = err.reason
             link.stats.rejected[reason] += 1
-            log.info("%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
+            self.refusals.say(reason, "%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
             link.tell_core(lambda core: core.on_refused(request, reason, link.clock(), shard=shard))
             return None
         return reply
@@ -264,8 +320,10 @@ class ShardChannel:
         self.link.stats.joins += 1
         session = result.state.session
         assert session is not None
-        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s", session.incarnation,
-                 self.shard, session.number, list(result.state.versions()))
+        joins = self.link.stats.joins
+        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s%s", session.incarnation,
+                 self.shard, session.number, list(result.state.versions()),
+                 f": a rejoin, registration {joins} of this process" if joins > len(self.link.channels) else "")
         self.link.inbox.put((Inbox.ADMITTED, (self.shard, result)))  # adopted by the training thread
         self._session = session
         self._session_changed.set()

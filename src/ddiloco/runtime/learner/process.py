@@ -22,16 +22,48 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddiloco.config import Config, check_seed
+from ddiloco.config import Config, apply_section, check_seed
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.runtime import LearnerRuntime, probe_with_backoff
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.workload.device import process_group_backend, resolve_device
 from ddiloco.workload.workload import Workload, weights_sha256
 
 log = logging.getLogger("ddiloco.learner")
+
+LOG_EVERY_S = 5.0
+"""A progress line every 50 steps, at most this often: on a fast model a line per 50 steps would
+be several a second, and an outage's few lines (``Outage``) would scroll away among them."""
+
+
+def describe_model(config: Config, model: torch.nn.Module | None = None) -> str:
+    """A model's size in the terms of its configuration, for errors that compare two sides."""
+    m = config.model
+    size = f", {sum(p.numel() for p in model.parameters()):,} parameters" if model is not None else ""
+    return f"d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, seq_len {m.seq_len}{size}"
+
+
+def resolve_config_of_sync(run_config: dict | None) -> Config:
+    """The synchronizer's own configuration, as its probe sent it."""
+    config = Config()
+    for section, values in (run_config or {}).items():
+        config = apply_section(config, section, values, origin="the synchronizer's configuration")
+    return config.validate()
+
+
+def start_runtime(args: argparse.Namespace, clients: list[SyncClient], model: torch.nn.Module, workload: Workload,
+                  sync_config: dict) -> LearnerRuntime:
+    """Join the run; a model the synchronizer does not serve is an error naming both sides' models."""
+    try:
+        return LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
+                              tokens_per_step=workload.tokens_per_step)
+    except LayoutMismatch as err:
+        raise LayoutMismatch(f"{err}. This learner's model: {describe_model(workload.config, model)}; the "
+                             f"synchronizer's run: {describe_model(resolve_config_of_sync(sync_config))} (leave out "
+                             "--preset to train the synchronizer's model, or give both sides the same preset)") from None
 
 
 def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> int:
@@ -83,8 +115,7 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
     sampler = workload.sampler(index, rank)
-    runtime = LearnerRuntime(model, clients or None, args.id, join_timeout_s=args.join_timeout,
-                             tokens_per_step=workload.tokens_per_step)
+    runtime = start_runtime(args, clients, model, workload, sync_config=box[0])
     if runtime.should_stop:  # the synchronizer refused our join: the run is over
         log.info("the run is already finished")
         runtime.close(flush=False)
@@ -92,6 +123,7 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
              config.run.learners, sum(p.numel() for p in model.parameters()), device)
     steps, started = 0, time.perf_counter()
+    logged_at = started - LOG_EVERY_S
     progress = ProgressFile(Path(args.progress_file) if rank == 0 and args.progress_file else None)
     stop = threading.Event()  # SIGTERM (a launcher, Slurm, systemd): finish the step, flush, leave
     if world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
@@ -113,7 +145,8 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
             if progress.due(steps):
                 progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
                                updates_applied=runtime.stats.updates_applied)
-            if rank == 0 and steps % 50 == 0:
+            if rank == 0 and steps % 50 == 0 and time.perf_counter() >= logged_at + LOG_EVERY_S:
+                logged_at = time.perf_counter()
                 loss_value = float(loss)  # waits for this step: only when it is logged
                 st = runtime.stats
                 log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
@@ -134,7 +167,8 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     if rank == 0:
         s = runtime.stats
         log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
-                 steps, elapsed, s.contributions_sent, s.updates_applied, s.joins, dict(s.rejected) or "none")
+                 steps, elapsed, s.contributions_sent, s.updates_applied, s.joins,
+                 ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none")
     if world > 1:
         log.info("rank %d of %d: weights sha256 %s", rank, world, weights_sha256(model))
         dist.destroy_process_group()

@@ -45,6 +45,7 @@ from torch import nn
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
 from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
@@ -93,18 +94,29 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
 
 def probe_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float | None = None) -> JoinResult:
     """The run's layout and configuration (a join that registers nothing), waiting while the
-    synchronizer is unreachable (for ever unless ``timeout_s``): a learner that starts before
-    its synchronizer waits for it. Whatever follows — the join, its retries and refusals — is
+    synchronizer is unreachable (for ever unless ``timeout_s``; 0 or None: no limit): a learner
+    that starts before its synchronizer waits for it, saying so once, then warning after
+    ``OUTAGE_AFTER_S`` and every ``OUTAGE_SUMMARY_S`` (a wrong port looks just like this). Whatever follows — the join, its retries and refusals — is
     the learner core's."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    delay = BACKOFF_START_S
+    started = time.monotonic()
+    deadline = None if not timeout_s else started + timeout_s
+    delay, waiting, warned_at = BACKOFF_START_S, False, None
     while True:
         try:
             return client.probe(learner_id)
         except Unreachable as err:
-            if deadline is not None and time.monotonic() + delay > deadline:
-                raise DdilocoError(f"synchronizer at {client.address} unreachable: {err}") from None
-            log.info("synchronizer at %s unreachable; retrying in %.1fs", client.address, delay)
+            now = time.monotonic()
+            if deadline is not None and now + delay > deadline:
+                raise DdilocoError(f"no answer from the synchronizer at {client.address} in {timeout_s:g} s "
+                                   f"(--join-timeout): {err}. Is it running, and is that its gRPC port?") from None
+            if not waiting:  # a learner started before its synchronizer: one line, then a warning if it lasts
+                log.info("waiting for the synchronizer at %s (%s)", client.address, err)
+                waiting = True
+            elif now - started >= OUTAGE_AFTER_S and (warned_at is None or now - warned_at >= OUTAGE_SUMMARY_S):
+                log.warning("no answer from the synchronizer at %s for %.0f s (%s): is it running, and is that its "
+                            "gRPC port (not its status page's or metrics port)? Still trying%s", client.address,
+                            now - started, err, f", for {timeout_s:g} s in all (--join-timeout)" if timeout_s else "")
+                warned_at = now
             time.sleep(delay)
             delay = next_delay(delay)
 
@@ -216,7 +228,7 @@ class LearnerRuntime:
         # for now, given up on for good (a wrong secret, another process with this id), or the
         # end of a run that is already finished.
         link.tell_core(lambda c: c.start(time.monotonic()))
-        deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+        deadline = None if not join_timeout_s else time.monotonic() + join_timeout_s
         while not (core.joined or core.should_stop or link.fatal is not None):
             if deadline is not None and time.monotonic() > deadline:
                 raise DdilocoError(f"{self.learner_id!r} could not join the synchronizer in {join_timeout_s:g}s")

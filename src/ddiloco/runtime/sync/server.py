@@ -71,8 +71,14 @@ async def serve(service: SyncService, listen: Address, *, credentials: grpc.Serv
     server = SyncServer(service)
     port = await server.start(listen, credentials)
     loop = asyncio.get_running_loop()
+    stopped_by: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        stopped_by.append(sig.name)
+        server.closing.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.closing.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGUSR2, _dump_tasks)
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
@@ -87,11 +93,30 @@ async def serve(service: SyncService, listen: Address, *, credentials: grpc.Serv
         for w in waits:
             w.cancel()
     finally:
-        log.info("shutting down")
+        why = f" on {stopped_by[0]}" if stopped_by else ""
+        saving = service.writer.state_dir
+        log.info("shutting down%s%s", why, f": writing the final checkpoint to {saving.path}" if saving else "")
         await server.stop()
+        _say_saved(service, stopped_by[0] if stopped_by else None)
     if service.host.failure is not None:
         raise DdilocoError(f"the synchronizer's core failed ({service.host.failure!r}); the log has the traceback; "
                            "restart with --resume from the last checkpoint")
+
+
+def _say_saved(service: SyncService, signal_name: str | None) -> None:
+    """The last line of a clean stop: what was saved, and how to go on."""
+    saving = service.writer.state_dir
+    versions = list(service.view.versions)
+    if service.host is not None and service.host.failure is not None:
+        return  # the failure is raised, with its own advice
+    if saving is None:
+        log.info("stopped at fragment versions %s; nothing saved (no --state-dir)", versions)
+    elif signal_name is not None and not service.view.finished:
+        log.info("stopped by %s: final checkpoint written to %s at fragment versions %s; resume the run with the "
+                 "same options plus --resume (ddiloco sync --state-dir %s --resume ...); learners reconnect by "
+                 "themselves", signal_name, saving.path, versions, saving.path)
+    else:
+        log.info("final checkpoint written to %s at fragment versions %s", saving.path, versions)
 
 
 def _dump_tasks() -> None:

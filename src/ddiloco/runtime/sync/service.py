@@ -34,20 +34,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import grpc
 
 from ddiloco.config import Config
-from ddiloco.core.actions import (
-    Admitted,
-    Finished,
-    LearnersForgotten,
-    LeaseExpired,
-    Refused,
-    RoundClosed,
-    StateDelivered,
-    StopLearners,
-    SyncAction,
-)
+from ddiloco.core.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, Refused, RoundClosed,
+                                  StateDelivered, StopLearners, SyncAction)
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import RejectReason, StopNotice
+from ddiloco.core.messages import Leave, RejectReason, StopNotice
 from ddiloco.core.replay import replay_budget
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
@@ -139,6 +130,8 @@ class SyncService:
         self.port: int | None = None
         self.process_start_s = time.monotonic()
         self.first_join_s: float | None = None
+        self._joined: set[str] = set()
+        """Learners this process admitted before: their next joins are logged as rejoins."""
         self._pending: set[asyncio.Future] = set()
         state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
         self.writer = CheckpointWriter(state_dir, self.metrics, self.core.owned)
@@ -214,6 +207,7 @@ class SyncService:
         """Runs on the event loop after every event: reads only the actions and the published view."""
         view = self.view
         self.metrics.alive.set(view.alive)
+        left = {a.learner_id for a in actions if isinstance(a, Accepted) and isinstance(a.request, Leave)}
         for action in actions:
             if isinstance(action, Admitted):
                 self.boundary.known.add(action.learner_id)
@@ -222,11 +216,12 @@ class SyncService:
             elif isinstance(action, LearnersForgotten):
                 for name in action.learner_ids:
                     self.boundary.known.discard(name)
+                    self._joined.discard(name)
                     self.ledger.rename(name, FORGOTTEN)
                     self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
                 log.info("budget spent: asking learners %s to flush and leave", ", ".join(action.recipients) or "-")
-            elif isinstance(action, LeaseExpired):
+            elif isinstance(action, LeaseExpired) and action.learner_id not in left:  # a leave ends its lease too
                 log.info("learner %s: lease expired", action.learner_id)
             elif isinstance(action, Finished):
                 log.info("run finished: %d tokens, fragment versions %s", view.tokens, list(view.versions))
@@ -289,8 +284,9 @@ class SyncService:
         header.session.CopyFrom(wire.session_to_pb(session))
         header.stop = reply.stop
         header.versions.extend(reply.state.versions())
-        log.info("learner %s joined (index %d, session %s) at versions %s", learner, header.learner_index, session,
-                 list(header.versions))
+        log.info("learner %s %s (index %d, session %s) at versions %s", learner,
+                 "rejoined" if learner in self._joined else "joined", header.learner_index, session, list(header.versions))
+        self._joined.add(learner)
 
         async def send() -> None:
             await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
