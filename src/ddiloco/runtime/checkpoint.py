@@ -53,7 +53,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return len(data)
 
 
@@ -120,7 +120,8 @@ def _metadata(data: bytes) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` survive a power cut."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir
 
 FORMAT = "ddiloco-sync-checkpoint-2"
 CURRENT = "CURRENT"
@@ -154,11 +154,11 @@ class CheckpointDraft:
         """Write the manifest and make this checkpoint the latest; returns its size in bytes."""
         manifest = json.dumps({"format": FORMAT, "state": state, "fragments": self.fragments}, sort_keys=True)
         _write(self.folder / MANIFEST, manifest.encode())
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         previous = current_checkpoint(self.root)
         _write(self.root / f"{CURRENT}.tmp", self.folder.name.encode())
         os.replace(self.root / f"{CURRENT}.tmp", self.root / CURRENT)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if previous is not None and previous != self.folder:
             shutil.rmtree(previous, ignore_errors=True)
         return self.bytes + len(manifest)
@@ -252,12 +252,4 @@ def _write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
