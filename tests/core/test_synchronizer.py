@@ -290,15 +290,21 @@ def test_progress_is_counted_once_per_boot_however_often_it_is_reported():
     assert sync.status().tokens == 700
 
 
-def test_checkpoints_are_asked_for_every_n_rounds():
+def checkpoints_asked(limits: RunLimits, rounds: int, seconds_per_round: float) -> tuple[Synchronizer, list]:
+    """One learner merging a round every ``seconds_per_round``: the synchronizer and the checkpoints it asked for."""
     config = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9)
-    plan, sync, cores, params = make_cluster(config, learners=1, limits=RunLimits(checkpoint_every_rounds=2))
+    plan, sync, cores, params = make_cluster(config, learners=1, limits=limits)
     checkpoints = []
-    for rnd in range(4):
+    for rnd in range(rounds):
         for c in contributions_for(cores, params, fragment=rnd % 3, seed=rnd):
-            actions = sync.handle(c, 10.0 * (rnd + 1))
+            actions = sync.handle(c, seconds_per_round * (rnd + 1))
             deliver(actions, cores)
             checkpoints += [a for a in actions if isinstance(a, Checkpoint)]
+    return sync, checkpoints
+
+
+def test_checkpoints_are_asked_for_every_n_rounds():
+    sync, checkpoints = checkpoints_asked(RunLimits(checkpoint_every_rounds=2), rounds=4, seconds_per_round=10.0)
     assert len(checkpoints) == 2
     # The action carries the small state; the fragments are copied one at a time by the driver.
     assert "fragments" not in checkpoints[-1].state and checkpoints[-1].state["owned"] == list(sync.owned)
@@ -308,15 +314,8 @@ def test_checkpoints_are_asked_for_every_n_rounds():
 def test_the_first_checkpoint_by_time_comes_a_period_after_the_run_began():
     """Before, the time limit counted from the last checkpoint, and with none yet it never
     fired: a model whose rounds were slow went without any checkpoint until the round limit."""
-    config = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9)
     limits = RunLimits(checkpoint_every_rounds=1000, checkpoint_every_s=5.0)
-    plan, sync, cores, params = make_cluster(config, learners=1, limits=limits)
-    checkpoints = []
-    for rnd in range(3):
-        for c in contributions_for(cores, params, fragment=rnd % 3, seed=rnd):
-            actions = sync.handle(c, 3.0 * (rnd + 1))
-            deliver(actions, cores)
-            checkpoints += [a for a in actions if isinstance(a, Checkpoint)]
+    _, checkpoints = checkpoints_asked(limits, rounds=3, seconds_per_round=3.0)
     assert len(checkpoints) == 1  # at 6 s, the first round past 5 s after the join at 0
 
 

@@ -57,21 +57,14 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
-        self.lent = 0
 
     def take(self, numel: int) -> np.ndarray:
-        self.lent += 1
         free = self._free.get(numel)
         return free.pop() if free else np.zeros(numel, dtype=np.float32)
 
     def give(self, buffer: np.ndarray) -> None:
         """Take back a zeroed buffer."""
-        self.lent -= 1
         self._free.setdefault(buffer.shape[0], []).append(buffer)
-
-    @property
-    def held_bytes(self) -> int:
-        return 4 * sum(b.shape[0] for free in self._free.values() for b in free)
 
 
 class RoundAccumulator:

@@ -248,8 +248,8 @@ class GlobalFragment:
             raise ValueError("fragment residual without its block scales")
         self.value.copy_(value.reshape(-1))
         self.version = int(saved["version"])
-        self.momentum = None if momentum is None else momentum.reshape(-1).clone()
-        self.residual = None if residual is None else residual.reshape(-1).clone()
+        self.momentum = _restored(self.momentum, momentum)
+        self.residual = _restored(self.residual, residual)
         self.residual_scales = None if scales is None or not lean else scales.to(torch.float32).reshape(-1).clone()
         self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
         self.norms.clear()
@@ -265,6 +265,16 @@ class GlobalFragment:
 def _bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's storage as uint16 (what the kernels read and write)."""
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _restored(held: torch.Tensor | None, saved: torch.Tensor | None) -> torch.Tensor | None:
+    """``saved``'s values, copied into the tensor already held where it fits (no second copy
+    alive while a restore runs); never ``saved`` itself, which its owner may restore again."""
+    if saved is None:
+        return None
+    if held is not None and held.dtype == saved.dtype and held.numel() == saved.numel():
+        return held.copy_(saved.reshape(-1))
+    return saved.reshape(-1).clone()
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:

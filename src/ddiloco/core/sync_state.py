@@ -75,8 +75,8 @@ class SyncState:
             raise ValueError(f"checkpoint holds fragments {list(state.get('owned', range(len(frags))))}, "
                              f"this synchronizer owns {list(self._fragments)}")
         lean = fused_int4(self._downlink)
-        for f, saved in zip(self._fragments.values(), frags):
-            f.load_state_dict(saved, lean=lean)
+        for i, f in enumerate(self._fragments.values()):
+            f.load_state_dict(frags[i], lean=lean)  # one fragment's saved state alive at a time (frags may read lazily)
         self._registry.load_state_dict(state["learners"])
         self._counters = SyncCounters.from_state(state)
         self._run.load_state_dict(state["run"])

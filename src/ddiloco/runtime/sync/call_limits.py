@@ -15,7 +15,7 @@ accounted per learner.
   per learner and fragment, ``UPLOADS_PER_LEARNER`` per learner, and room for as many for every
   lease the registry grants (a full pool first closes the uploads of sessions no longer live).
 - An update stream is one per learner (a new one replaces the old: ``streams.py``).
-- Joins and state fetches hold one of ``transfers`` (each holds a copy of the global state).
+- Joins and state fetches hold one of ``transfers`` (each holds a copy of one fragment at a time).
 
 Every stream is held to the slowest link the run is configured for (``min_bytes_per_s``,
 ``protocol.min_link_bytes_per_s``): an upload's header must arrive within a lease, and every
@@ -42,6 +42,8 @@ from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 
 LEASES_ALLOWED = 3.0
 """What every stream is allowed on top of its bytes at the slowest configured rate, in leases."""
+STATE_TRANSFERS = 8
+"""Joins and state fetches sent at once (each holds a copy of one fragment at a time)."""
 PER_PEER_CALLS = 64
 """Anonymous calls one client host may hold at once (all learners of a host share its address)."""
 AWAITING_PER_PEER = 16
@@ -193,7 +195,7 @@ class CallLimits:
         """Every live learner's few calls at once, and room for operators."""
         self.uploads = UploadSlots(max_learners)
         """Each holds its payload: at most the int4 size of the largest fragment."""
-        self.transfers = Pool(8, "state transfers")
+        self.transfers = Pool(STATE_TRANSFERS, "state transfers")
         """A join's or a fetch's: each holds a copy of the global state."""
 
     def deadline_s(self, nbytes: int) -> float:

@@ -30,6 +30,7 @@ from ddiloco.core.codecs import fused_int4, get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.replay import replay_budget
+from ddiloco.runtime.sync.call_limits import STATE_TRANSFERS
 from ddiloco.errors import ConfigError
 
 log = logging.getLogger("ddiloco.sync")
@@ -115,10 +116,6 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except OSError:
         return None
     return None
-
-
-STATE_TRANSFERS = 8
-"""Joins and state fetches sent at once (``CallLimits.transfers``)."""
 
 
 def shard_memory_plan(protocol: ProtocolConfig, plan: FragmentPlan, shard: int, learners: int) -> MemoryPlan:

@@ -186,8 +186,6 @@ class LazyFragments(Sequence[dict[str, Any]]):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
 
-    def versions(self) -> list[int]:
-        return [int(e["version"]) for e in self.entries]
 
 
 _DTYPES = {torch.float32: ("F32", torch.float32, np.float32), torch.bfloat16: ("BF16", torch.int16, np.int16),
