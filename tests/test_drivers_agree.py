@@ -29,6 +29,7 @@ from ddiloco.core.actions import (
     Fail,
     Finished,
     LeaseExpired,
+    LogRound,
     Refused,
     RoundClosed,
     Send,
@@ -89,6 +90,8 @@ def summary(action: Any) -> tuple:
         return ("refused", action.learner_id, type(action.request).__name__, str(action.reason))
     if isinstance(action, Broadcast):
         return ("broadcast", action.update.fragment, action.update.version, tuple(sorted(action.recipients)))
+    if isinstance(action, LogRound):
+        return ("log", action.update.fragment, action.update.version, action.plain)
     if isinstance(action, RoundClosed):
         return ("round", action.fragment, action.version, str(action.reason),
                 tuple(sorted(m.learner_id for m in action.merged)))

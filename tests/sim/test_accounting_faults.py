@@ -94,8 +94,20 @@ def test_invariant_checker_catches_double_merges_stale_merges_and_a_restart_past
         stale.on_round(_round(0, v, ["a"], quorum=1, seq=v), torch.zeros(4))
     with pytest.raises(InvariantViolation, match="staleness"):
         stale.on_round(_round(0, 4, ["b"], quorum=1, base=0, reason=CloseReason.ALL_LIVE), torch.zeros(4))  # 3 behind
-    with pytest.raises(InvariantViolation, match="checkpoint knew"):
+    with pytest.raises(InvariantViolation, match="checkpoint and log knew"):
         _checker().on_start(2, [0, 1], [torch.zeros(4), torch.zeros(4)], [3, 1], [2, 1])
+
+
+def test_invariant_checker_catches_a_version_that_goes_back_or_changes_across_a_crash():
+    checker = _checker()
+    checker.on_start(1, [0], [torch.zeros(4)], [0], None)
+    for v in (1, 2):
+        checker.on_round(_round(0, v, ["a"], quorum=1, seq=v), torch.full((4,), float(v)))
+    with pytest.raises(InvariantViolation, match="went back from version 2 to 1"):
+        checker.on_start(2, [0], [torch.ones(4)], [1], [1])  # restored an older checkpoint, no log
+    with pytest.raises(InvariantViolation, match="another value"):
+        checker.on_start(3, [0], [torch.zeros(4)], [2], [2])  # version 2, but not the value merged
+    checker.on_start(4, [0], [torch.full((4,), 2.0)], [2], [2])  # what the round log restores
 
 
 def test_invariant_checker_computes_the_quorum_itself():

@@ -151,6 +151,20 @@ class RoundClosed:
 
 
 @dataclass(frozen=True, slots=True)
+class LogRound:
+    """Append a merged round to the round log (the write-ahead log beside the checkpoints).
+
+    The :class:`Broadcast` that follows carries the same update: a driver that keeps a log
+    sends it only once this record is durable, so a version that any learner received is
+    always one the synchronizer can restore (:meth:`Synchronizer.replay_round` after the
+    latest checkpoint)."""
+
+    update: FragmentUpdate
+    plain: bool
+    """The drain's plain step (no momentum), as :meth:`GlobalFragment.close` took it."""
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseExpired:
     learner_id: str
     at_s: float
@@ -196,7 +210,7 @@ class Checkpoint:
     state: dict[str, Any]
 
 
-SyncAction = (Reply | Broadcast | RoundClosed | LeaseExpired | LinkStarved | LearnersForgotten | StopLearners | Finished
+SyncAction = (Reply | Broadcast | LogRound | RoundClosed | LeaseExpired | LinkStarved | LearnersForgotten | StopLearners | Finished
               | Checkpoint)
 
 # ---- learner: actions ----------------------------------------------------------------------

@@ -215,7 +215,10 @@ class Learner:
         return [SendJoin(Join(self.learner_id, self.boot, self.tokens_per_step), shard)]
 
     def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
-        """A synchronizer shard registered us: adopt the fragments it sent (a new session there)."""
+        """A synchronizer shard registered us (a new session there): per fragment it sent, keep our
+        progress where it holds the value we hold (a synchronizer that restarted from its round
+        log) and the progress is short (:meth:`_keepable`), mix it in like an update where it is
+        newer, adopt it otherwise."""
         link = self.links[shard]
         if state.session is None or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
@@ -237,11 +240,21 @@ class Learner:
             values = frag.values.to(torch.float32).flatten()
             if values.numel() != self.plan.fragments[p].numel:
                 raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
-            unflatten_into(values, self._tensors[p])
-            self._anchors[p] = values.to(self._anchors[p].device, copy=True)  # beside the parameters
-            self.versions[p] = frag.version
+            anchor = self._anchors[p]
+            kept = (self.versions[p] == frag.version and self._keepable(p)
+                    and torch.equal(values.to(anchor.device), anchor))
+            if not kept:  # a first join, or a synchronizer that moved on (or, without a round log, back)
+                newer = 0 <= self.versions[p] < frag.version
+                self._anchors[p] = anchor = values.to(anchor.device, copy=True)  # beside the parameters
+                if newer:
+                    self._mix(p, anchor)
+                else:
+                    unflatten_into(values, self._tensors[p])
+                self.versions[p] = frag.version
+            if kept:
+                self.watch.kept(p)
             self.watch.arrived(self.step)
-            self.schedule.restart(p, self.step)
+            self.schedule.restart(p, self.step, keep_counters=kept)
 
     # ---- training ------------------------------------------------------------------------
 
@@ -339,14 +352,23 @@ class Learner:
             raise ValueError(f"update for fragment {p}: {values.numel()} decoded values, expected {anchor.numel()}")
         anchor += values.to(anchor.device, non_blocking=True)  # from pinned memory: no wait for the device
         self.versions[p] = update.version
-        alpha = self.config.alpha
-        local = flatten(self._tensors[p])
-        unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
+        self._mix(p, anchor)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
         self.schedule.landed(p)
         return UpdateResult.APPLIED
+
+    def _keepable(self, p: int) -> bool:
+        """Is p's unsent progress short enough to keep across a rejoin? Progress of more than
+        ``staleness_max`` periods would go out as one Δ beyond the synchronizer's norm bound."""
+        return self.schedule.counters[p].steps <= self.config.staleness_max * self.plan.period
+
+    def _mix(self, p: int, anchor: torch.Tensor) -> None:
+        """θ ← α·θ + (1−α)·Θ for fragment p."""
+        alpha = self.config.alpha
+        local = flatten(self._tensors[p])
+        unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):

@@ -58,7 +58,8 @@ class LinkWatch:
         self._silent: dict[int, _Silent] = {}
         """Shards whose calls have gone unanswered since their last answer."""
         self._carries_fold: set[int] = set()
-        """Fragments whose next send carries the steps of contributions undelivered during an outage."""
+        """Fragments whose next send carries the steps of contributions undelivered during an outage
+        (or kept across a rejoin)."""
         self.period = period
         self._accepted_at_step = 0
         """The step at which a contribution was last accepted, or a state adopted."""
@@ -90,6 +91,10 @@ class LinkWatch:
             self._carries_fold.discard(fragment)
         else:
             self._carried.append(steps)
+
+    def kept(self, fragment: int) -> None:
+        """A rejoin kept ``fragment``'s progress: its next send carries the steps since its last one."""
+        self._carries_fold.add(fragment)
 
     def unanswered(self, shard: int, now: float, *, joined: bool, folded: int | None) -> list[LearnerAction]:
         """A call to ``shard`` got no answer; ``folded``: the fragment whose contribution was folded, if any."""

@@ -23,7 +23,7 @@ import torch
 
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import Codec, fused_int4
-from ddiloco.core.kernels import outer_step_int4
+from ddiloco.core.kernels import RESIDUAL_LEVELS, outer_step_int4
 from ddiloco.core.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
 from ddiloco.core.outer import NesterovSGD
 
@@ -220,6 +220,40 @@ class GlobalFragment:
         self.value += sent
         self.version += 1
         return payload
+
+    def replay(self, payload: bytes, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> None:
+        """Redo a merged round from the update it sent (the round log, after a crash).
+
+        Θ is the sum of the updates sent, so it comes back bit for bit. The momentum is
+        recovered from the sent update u (Nesterov: m ← μ·m + Δ and u = −lr·(Δ + μ·m) give
+        m ← (μ·m − u/lr) / (1 + μ)); what the update could not carry (the error-feedback
+        residual) is not in the log and is taken as zero from here on, so the recovered
+        momentum is off by at most the rounds' quantization errors over lr·(1 + μ), fading by
+        μ per round (``tests/core/test_round_log.py`` bounds it)."""
+        numel = self.value.numel()
+        sent = downlink.decode(payload, numel)
+        if not plain:
+            u = sent if self.residual is None else sent - self._residual_values(downlink)
+            mu = outer.momentum
+            previous = torch.zeros(numel) if self.momentum is None else self.momentum.to(torch.float32)
+            momentum = previous.mul_(mu).sub_(u, alpha=1.0 / outer.lr).div_(1.0 + mu)
+            lean = fused_int4(downlink)
+            self.momentum = momentum.to(torch.bfloat16) if lean else momentum
+        self.value += sent
+        if self.residual is not None:
+            self.residual.zero_()
+        self.version += 1
+        self.round.clear()
+        self.accumulator.clear()
+
+    def _residual_values(self, downlink: Codec) -> torch.Tensor:
+        """The residual as float32 values (the lean int8 form times its block's unit)."""
+        assert self.residual is not None
+        if not fused_int4(downlink):
+            return self.residual
+        assert self.residual_scales is not None
+        units = (self.residual_scales / float(RESIDUAL_LEVELS)).repeat_interleave(downlink.block_size)[: self.residual.numel()]
+        return self.residual.to(torch.float32) * units
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of this fragment's state (one fragment's worth of memory, taken on the core's thread)."""

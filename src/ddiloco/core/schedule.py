@@ -50,9 +50,11 @@ class SendSchedule:
         self._unanswered: dict[int, int] = {}
         """Per fragment, the sequence number of a contribution whose call has not ended yet."""
 
-    def restart(self, p: int, step: int) -> None:
-        """A global value was adopted for ``p``: count from the next step, sequence numbers from 0."""
-        self.counters[p] = Counters(first_step=step + 1)
+    def restart(self, p: int, step: int, *, keep_counters: bool = False) -> None:
+        """A global value was adopted for ``p`` (a new session): sequence numbers from 0, and count
+        from the next step unless ``keep_counters`` (the learner kept its progress on ``p``)."""
+        if not keep_counters:
+            self.counters[p] = Counters(first_step=step + 1)
         self.seq[p] = 0
         self._in_flight.pop(p, None)
         self._unanswered.pop(p, None)

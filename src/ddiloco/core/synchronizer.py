@@ -32,6 +32,7 @@ from ddiloco.core.actions import (
     LearnersForgotten,
     LeaseExpired,
     LinkStarved,
+    LogRound,
     MergedContribution,
     Refused,
     RoundClosed,
@@ -48,6 +49,7 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
     Contribution,
+    FragmentUpdate,
     FragmentValue,
     GlobalState,
     Heartbeat,
@@ -409,4 +411,16 @@ class Synchronizer(SyncState):
         self._counters.merged(str(reason), now, running=self._run.phase is RunPhase.RUNNING)
         self._run.rounds_since_checkpoint += 1
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
-        return [record, Broadcast(update, tuple(self.alive()))]
+        return [record, LogRound(update, plain=reason is CloseReason.DRAIN), Broadcast(update, tuple(self.alive()))]
+
+    def replay_round(self, update: FragmentUpdate, *, plain: bool) -> bool:
+        """Redo a logged round after a restart (:class:`LogRound`): False if the checkpoint already
+        holds it; ValueError if it does not follow the fragment's version (a gap in the log)."""
+        frag = self._fragments[update.fragment]
+        if update.version <= frag.version:
+            return False
+        if update.version != frag.version + 1:
+            raise ValueError(f"fragment {update.fragment}: the log goes from version {frag.version} "
+                             f"to {update.version} (a gap)")
+        frag.replay(update.payload, self._outer, self._downlink, plain=plain)
+        return True

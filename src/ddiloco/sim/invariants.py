@@ -6,7 +6,9 @@ Safety properties of the protocol, whatever the adversary does:
   as many as there were live learners when the quorum was decided, computed here from K
   and the live count, independently of the synchronizer's own rule;
 - within one synchronizer incarnation versions only increase, by one per round, starting
-  from what the checkpoint it restarted from knew (never past it);
+  from what its checkpoint and round log restored (never past it);
+- a fragment's version never goes back across a synchronizer crash: a restarted incarnation
+  starts at the newest version any earlier one merged, with the same value bit for bit;
 - every merged contribution was measured from a version at most ``staleness_max`` behind;
 - no contribution is accepted (or merged) twice;
 - the tokens an incarnation accepted are exactly the tokens it merged, plus what it still
@@ -52,6 +54,8 @@ class InvariantChecker:
         self._versions: dict[tuple[int, int], int] = {}
         self._values: dict[tuple[int, int, int], str] = {}
         self._initial = [_digest(v) for v in initial_values]
+        self._newest: dict[int, tuple[int, str]] = {}
+        """Per fragment, the newest version any incarnation merged and its value's digest."""
         self._accepted: set[tuple[int, str, int, int, int]] = set()
         self._merged: set[tuple[int, str, int, int, int]] = set()
         self.checks = 0
@@ -60,15 +64,23 @@ class InvariantChecker:
         raise InvariantViolation(f"{message} (reproduce with seed {self.seed})")
 
     def on_start(self, incarnation: int, fragments: Sequence[int], values: Sequence[torch.Tensor],
-                 versions: Sequence[int], checkpoint_versions: Sequence[int] | None) -> None:
-        """A synchronizer (shard) incarnation starts: first start, or restart from ``checkpoint_versions``."""
-        expected = list(checkpoint_versions) if checkpoint_versions is not None else [0] * len(versions)
+                 versions: Sequence[int], restored_versions: Sequence[int] | None) -> None:
+        """A synchronizer (shard) incarnation starts: first start, or restart at ``restored_versions``
+        (its checkpoint and round log)."""
+        expected = list(restored_versions) if restored_versions is not None else [0] * len(versions)
         if list(versions) != expected:
             self._fail(f"incarnation {incarnation} starts at versions {list(versions)}, "
-                       f"its checkpoint knew {expected}")
+                       f"its checkpoint and log knew {expected}")
         for p, value, version in zip(fragments, values, versions):
+            digest = _digest(value)
+            newest, served = self._newest.get(p, (0, digest))
+            if version < newest:
+                self._fail(f"fragment {p} went back from version {newest} to {version} across a synchronizer crash")
+            if version == newest and digest != served:
+                self._fail(f"fragment {p} v{version} restored with another value than the one merged before the crash")
+            self._newest[p] = (version, digest)
             self._versions[(incarnation, p)] = version
-            self._values[(incarnation, p, version)] = _digest(value)
+            self._values[(incarnation, p, version)] = digest
 
     def on_crash(self, incarnation: int, pending_tokens: int) -> None:
         self.tokens_lost[incarnation] += pending_tokens
@@ -99,7 +111,8 @@ class InvariantChecker:
                 self._fail(f"contribution {key} merged twice")
             self._merged.add(key)
         self.tokens_merged[inc] += record.tokens
-        self._values[(inc, p, record.version)] = _digest(value)
+        self._values[(inc, p, record.version)] = digest = _digest(value)
+        self._newest[p] = (record.version, digest)
 
     def _check_quorum(self, record: RoundClosed) -> None:
         contributors = {m.learner_id for m in record.merged}

@@ -1,10 +1,11 @@
 """The synchronizer process of the virtual cluster: carries out the core's actions, keeps its
-checkpoints, and crashes and restarts from the latest one when the adversary says so.
+checkpoints and round log, and crashes and restarts from them when the adversary says so.
 
-A crash loses what a real crash loses: the pending rounds, every merge since the last
-checkpoint, the registry's leases. The restarted process is a new *incarnation* (a number
-no earlier one used), restored from the checkpoint; learners find out from its refusals
-and join again.
+A crash loses what a real crash loses: the pending rounds and the registry's leases. No
+merged round is lost: as in the real service, every merged round is in the log before its
+update leaves (the virtual disk is durable at once), and a restart replays the log after the
+latest checkpoint. The restarted process is a new *incarnation* (a number no earlier one
+used); learners find out from its refusals and join again, keeping their progress.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ddiloco.core.actions import (
     Broadcast,
     Checkpoint,
     Finished,
+    LogRound,
     Refused,
     RoundClosed,
     StateDelivered,
@@ -47,6 +49,8 @@ class SyncNode:
         self.replay: ReplayLog[FragmentUpdate] = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
         self.up = True
         self.checkpoint: dict[str, Any] | None = None
+        self.log: list[LogRound] = []
+        """Merged rounds the checkpoint does not hold yet (the real service's round log)."""
         self.tick_at: float | None = None
         self.crashes = 0
         self.finished = False
@@ -124,8 +128,11 @@ class SyncNode:
                     host.push_to(name, -1, 0, StopNotice())
             elif isinstance(action, RoundClosed):
                 host.on_round(action, self.core.value(action.fragment))
+            elif isinstance(action, LogRound):
+                self.log.append(action)
             elif isinstance(action, Checkpoint):
                 self.checkpoint = {**action.state, "fragments": [self.core.fragment_state(p) for p in self.core.owned]}
+                self.log.clear()  # everything merged so far is in the checkpoint
             elif isinstance(action, Finished):
                 self.finished = True
         self.schedule_tick(host)
@@ -146,6 +153,11 @@ class SyncNode:
         if host.checker:
             host.checker.on_crash(self.incarnation, self.core.pending_tokens())
 
+    def _checkpoint_versions(self) -> list[int]:
+        if self.checkpoint is None:
+            return [0] * len(self.core.owned)
+        return [f["version"] for f in self.checkpoint["fragments"]]
+
     def restart(self, host: NodeHost) -> None:
         if self.up:
             return
@@ -154,11 +166,14 @@ class SyncNode:
         self.replay = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
         if self.checkpoint is not None:
             self.core.load_state_dict(self.checkpoint)
+        for record in self.log:
+            self.core.replay_round(record.update, plain=record.plain)
         self.up = True
         self.tick_at = None
         if host.checker:
-            known = None if self.checkpoint is None else [f["version"] for f in self.checkpoint["fragments"]]
+            restored = [max((r.update.version for r in self.log if r.update.fragment == p), default=version)
+                        for p, version in zip(self.core.owned, self._checkpoint_versions())]
             host.checker.on_start(self.incarnation, self.core.owned, [self.core.value(p) for p in self.core.owned],
-                                     self.core.versions(), known)
+                                     self.core.versions(), restored)
         self.schedule_tick(host)
 

@@ -8,8 +8,12 @@ checkpoint holds one fragment beyond the steady state. One write runs at a time;
 asked for while one is being written replaces any other still waiting (only the newest
 matters, and waiting checkpoints must not pile up). A write that fails — a full disk, a
 directory that went away — never stops the service: it is logged, counted and shown in
-status with its error, beside the age of the last good checkpoint, which is what a restart
-would resume from.
+status with its error, beside the age of the last good checkpoint.
+
+It keeps the round log too (:mod:`ddiloco.runtime.sync.round_log`): a restore replays the
+rounds merged after the checkpoint, each checkpoint starts a new segment of the log before it
+copies its first fragment and deletes the older segments once it is the latest. A restart
+therefore resumes from the checkpoint and the log: every round merged before the crash.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
+from ddiloco.runtime.sync.round_log import LoggedRound, RoundLog, read_rounds
 from ddiloco.runtime.sync.state_dir import StateDir
 
 log = logging.getLogger("ddiloco.sync")
@@ -30,8 +35,14 @@ FetchFragment = Callable[[int], Awaitable[dict[str, Any]]]
 
 
 class CheckpointWriter:
-    def __init__(self, state_dir: StateDir | None, metrics: ServiceMetrics, fragments: Sequence[int]) -> None:
+    def __init__(self, state_dir: StateDir | None, metrics: ServiceMetrics, fragments: Sequence[int],
+                 identity: dict[str, object]) -> None:
         self.state_dir = state_dir
+        self.identity = identity
+        """What the round log's segments must name (the model's layout and the shard)."""
+        self.round_log: RoundLog | None = None
+        self.replayed = 0
+        """Rounds the last restore replayed from the log."""
         self.metrics = metrics
         self.fragments = tuple(fragments)
         self.checkpoints = 0
@@ -43,30 +54,46 @@ class CheckpointWriter:
         self._next: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._task: asyncio.Task | None = None
 
-    def restore(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None]) -> bool:
+    def restore(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None],
+                replay: Callable[[LoggedRound], bool]) -> bool:
         """Hand the latest checkpoint to ``apply`` (the service, which restores its core and
-        counters), if the state directory holds one of this model and layout; True if it did."""
+        counters), if the state directory holds one of this model and layout, then every round
+        the log holds after it to ``replay``; True if there was anything to restore. Opens the
+        round log for the rounds to come."""
         if self.state_dir is None:
             return False
         try:
-            saved = self.state_dir.load()
-            if saved is None:
-                return False
-            where = self.state_dir.current
-            if saved["service"]["layout_sha256"] != layout_sha256:
-                raise CheckpointError(
-                    f"the checkpoint {where} belongs to a run with another model, fragmentation or codec: "
-                    "start with the same --preset/--config/--set/--init as the run that wrote it"
-                )
+            restored = self._restore_checkpoint(layout_sha256, apply)
+            first = 0 if restored is None else int(restored.get("round_log_from", 0))
             try:
-                apply(saved)
-            except (KeyError, ValueError, TypeError) as err:
-                raise CheckpointError(f"the checkpoint {where} does not fit this synchronizer: {err}") from None
-            self.checkpoints = int(saved["service"]["checkpoints"])
-            return True
+                self.replayed = sum(replay(r) for r in read_rounds(self.state_dir.path, self.identity, first))
+            except ValueError as err:
+                raise CheckpointError(f"the round log in {self.state_dir.path} does not follow the checkpoint: "
+                                      f"{err}") from None
+            self.round_log = RoundLog(self.state_dir.path, self.identity)
+            return restored is not None or self.replayed > 0
         except BaseException:
             self.state_dir.close()
             raise
+
+    def _restore_checkpoint(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+        """The restored checkpoint's service state, or None when there is none."""
+        assert self.state_dir is not None
+        saved = self.state_dir.load()
+        if saved is None:
+            return None
+        where = self.state_dir.current
+        if saved["service"]["layout_sha256"] != layout_sha256:
+            raise CheckpointError(
+                f"the checkpoint {where} belongs to a run with another model, fragmentation or codec: "
+                "start with the same --preset/--config/--set/--init as the run that wrote it"
+            )
+        try:
+            apply(saved)
+        except (KeyError, ValueError, TypeError) as err:
+            raise CheckpointError(f"the checkpoint {where} does not fit this synchronizer: {err}") from None
+        self.checkpoints = int(saved["service"]["checkpoints"])
+        return saved["service"]
 
     def start(self, fetch: FetchFragment) -> None:
         """On the event loop that will run the writes; ``fetch`` copies a fragment on the core's thread."""
@@ -92,6 +119,9 @@ class CheckpointWriter:
         number = self.checkpoints + 1
         state = {"core": core_meta, "service": {**service_state, "checkpoints": number}}
         draft = None
+        log_from = None if self.round_log is None else await asyncio.wrap_future(self.round_log.rotate())
+        if log_from is not None:
+            state["service"]["round_log_from"] = log_from  # the rounds after this checkpoint's copies
         try:
             draft = await asyncio.to_thread(self.state_dir.begin, number)
             for p in self.fragments:
@@ -108,6 +138,8 @@ class CheckpointWriter:
                       self.last_error, "none" if self.last_good_s is None else
                       f"{time.monotonic() - self.last_good_s:.0f}s old")
             return
+        if log_from is not None:
+            await asyncio.to_thread(self.round_log.drop_before, log_from)
         self.checkpoints = number
         self.last_good_s = time.monotonic()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
@@ -119,5 +151,8 @@ class CheckpointWriter:
             await self._task
 
     def close(self) -> None:
+        if self.round_log is not None:
+            self.round_log.close()
+            self.round_log = None
         if self.state_dir is not None:
             self.state_dir.close()

@@ -13,6 +13,8 @@ changed size during iteration" inside the timer and killed the service.)
 ``handle`` feeds the core one event with the host's clock and carries out what comes
 back — except the reply, which it returns to the gRPC handler that asked:
 
+- ``LogRound`` → the round log (:mod:`ddiloco.runtime.sync.round_log`), when there is one;
+  then every stream operation waits, in order, until the records before it are durable;
 - ``Broadcast`` → every recipient's update stream (and the measured merge-and-send time
   back to the core, which sizes its grace window);
 - ``StopLearners`` → a stop notice on those streams; ``LeaseExpired`` → close that stream;
@@ -36,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol, TypeVar
 
 from ddiloco.core.actions import (
@@ -47,6 +49,7 @@ from ddiloco.core.actions import (
     Finished,
     LeaseExpired,
     LinkStarved,
+    LogRound,
     Refused,
     Reply,
     RoundClosed,
@@ -58,6 +61,7 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.sync_status import CoreView, SyncStatus
 from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.streams import UpdateStreams
 
 log = logging.getLogger("ddiloco.sync")
@@ -83,8 +87,12 @@ class HostObserver(Protocol):
 
 class SyncHost:
     def __init__(self, core: Synchronizer, streams: UpdateStreams, observer: HostObserver, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, round_log: RoundLog | None = None) -> None:
         self.core = core
+        self.round_log = round_log
+        self._outbox: asyncio.Queue[tuple[Callable[[], None], Future | None]] = asyncio.Queue()
+        """Stream operations waiting for the round log (in order: an update never overtakes another)."""
+        self._sender: asyncio.Task | None = None
         self.streams = streams
         self.observer = observer
         self.clock = clock
@@ -145,13 +153,17 @@ class SyncHost:
     def _execute(self, actions: list[SyncAction], compute_s: float) -> None:
         started = time.perf_counter()
         merged: list[RoundClosed] = []
+        durable: Future | None = None
         for action in actions:
-            if isinstance(action, Broadcast):
-                self.streams.publish(action.update, action.recipients)
+            if isinstance(action, LogRound) and self.round_log is not None:
+                u = action.update
+                durable = self.round_log.append(u.fragment, u.version, action.plain, u.payload)
+            elif isinstance(action, Broadcast):
+                self._stream(lambda a=action: self.streams.publish(a.update, a.recipients), durable)
             elif isinstance(action, StopLearners):
-                self.streams.stop(action.recipients)
+                self._stream(lambda a=action: self.streams.stop(a.recipients), durable)
             elif isinstance(action, LeaseExpired):
-                self.streams.close(action.learner_id)
+                self._stream(lambda a=action: self.streams.close(a.learner_id), durable)
             elif isinstance(action, LinkStarved):
                 log.warning("learner %s: none of its work has reached the synchronizer for %.0fs while it holds "
                             "a lease: its link is too slow for the protocol", action.learner_id, action.for_s)
@@ -169,6 +181,27 @@ class SyncHost:
                 self._pool.submit(self.core.handle, SyncTimeObserved(elapsed), self.clock())
         self.observer.on_event(actions)
         self._wake.set()  # deadlines may have moved
+
+    def _stream(self, operation: Callable[[], None], durable: Future | None) -> None:
+        """Carry out a stream operation now, or — with a round log — after the records before it are durable."""
+        if self.round_log is None:
+            operation()
+            return
+        self._outbox.put_nowait((operation, durable))
+        if self._sender is None:
+            self._sender = asyncio.ensure_future(self._send_when_durable())
+
+    async def _send_when_durable(self) -> None:
+        while True:
+            operation, durable = await self._outbox.get()
+            if durable is not None:
+                await asyncio.wrap_future(durable)
+            operation()
+            self._outbox.task_done()
+
+    async def flush(self) -> None:
+        """Wait until every stream operation queued behind the round log is carried out."""
+        await self._outbox.join()
 
     # ---- the timer -------------------------------------------------------------------------
 
@@ -209,3 +242,7 @@ class SyncHost:
     async def stop(self) -> None:
         await self.stop_timer()
         self._pool.shutdown(wait=True)
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender

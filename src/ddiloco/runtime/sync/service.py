@@ -38,7 +38,7 @@ from ddiloco.core.actions import (Accepted, Admitted, Finished, LearnersForgotte
                                   StateDelivered, StopLearners, SyncAction)
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import Mode
-from ddiloco.core.messages import Leave, RejectReason, StopNotice
+from ddiloco.core.messages import FragmentUpdate, Leave, RejectReason, StopNotice
 from ddiloco.core.replay import replay_budget
 from ddiloco.core.sync_status import CoreView
 from ddiloco.core.synchronizer import Synchronizer
@@ -54,6 +54,7 @@ from ddiloco.measures import ByteLedger, fragment_shares
 from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
@@ -134,9 +135,11 @@ class SyncService:
         """Learners this process admitted before: their next joins are logged as rejoins."""
         self._pending: set[asyncio.Future] = set()
         state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
-        self.writer = CheckpointWriter(state_dir, self.metrics, self.core.owned)
-        if self.writer.restore(self.layout_sha256, self._restore):
-            log.info("resumed from %s: fragment versions %s", options.state_dir, list(self.core.versions()))
+        self.writer = CheckpointWriter(state_dir, self.metrics, self.core.owned,
+                                       {"layout_sha256": self.layout_sha256, "shard": self.shard})
+        if self.writer.restore(self.layout_sha256, self._restore, self._replay):
+            log.info("resumed from %s: fragment versions %s (%d rounds from the round log after the checkpoint)",
+                     options.state_dir, list(self.core.versions()), self.writer.replayed)
         elif options.resume:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
         self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
@@ -164,6 +167,10 @@ class SyncService:
             {k: int(v) for k, v in service["learner_wire_rejected"].items()})
         self.ledger.load_state_dict(service["bytes"])
         self.goodput.load_state_dict(service["goodput"])
+
+    def _replay(self, r: LoggedRound) -> bool:
+        update = FragmentUpdate(r.fragment, r.version, self.protocol.downlink_codec, r.payload, self.incarnation)
+        return self.core.replay_round(update, plain=r.plain)
 
     def service_state(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -429,7 +436,7 @@ class SyncService:
     def start_host(self) -> SyncHost:
         """Create the core host on the running event loop (``serve`` does this; tests may too)."""
         self.writer.start(lambda p: self._host.query(lambda core: core.fragment_state(p)))
-        self.host = SyncHost(self.core, self.streams, self, clock=self.options.clock)
+        self.host = SyncHost(self.core, self.streams, self, clock=self.options.clock, round_log=self.writer.round_log)
         self.host.start()
         return self.host
 
@@ -439,6 +446,7 @@ class SyncService:
             await self.host.stop_timer()
             if self.host.failure is None:  # a core that failed mid-event may hold half an update
                 await self.checkpoint()
+            await self.host.flush()
             self.streams.close_all()
             await asyncio.gather(*list(self._pending), return_exceptions=True)
             await self.host.stop()

@@ -65,7 +65,7 @@ class StateDir:
         if has_checkpoint(path) and not resume:
             self.close()
             raise ConfigError(
-                f"--state-dir {str(path)!r} already holds a checkpoint: pass --resume to continue that run, "
+                f"--state-dir {str(path)!r} already holds a run's state: pass --resume to continue that run, "
                 "or choose another directory"
             )
 
@@ -126,8 +126,9 @@ def current_checkpoint(path: Path) -> Path | None:
 
 
 def has_checkpoint(path: Path) -> bool:
-    """Does the state directory ``path`` hold a checkpoint (of this version or an older one)?"""
-    return (path / CURRENT).exists() or (path / LEGACY_NAME).exists()
+    """Does the state directory ``path`` hold a run's state: a checkpoint (of this version or an
+    older one) or a round log?"""
+    return (path / CURRENT).exists() or (path / LEGACY_NAME).exists() or any(path.glob("rounds-*.log"))
 
 
 class CheckpointDraft:
