@@ -59,10 +59,9 @@ def run(args: argparse.Namespace) -> int:
 def print_status(s: dict) -> None:
     out = Console()
     state = s["phase"]
-    budget = f" of {s['token_budget']:,}" if s["token_budget"] else ""
     shards = f" ({s['shards']} shards)" if s.get('shards', 1) > 1 else ""
     out.print(f"[bold]synchronizer[/bold]{shards} {s['instance_id'][:25]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
-              f"tokens {s['tokens']:,}{budget}  goodput {s['goodput']:.1%}  "
+              f"{budgets(s)}  goodput {s['goodput']:.1%}  "
               f"MB up {s['bytes_up'] / 1e6:.2f}  MB down {s['bytes_down'] / 1e6:.2f}  "
               f"checkpoints {s['checkpoints']}")
     q, g = s["quorum"], s["grace"]
@@ -93,3 +92,14 @@ def print_status(s: dict) -> None:
         fragments.add_row(str(f["id"]), str(f["version"]), f"{f['numel']:,}", f"{f['bytes_up'] / 1e6:.2f}",
                           f"{f['bytes_down'] / 1e6:.2f}")
     print_table(fragments)
+
+
+def budgets(s: dict) -> str:
+    """Tokens and run time, each with its budget and what is left of it, when there is one."""
+    tokens = f"tokens {s['tokens']:,}"
+    if s["token_budget"]:
+        tokens += f" of {s['token_budget']:,} ({s['tokens_left']:,} left)"
+    time = f"run time {s['elapsed_s']:.0f}s"
+    if s["time_budget_s"]:
+        time += f" of {s['time_budget_s']:.0f}s ({s['time_left_s']:.0f}s left)"
+    return f"{tokens}  {time}"
