@@ -14,6 +14,7 @@ from ddiloco.commands.options import positive_seconds
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.http_probe import wrong_port_line
 from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.runtime.sync.status_reply import LEARNERS_PAGE
 
@@ -39,12 +40,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.page < 0:
         raise DdilocoError(f"--page {args.page}: must be >= 0")
-    addresses = [str(parse_address(a.strip(), option="address")) for a in args.address.split(",") if a.strip()]
-    with ShardedClient(addresses, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
+    addresses = [parse_address(a.strip(), option="address") for a in args.address.split(",") if a.strip()]
+    with ShardedClient([str(a) for a in addresses], token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
         try:
             status = client.status_dict(timeout_s=args.timeout, learner_offset=args.page * LEARNERS_PAGE,
                                         learner_limit=LEARNERS_PAGE)
         except Unreachable as err:
+            for address in addresses:  # an HTTP port of the synchronizer's, given by mistake?
+                if line := wrong_port_line(address, "ddiloco status"):
+                    raise DdilocoError(line) from None
             raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
         except CallRefused as err:
             raise DdilocoError(f"the synchronizer at {args.address} refused: {err.detail}") from None
