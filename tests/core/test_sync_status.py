@@ -6,14 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from protocol_helpers import make_cluster, refused
+from test_synchronizer import BASE, contributions_for
 
 from ddiloco.core.actions import Tick
 from ddiloco.core.claims import ClaimLimits
 from ddiloco.core.messages import Heartbeat, Leave, Progress, Session
 from ddiloco.core.registry import ACCEPT_TIMES, LearnerRecord
 from ddiloco.core.run import RunLimits, RunPhase, RunState
-from protocol_helpers import make_cluster, refused
-from test_synchronizer import BASE, contributions_for
 
 
 def by_id(status):
@@ -24,7 +24,7 @@ def by_id(status):
 def test_a_gone_learners_rate_is_zero_at_once(ending):
     """It showed its last minute's count (``per min 256``) for a minute after its lease expired."""
     config = dataclasses.replace(BASE, quorum=3, lease_s=10.0)
-    plan, sync, cores, params = make_cluster(config, learners=3)
+    _, sync, cores, params = make_cluster(config, learners=3)
     c0, c1, _ = contributions_for(cores, params, fragment=1)
     assert not refused(sync.handle(c0, 1.0)) and not refused(sync.handle(c1, 1.0))
     assert by_id(sync.status(2.0))["l0"].accepted_per_min == 1
@@ -51,7 +51,7 @@ def test_a_rate_beyond_the_kept_acceptances_is_scaled_not_capped():
 
 def test_a_time_budget_shows_with_the_time_left():
     """Status said ``token_budget: 0`` and nothing about a ``--time`` budget."""
-    plan, sync, cores, params = make_cluster(BASE, learners=2, limits=RunLimits(time_s=100.0))  # joined at 0
+    sync = make_cluster(BASE, learners=2, limits=RunLimits(time_s=100.0))[1]  # joined at 0
     status = sync.status(30.0)
     assert (status.time_budget_s, status.elapsed_s, status.time_left_s) == (100.0, 30.0, 70.0)
     assert (status.token_budget, status.tokens_left) == (0, 0)
@@ -61,7 +61,7 @@ def test_a_time_budget_shows_with_the_time_left():
 
 
 def test_a_token_budget_shows_the_tokens_left():
-    plan, sync, cores, params = make_cluster(BASE, learners=2, limits=RunLimits(tokens=10_000))
+    _, sync, cores, _ = make_cluster(BASE, learners=2, limits=RunLimits(tokens=10_000))
     sync.handle(Heartbeat("l0", cores[0].session, Progress("b0", tokens=2_500, steps=25)), 1.0)
     status = sync.status()
     assert (status.tokens, status.token_budget, status.tokens_left) == (2_500, 10_000, 7_500)

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.page < 0:
         raise DdilocoError(f"--page {args.page}: must be >= 0")
     addresses = [parse_address(a.strip(), option="address") for a in args.address.split(",") if a.strip()]
-    with ShardedClient([str(a) for a in addresses], token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
+    token = load_token(args.token_file)
+    with ShardedClient([str(a) for a in addresses], token=token, tls_ca=args.tls_ca) as client:
         try:
             status = client.status_dict(timeout_s=args.timeout, learner_offset=args.page * LEARNERS_PAGE,
                                         learner_limit=LEARNERS_PAGE)
