@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import struct
 from dataclasses import replace
 
@@ -14,7 +12,7 @@ import torch
 
 from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Contribution, Heartbeat, Join, Progress, Session
+from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import client_metadata
@@ -255,31 +253,6 @@ def test_status_command_prints_the_documented_json(inproc_sync, capsys):
     assert status["bytes_up"] > 0 and status["bytes_down"] > 0 and status["uptime"] >= 0
     assert cli.main(["status", f"127.0.0.1:{s.port}"]) == 0  # the tables
     assert "learner-0" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("budget", ["run.time_s=600", "run.tokens=100000"])
-def test_status_shows_the_budget_and_what_is_left_of_it(inproc_sync, capsys, budget):
-    """A ``--time`` budget showed as ``token_budget: 0``, with nothing about time (issue 29)."""
-    from ddiloco import cli
-
-    key, value = budget.split("=")
-    s = inproc_sync(tiny(**{key: value}))
-    with SyncClient(f"127.0.0.1:{s.port}") as client:
-        session = client.join(Join("learner-0", "boot")).state.session
-        client.heartbeat(Heartbeat("learner-0", session, Progress("boot", tokens=256, steps=1)))
-    assert cli.main(["status", f"127.0.0.1:{s.port}", "--json"]) == 0
-    status = json.loads(capsys.readouterr().out)
-    assert cli.main(["status", f"127.0.0.1:{s.port}"]) == 0
-    text = " ".join(capsys.readouterr().out.split())
-    if key == "run.time_s":
-        assert status["time_budget_s"] == 600 and status["token_budget"] == 0
-        assert 0 <= status["elapsed_s"] < 60
-        assert status["time_left_s"] == pytest.approx(600 - status["elapsed_s"], abs=1)
-        assert re.search(r"run time \d+s of 600s \(\d+s left\)", text), text
-    else:
-        assert status["token_budget"] == 100_000 and status["time_budget_s"] == 0
-        assert status["tokens_left"] == 100_000 - status["tokens"] and status["tokens"] > 0
-        assert f"tokens {status['tokens']:,} of 100,000 ({status['tokens_left']:,} left)" in text, text
 
 
 def test_status_of_a_synchronizer_that_is_not_there_is_one_line(capsys):

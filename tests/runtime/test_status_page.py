@@ -166,28 +166,3 @@ def test_page_in_a_headless_browser(procs, tmp_path) -> None:
     shot = tmp_path / "status.png"
     browse(url, profile, f"--screenshot={shot}", "--window-size=1200,900")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary on PATH (apt-get install chromium)")
-@pytest.mark.parametrize("budget, shown", [
-    ("run.time_s=600", r"run time of 10\.0 min, (10\.0|9\.\d) min left"),
-    ("run.tokens=100000", r"tokens of 100k, 100k left"),
-])
-def test_the_page_shows_each_budget_and_what_is_left(inproc_sync, tmp_path, budget, shown) -> None:
-    """The page showed a token budget only: a ``--time`` run's budget and time left were nowhere."""
-    from ddiloco.config import build_config
-    from ddiloco.core.messages import Join
-    from ddiloco.runtime.client import SyncClient
-
-    s = inproc_sync(build_config(preset="tiny", overrides=("run.learners=2", budget)))
-    with SyncClient(f"127.0.0.1:{s.port}") as client:
-        client.join(Join("learner-0", "boot"))  # the run's clock starts
-    page = StatusPage(Address("127.0.0.1", 0), token=None)
-    page.attach_service(s.service, s.loop)
-    page.start()
-    try:
-        dom = browse(page.url, tmp_path / "chromium", "--dump-dom")
-    finally:
-        page.close()
-    figures = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
-    assert re.search(shown, figures), figures
