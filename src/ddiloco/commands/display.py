@@ -182,10 +182,10 @@ def print_table(table: Table) -> None:
 
 
 def print_report(summaries: Sequence[dict[str, Any]], title: str, story: list[str] | None = None, *,
-                 beside: bool = True) -> None:
-    """The result table and the "what happened" panel on stdout, laid out for its width: the
-    panel beside the table where both fit (and ``beside``), else below it."""
-    out = report_console()
+                 beside: bool = True, out: Console | None = None) -> None:
+    """The result table and the "what happened" panel on stdout (or ``out``), laid out for its
+    width: the panel beside the table where both fit (and ``beside``), else below it."""
+    out = out or report_console()
     table = summary_table(summaries, title, width=out.width)
     if not story:
         out.print(table)

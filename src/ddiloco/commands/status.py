@@ -14,6 +14,7 @@ from ddiloco.commands.options import positive_seconds
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.http_probe import wrong_port_line
 from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.runtime.sync.status_reply import LEARNERS_PAGE
 
@@ -39,12 +40,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.page < 0:
         raise DdilocoError(f"--page {args.page}: must be >= 0")
-    addresses = [str(parse_address(a.strip(), option="address")) for a in args.address.split(",") if a.strip()]
-    with ShardedClient(addresses, token=load_token(args.token_file), tls_ca=args.tls_ca) as client:
+    addresses = [parse_address(a.strip(), option="address") for a in args.address.split(",") if a.strip()]
+    token = load_token(args.token_file)
+    with ShardedClient([str(a) for a in addresses], token=token, tls_ca=args.tls_ca) as client:
         try:
             status = client.status_dict(timeout_s=args.timeout, learner_offset=args.page * LEARNERS_PAGE,
                                         learner_limit=LEARNERS_PAGE)
         except Unreachable as err:
+            for address in addresses:  # an HTTP port of the synchronizer's, given by mistake?
+                if line := wrong_port_line(address, "ddiloco status"):
+                    raise DdilocoError(line) from None
             raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
         except CallRefused as err:
             raise DdilocoError(f"the synchronizer at {args.address} refused: {err.detail}") from None
@@ -59,10 +64,9 @@ def run(args: argparse.Namespace) -> int:
 def print_status(s: dict) -> None:
     out = Console()
     state = s["phase"]
-    budget = f" of {s['token_budget']:,}" if s["token_budget"] else ""
     shards = f" ({s['shards']} shards)" if s.get('shards', 1) > 1 else ""
     out.print(f"[bold]synchronizer[/bold]{shards} {s['instance_id'][:25]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
-              f"tokens {s['tokens']:,}{budget}  goodput {s['goodput']:.1%}  "
+              f"{budgets(s)}  goodput {s['goodput']:.1%}  "
               f"MB up {s['bytes_up'] / 1e6:.2f}  MB down {s['bytes_down'] / 1e6:.2f}  "
               f"checkpoints {s['checkpoints']}")
     q, g = s["quorum"], s["grace"]
@@ -93,3 +97,14 @@ def print_status(s: dict) -> None:
         fragments.add_row(str(f["id"]), str(f["version"]), f"{f['numel']:,}", f"{f['bytes_up'] / 1e6:.2f}",
                           f"{f['bytes_down'] / 1e6:.2f}")
     print_table(fragments)
+
+
+def budgets(s: dict) -> str:
+    """Tokens and run time, each with its budget and what is left of it, when there is one."""
+    tokens = f"tokens {s['tokens']:,}"
+    if s["token_budget"]:
+        tokens += f" of {s['token_budget']:,} ({s['tokens_left']:,} left)"
+    time = f"run time {s['elapsed_s']:.0f}s"
+    if s["time_budget_s"]:
+        time += f" of {s['time_budget_s']:.0f}s ({s['time_left_s']:.0f}s left)"
+    return f"{tokens}  {time}"

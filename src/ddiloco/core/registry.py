@@ -40,6 +40,8 @@ RETIRED_BOOTS = 8
 """Replaced boots remembered per learner id (a checkpoint keeps them too)."""
 ACCEPT_TIMES = 256
 """Recent acceptance times kept per learner (contributions per minute in status)."""
+RATE_WINDOW_S = 60.0
+"""The window of a learner's contributions per minute."""
 SESSION_TAG_BITS = 20
 """Low bits of a session number that are unguessable; the bits above count registrations."""
 
@@ -77,7 +79,14 @@ class LearnerRecord:
     retired_boots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RETIRED_BOOTS))
 
     def accepted_per_min(self, now: float) -> int:
-        return sum(1 for t in self.accept_times if now - t <= 60.0)
+        """Contributions accepted in the minute before ``now``; 0 once the learner is gone (its
+        last minute would otherwise show a dead learner at work for a minute more)."""
+        if not self.alive:
+            return 0
+        recent = [t for t in self.accept_times if now - t <= RATE_WINDOW_S]
+        if len(recent) == ACCEPT_TIMES and now > recent[0]:  # more than we keep: scale the ones we have
+            return round(len(recent) * RATE_WINDOW_S / (now - recent[0]))
+        return len(recent)
 
     def last_progress_s(self) -> float:
         """When this learner's work last reached the synchronizer (or its session began)."""

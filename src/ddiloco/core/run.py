@@ -122,7 +122,21 @@ class RunState:
         return bool(limits.checkpoint_every_s) and last is not None and now - last >= limits.checkpoint_every_s
 
     def elapsed_s(self, now: float) -> float:
-        return 0.0 if self.started_at_s is None else now - self.started_at_s
+        """Seconds the run's clock has counted, earlier incarnations included (it waits for the first join)."""
+        if self.started_at_s is None:
+            return self.earlier_elapsed_s
+        end = now if self.stopped_at_s is None else min(now, self.stopped_at_s)
+        return end - self.started_at_s
+
+    def tokens_left(self) -> int:
+        """Tokens the budget still allows (0 without a token budget, or once it is spent)."""
+        return max(0, self.limits.tokens - self.tokens) if self.limits.tokens else 0
+
+    def time_left_s(self, now: float) -> float:
+        """Seconds the time budget still allows (0 without one, or once the run stops)."""
+        if not self.limits.time_s or self.phase in (RunPhase.STOPPING, RunPhase.FINISHED):
+            return 0.0
+        return max(0.0, self.limits.time_s - self.elapsed_s(now))
 
     def state_dict(self, now: float) -> dict[str, Any]:
         return {

@@ -55,6 +55,13 @@ class SyncStatus:
     rejections: dict[str, int]
     tokens: int
     token_budget: int
+    """0: no token budget."""
+    tokens_left: int
+    time_budget_s: float
+    """0: no time budget."""
+    elapsed_s: float
+    """Seconds the run's clock has counted (from the first join, across restarts)."""
+    time_left_s: float
     pending_tokens: int
     longest_pause_s: float
     started_at_s: float | None

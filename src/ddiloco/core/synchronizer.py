@@ -116,6 +116,8 @@ class Synchronizer(SyncState):
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._counters = SyncCounters()
+        self._last_event_s = 0.0
+        """When the latest event came: the clock of a status asked for without a time."""
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -176,8 +178,9 @@ class Synchronizer(SyncState):
         return CoreView(self._run.phase, self.versions(), self._registry.alive_count(), self._run.tokens)
 
     def status(self, now: float | None = None) -> SyncStatus:
-        """A snapshot; per-learner rates are as of ``now`` (of each learner's last message without it)."""
+        """A snapshot as of ``now`` (without it: of the latest event, and each learner's rate of its last message)."""
         run = self._run
+        clock = self._last_event_s if now is None else now
         return SyncStatus(
             incarnation=self.incarnation,
             phase=run.phase,
@@ -194,6 +197,10 @@ class Synchronizer(SyncState):
             rejections=dict(self._counters.rejections),
             tokens=run.tokens,
             token_budget=run.limits.tokens,
+            tokens_left=run.tokens_left(),
+            time_budget_s=run.limits.time_s,
+            elapsed_s=run.elapsed_s(clock),
+            time_left_s=run.time_left_s(clock),
             pending_tokens=self.pending_tokens(),
             longest_pause_s=self._counters.longest_pause_s,
             started_at_s=run.started_at_s,
@@ -208,6 +215,7 @@ class Synchronizer(SyncState):
 
     def handle(self, event: SyncEvent, now: float) -> list[SyncAction]:
         """Take one event at time ``now``; return what the driver must do, replies first."""
+        self._last_event_s = max(self._last_event_s, now)
         if isinstance(event, Tick):
             actions = self._tick(now)
         elif isinstance(event, SyncTimeObserved):

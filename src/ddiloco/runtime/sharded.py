@@ -56,6 +56,9 @@ def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
     for key in _SUMMED:
         merged[key] = sum(s[key] for s in shards)
     merged["tokens"] = min(s["tokens"] for s in shards)  # every shard counts the same reports; the slowest to hear
+    merged["tokens_left"] = max(s["tokens_left"] for s in shards)
+    merged["elapsed_s"] = min(s["elapsed_s"] for s in shards)  # each shard's clock starts at its first join
+    merged["time_left_s"] = max(s["time_left_s"] for s in shards)
     merged["longest_pause_s"] = max(s["longest_pause_s"] for s in shards)
     merged["goodput"] = min(1.0, sum(s["goodput"] for s in shards))  # each shard credits its own fragments' share
     merged["model_uptime"] = max(s["model_uptime"] for s in shards)

@@ -239,6 +239,10 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "finished": reply.finished,
         "tokens": reply.tokens,
         "token_budget": reply.token_budget,
+        "tokens_left": reply.tokens_left,
+        "time_budget_s": round(reply.time_budget_s, 3),
+        "elapsed_s": round(reply.elapsed_s, 3),
+        "time_left_s": round(reply.time_left_s, 3),
         "pending_tokens": reply.pending_tokens,
         "learners": [
             {

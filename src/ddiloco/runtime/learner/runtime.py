@@ -48,7 +48,9 @@ from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
 from ddiloco.core.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
 from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.runtime.auth import parse_address
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
+from ddiloco.runtime.http_probe import wrong_port_line
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.link import Inbox, LearnerLink, next_delay
 from ddiloco.runtime.learner.staging import HostStaging
@@ -96,26 +98,33 @@ def probe_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float 
     """The run's layout and configuration (a join that registers nothing), waiting while the
     synchronizer is unreachable (for ever unless ``timeout_s``; 0 or None: no limit): a learner
     that starts before its synchronizer waits for it, saying so once, then warning after
-    ``OUTAGE_AFTER_S`` and every ``OUTAGE_SUMMARY_S`` (a wrong port looks just like this). Whatever follows — the join, its retries and refusals — is
-    the learner core's."""
+    ``OUTAGE_AFTER_S`` and every ``OUTAGE_SUMMARY_S`` (a wrong port looks just like this, unless it
+    answers HTTP: then the warning says which port it is). Whatever follows — the join, its retries
+    and refusals — is the learner core's."""
     started = time.monotonic()
     deadline = None if not timeout_s else started + timeout_s
     delay, waiting, warned_at = BACKOFF_START_S, False, None
+    limit = f", for {timeout_s:g} s in all (--join-timeout)" if timeout_s else ""
     while True:
         try:
             return client.probe(learner_id)
         except Unreachable as err:
             now = time.monotonic()
             if deadline is not None and now + delay > deadline:
+                if line := wrong_port_line(parse_address(client.address, option="--connect"), "--connect"):
+                    raise DdilocoError(f"{line}; gave up after {timeout_s:g} s (--join-timeout)") from None
                 raise DdilocoError(f"no answer from the synchronizer at {client.address} in {timeout_s:g} s "
                                    f"(--join-timeout): {err}. Is it running, and is that its gRPC port?") from None
             if not waiting:  # a learner started before its synchronizer: one line, then a warning if it lasts
                 log.info("waiting for the synchronizer at %s (%s)", client.address, err)
                 waiting = True
             elif now - started >= OUTAGE_AFTER_S and (warned_at is None or now - warned_at >= OUTAGE_SUMMARY_S):
-                log.warning("no answer from the synchronizer at %s for %.0f s (%s): is it running, and is that its "
-                            "gRPC port (not its status page's or metrics port)? Still trying%s", client.address,
-                            now - started, err, f", for {timeout_s:g} s in all (--join-timeout)" if timeout_s else "")
+                if line := wrong_port_line(parse_address(client.address, option="--connect"), "--connect"):
+                    log.warning("%s; still trying%s", line, limit)
+                else:
+                    log.warning("no answer from the synchronizer at %s for %.0f s (%s): is it running, and is that "
+                                "its gRPC port (not its status page's or metrics port)? Still trying%s",
+                                client.address, now - started, err, limit)
                 warned_at = now
             time.sleep(delay)
             delay = next_delay(delay)

@@ -285,7 +285,7 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "link_starved_episodes", "checkpoint_failures", "last_checkpoint_error", "claims_clipped")
+    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "link_starved_episodes", "checkpoint_failures", "last_checkpoint_error", "claims_clipped", "tokens_left", "time_budget_s", "elapsed_s", "time_left_s")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,10 @@ class StatusReply(_message.Message):
     CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
     CLAIMS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_version: int
     uptime_s: float
@@ -358,4 +362,8 @@ class StatusReply(_message.Message):
     checkpoint_failures: int
     last_checkpoint_error: str
     claims_clipped: _containers.RepeatedCompositeFieldContainer[CountEntry]
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., link_starved_episodes: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ...) -> None: ...
+    tokens_left: int
+    time_budget_s: float
+    elapsed_s: float
+    time_left_s: float
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., link_starved_episodes: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., tokens_left: _Optional[int] = ..., time_budget_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., time_left_s: _Optional[float] = ...) -> None: ...
