@@ -122,6 +122,8 @@ class Learner:
         """Contributions dropped because their session ended before they were delivered."""
         self.watch = LinkWatch(plan.period, len(plan.fragments))
         """Whether its link carries its work (starved, behind)."""
+        self.kept: tuple[int, ...] = ()
+        """The fragments whose progress the latest admission kept (the synchronizer held our value)."""
         self.failure: Fail | None = None
         self.run_over = False
         """The synchronizer said the run is finished: nothing queued is worth sending any more."""
@@ -235,6 +237,7 @@ class Learner:
         if sorted(f.fragment for f in state.fragments) != owned:
             raise ValueError(f"shard {shard} sent fragments {[f.fragment for f in state.fragments]}, "
                              f"expected {owned}")
+        self.kept = ()
         for frag in state.fragments:
             p = frag.fragment
             values = frag.values.to(torch.float32).flatten()
@@ -252,6 +255,7 @@ class Learner:
                     unflatten_into(values, self._tensors[p])
                 self.versions[p] = frag.version
             if kept:
+                self.kept += (p,)
                 self.watch.kept(p)
             self.watch.arrived(self.step)
             self.schedule.restart(p, self.step, keep_counters=kept)

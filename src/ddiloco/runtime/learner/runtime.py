@@ -385,8 +385,10 @@ class LearnerRuntime:
                     held = core.links[shard].session
                     actions = core.on_admitted(result.state, now, stop=result.header.stop, shard=shard)
                     if core.links[shard].session != held:
-                        changed |= {f.fragment for f in result.state.fragments}
-                        log.info("adopted the global state at versions %s", list(core.versions))
+                        changed |= {f.fragment for f in result.state.fragments} - set(core.kept)
+                        log.info("adopted the global state at versions %s%s", list(core.versions),
+                                 f"; kept this learner's progress on fragments {list(core.kept)} (the synchronizer "
+                                 "holds the values it holds)" if core.kept else "")
                 link.dispatch(actions)
             elif kind is Inbox.UPDATE:
                 update, values = item

@@ -53,7 +53,7 @@ class SyncServer:
         self.service.port = port
         s = self.service
         log.info("synchronizer %s listening on %s:%d (%s, M=%d, %d fragments, incarnation %x)",
-                 "resumed" if s.writer.checkpoints else "started", listen.host, port, s.config.run.mode,
+                 "resumed" if s.writer.checkpoints or s.writer.replayed else "started", listen.host, port, s.config.run.mode,
                  s.config.run.learners, len(s.layout.plan.fragments), s.incarnation)
         return port
 
