@@ -65,7 +65,10 @@ def learner_seed(learner_id: str, seed: int = 0) -> int:
 
 
 class ByteBatches:
-    """Random windows of ``seq_len`` bytes, ``batch_size`` at a time, as int64 token ids."""
+    """Random windows of ``seq_len`` bytes, ``batch_size`` at a time, as int64 token ids.
+
+    Batch ``i`` depends only on the seed and ``i``, so a restarted learner can resume its data
+    where it reached the global model (:meth:`skip_to` with ``LearnerRuntime.data_position``)."""
 
     def __init__(self, data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int) -> None:
         if batch_size < 1 or seq_len < 2:
@@ -75,10 +78,19 @@ class ByteBatches:
         self.data = data
         self.batch_size = batch_size
         self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.batch = 0
+        """The index of the batch :meth:`next` returns."""
+        self.generator = torch.Generator()
+
+    def skip_to(self, batch: int) -> None:
+        """Return batch ``batch`` next (where a restarted learner's data resumes)."""
+        self.batch = batch
 
     def next(self) -> torch.Tensor:
         """A ``(batch_size, seq_len)`` batch; the model predicts each byte from the ones before."""
+        self.generator.manual_seed(self.seed * 1_000_003 + self.batch)
+        self.batch += 1
         starts = torch.randint(0, self.data.numel() - self.seq_len, (self.batch_size,), generator=self.generator)
         offsets = torch.arange(self.seq_len)
         return self.data[starts[:, None] + offsets].long()

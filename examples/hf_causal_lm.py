@@ -119,8 +119,11 @@ def learner(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     token = args.token_file.read_text().strip() if args.token_file else os.environ.get("DDILOCO_TOKEN")
     steps, loss_sum, started = 0, 0.0, time.monotonic()
-    # Joining downloads the global weights into `model`, replacing its random ones.
-    with LearnerRuntime(model, args.connect, args.id, token=token, join_timeout_s=args.join_timeout) as runtime:
+    # Joining downloads the global weights into `model`, replacing its random ones, and says where this
+    # learner's data resumes: a restarted one skips the batches whose work already reached the global model.
+    with LearnerRuntime(model, args.connect, args.id, token=token, join_timeout_s=args.join_timeout,
+                        on_data_position=batches.skip_to) as runtime:
+        print(f"{args.id} resuming data at batch {runtime.data_position}", flush=True)
         while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
             ids = batches.next()
             loss = lm_loss(model, ids)

@@ -80,14 +80,15 @@ def print_status(s: dict) -> None:
         out.print(f"[red]failed checkpoint writes: {s['checkpoint_failures']}[/red] (last: {s['last_checkpoint_error']})")
     learners = Table(title=f"learners ({len(s['learners'])} of {s.get('learners_total', len(s['learners']))}; "
                            f"{s.get('learners_forgotten', 0)} forgotten)")
-    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "joins", "tokens", "step ms", "MB up",
-                "MB down"):
+    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "joins", "tokens", "data at", "step ms",
+                "MB up", "MB down"):
         learners.add_column(col, justify="left" if col == "id" else "right")
     for lr in s["learners"]:
         seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
         state = "no" if not lr["alive"] else "joining" if lr["joining"] else "starved" if lr["link_starved"] else "yes"
         learners.add_row(lr["id"], state, seen, str(lr["accepted"]), str(lr["accepted_per_min"]), str(lr["rejected"]),
-                         str(lr["registrations"]), f"{lr['tokens']:,}", f"{lr['step_time_s'] * 1e3:.0f}",
+                         str(lr["registrations"]), f"{lr['tokens']:,}", f"{lr['data_position']:,}",
+                         f"{lr['step_time_s'] * 1e3:.0f}",
                          f"{lr['bytes_up'] / 1e6:.2f}", f"{lr['bytes_down'] / 1e6:.2f}")
     print_table(learners)
     fragments = Table(title="fragments")

@@ -34,19 +34,8 @@ from ddiloco.core.grace import MovingAverage
 from ddiloco.core.link_watch import LinkWatch
 from ddiloco.core.schedule import SendSchedule
 from ddiloco.core.shard_link import ShardLink
-from ddiloco.core.messages import (
-    Contribution,
-    FragmentUpdate,
-    GlobalState,
-    Heartbeat,
-    Join,
-    Leave,
-    MAX_TOKENS_PER_STEP,
-    Progress,
-    RejectReason,
-    Request,
-    Session,
-)
+from ddiloco.core.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
+                                   Leave, Progress, RejectReason, Request, Session)
 
 class LearnerPhase(enum.StrEnum):
     IDLE = "idle"
@@ -200,6 +189,11 @@ class Learner:
         times += self.schedule.wait_deadlines()
         return min(times) if times else None
 
+    @property
+    def next_batch(self) -> int:
+        """The batch of its data stream the next inner step trains (fixed by the first join's ``data_position``)."""
+        return self.schedule.first_batch + self.step
+
     def anchor(self, fragment: int) -> torch.Tensor:
         """The global value this learner last adopted for ``fragment`` (do not modify)."""
         return self._anchors[fragment]
@@ -226,8 +220,11 @@ class Learner:
             return []
         if not link.joining and not link.newer(state.session):
             return []  # an answer to an older (duplicated or retried) join
+        first = not self.joined
         self._adopt(state, shard)
-        link.admitted(state.session, now)
+        link.admitted(state.session, now, state.data_position)
+        if first and self.joined:  # this process's first state: its data resumes where it reached the model
+            self.schedule.resume_at(min(lk.data_position for lk in self.links))
         if self.phase is LearnerPhase.JOINING and all(lk.session is not None for lk in self.links):
             self.phase = LearnerPhase.TRAINING
         return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])

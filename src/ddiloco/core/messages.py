@@ -202,7 +202,9 @@ class Contribution:
     codec: str
     payload: bytes
     first_step: int = 0
-    """Learner clock of the first inner step covered (lets drivers credit the steps when merged)."""
+    """The first inner step covered, numbered across the learner's restarts by its data stream (step k
+    trains batch k - 1, ``core/data_position.py``): drivers credit the steps when merged, and the
+    synchronizer keeps how far each learner's data reached the global model."""
     progress: Progress | None = None
     """The learner's cumulative progress, reported on the way (the budget)."""
 
@@ -263,6 +265,9 @@ class GlobalState:
     incarnation: int = 0
     session: Session | None = None
     """The session this state opens for the learner that joined (None for a plain fetch)."""
+    data_position: int = 0
+    """Where the joining learner's data stream resumes: every batch before it reached the global
+    fragments this state holds (``core/data_position.py``; 0 for a plain fetch)."""
 
     def versions(self) -> tuple[int, ...]:
         return tuple(f.version for f in self.fragments)

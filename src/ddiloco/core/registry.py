@@ -302,12 +302,13 @@ class Registry:
         times = [r.step_time_s for r in self.records.values() if r.alive and r.step_time_s is not None]
         return min(times) if times else 0.0
 
-    def statuses(self, now: float | None, tokens_of: Callable[[str], int]) -> tuple[LearnerStatus, ...]:
+    def statuses(self, now: float | None, tokens_of: Callable[[str], int],
+                 position_of: Callable[[str], int]) -> tuple[LearnerStatus, ...]:
         """Every listed learner, by name; rates as of ``now`` (of each one's last message without it)."""
         return tuple(
             LearnerStatus(name, r.alive, r.last_seen_s, r.accepted, r.rejected, r.registrations, r.step_time_s,
                           tokens_of(name), r.accepted_per_min(r.last_seen_s if now is None else now), r.starved,
-                          r.admitting_until_s is not None)
+                          r.admitting_until_s is not None, position_of(name))
             for name, r in sorted(self.records.items())
         )
 

@@ -5,6 +5,10 @@ fragment, the sequence number of its next contribution, the step at which it is 
 (the plan's offsets, then H after each send, or H after its round began: ``align_sends``),
 and whether a sent contribution still awaits its update. This is the bookkeeping half of
 :class:`~ddiloco.core.learner.Learner`, which decides when to call it.
+
+Steps are counted from the learner process's start (what is due when, in-flight sends); the
+``first_step`` a contribution carries is numbered across restarts by the learner's data stream
+instead: ``first_batch`` (where this process's data resumed) plus the step (``core/data_position.py``).
 """
 
 from __future__ import annotations
@@ -49,12 +53,22 @@ class SendSchedule:
         self._in_flight: dict[int, _InFlight] = {}
         self._unanswered: dict[int, int] = {}
         """Per fragment, the sequence number of a contribution whose call has not ended yet."""
+        self.first_batch = 0
+        """The batch of the learner's data stream its first step trained (``resume_at``)."""
+
+    def resume_at(self, batch: int) -> None:
+        """Before the first step: this process's data resumes at ``batch`` (contributions number their steps from it)."""
+        if any(c.steps for c in self.counters):
+            raise RuntimeError("a learner's data resumes before its first step, not after")
+        self.first_batch = batch
+        for c in self.counters:
+            c.first_step = batch + 1
 
     def restart(self, p: int, step: int, *, keep_counters: bool = False) -> None:
         """A global value was adopted for ``p`` (a new session): sequence numbers from 0, and count
         from the next step unless ``keep_counters`` (the learner kept its progress on ``p``)."""
         if not keep_counters:
-            self.counters[p] = Counters(first_step=step + 1)
+            self.counters[p] = Counters(first_step=self.first_batch + step + 1)
         self.seq[p] = 0
         self._in_flight.pop(p, None)
         self._unanswered.pop(p, None)
@@ -93,7 +107,7 @@ class SendSchedule:
         """Fragment p goes out at ``step``: its counters and sequence number, and a fresh start."""
         counters, seq = self.counters[p], self.seq[p]
         self.seq[p] += 1
-        self.counters[p] = Counters(first_step=step + 1)
+        self.counters[p] = Counters(first_step=self.first_batch + step + 1)
         self.next_due[p] = step + self.period
         self._in_flight[p] = _InFlight(sent_at_step=step)
         self._unanswered[p] = seq

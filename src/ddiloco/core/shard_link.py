@@ -32,13 +32,16 @@ class ShardLink:
     heartbeat_due_s: float | None = None
     join_retry_s: float | None = None
     backoff_s: float = BACKOFF_START_S
+    data_position: int = 0
+    """Where this shard's last admission said the learner's data resumes (``core/data_position.py``)."""
 
     def start_join(self) -> None:
         self.joining = True
         self.heartbeat_due_s = self.join_retry_s = None
 
-    def admitted(self, session: Session, now: float) -> None:
+    def admitted(self, session: Session, now: float, data_position: int = 0) -> None:
         self.session = session
+        self.data_position = data_position
         self.joining = False
         self.join_retry_s = None
         self.backoff_s = BACKOFF_START_S

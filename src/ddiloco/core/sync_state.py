@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ddiloco.core.codecs import Codec, fused_int4
+from ddiloco.core.data_position import DataPositions
 from ddiloco.core.messages import FragmentValue, GlobalState
 from ddiloco.core.registry import Forgotten, Registry
 from ddiloco.core.rounds import GlobalFragment
@@ -26,6 +27,7 @@ class SyncState:
     incarnation: int
     _fragments: dict[int, GlobalFragment]
     _registry: Registry
+    _positions: DataPositions
     _counters: SyncCounters
     _run: RunState
     _downlink: Codec
@@ -62,6 +64,7 @@ class SyncState:
         return {
             "owned": list(self._fragments),
             "learners": self._registry.state_dict(),
+            "data_positions": self._positions.state_dict(),
             **self._counters.state_dict(),
             "run": self._run.state_dict(now),
             "forgotten": dataclasses.asdict(self._registry.forgotten),
@@ -78,6 +81,7 @@ class SyncState:
         for i, f in enumerate(self._fragments.values()):
             f.load_state_dict(frags[i], lean=lean)  # one fragment's saved state alive at a time (frags may read lazily)
         self._registry.load_state_dict(state["learners"])
+        self._positions.load_state_dict(state.get("data_positions", {}))
         self._counters = SyncCounters.from_state(state)
         self._run.load_state_dict(state["run"])
         self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})

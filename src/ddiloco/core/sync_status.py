@@ -33,6 +33,8 @@ class LearnerStatus:
     """Alive, but nothing of its work has been accepted for several periods (its link cannot carry it)."""
     joining: bool = False
     """Its global state is still on its way (its lease waits)."""
+    data_position: int = 0
+    """The batch at which its data resumes if it starts again (``core/data_position.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

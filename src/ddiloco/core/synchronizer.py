@@ -46,6 +46,7 @@ from ddiloco.core.actions import (
 from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.data_position import DataPositions
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
     Contribution,
@@ -113,6 +114,7 @@ class Synchronizer(SyncState):
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
                                   max_learners=limits.max_learners, data_shards=limits.learners,
                                   forget_after_s=config.forget_after_s)
+        self._positions = DataPositions(self.owned)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._counters = SyncCounters()
@@ -187,7 +189,7 @@ class Synchronizer(SyncState):
             fragments=self.owned,
             versions=self.versions(),
             round_phases=tuple(f.round.phase for f in self._fragments.values()),
-            learners=self._registry.statuses(now, self._run.progress.tokens_of),
+            learners=self._registry.statuses(now, self._run.progress.tokens_of, self._positions.position),
             quorum=self.config.quorum,
             effective_quorum=self.effective_quorum(),
             grace_window_s=self.grace_length_s(),
@@ -256,7 +258,8 @@ class Synchronizer(SyncState):
         # The values travel separately, a fragment at a time (``fragment_value``): the reply names
         # the versions the learner will be sent at the least.
         state = GlobalState(tuple(FragmentValue(i, f.version, None) for i, f in self._fragments.items()),
-                            incarnation=self.incarnation, session=rec.session)
+                            incarnation=self.incarnation, session=rec.session,
+                            data_position=self._positions.position(join.learner_id))
         return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:
@@ -412,6 +415,7 @@ class Synchronizer(SyncState):
             alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.alive()),
             coherence=coherence,
         )
+        self._positions.merged(index, record.merged)
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:
             overlap = self.config.overlap

@@ -163,7 +163,8 @@ class SyncClient:
         if probe:
             return JoinResult(header, GlobalState((), incarnation=header.incarnation))
         try:
-            state = assembler.state(incarnation=header.incarnation, session=wire.session_from_pb(header.session))
+            state = assembler.state(incarnation=header.incarnation, session=wire.session_from_pb(header.session),
+                                    data_position=header.data_position)
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
         return JoinResult(header, state)

@@ -77,5 +77,6 @@ def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
                 seen[key] += lr[key]
             for key in ("link_starved", "joining"):  # at any shard
                 seen[key] = seen[key] or lr[key]
+            seen["data_position"] = min(seen["data_position"], lr["data_position"])  # reached every shard's fragments
     merged["learners"] = [learners[name] for name in sorted(learners)]
     return merged

@@ -210,7 +210,7 @@ class StateAssembler:
         parts.append(chunk.data)
         self._meta[chunk.fragment] = (chunk.version, chunk.total_bytes)
 
-    def state(self, *, incarnation: int = 0, session: Session | None = None) -> GlobalState:
+    def state(self, *, incarnation: int = 0, session: Session | None = None, data_position: int = 0) -> GlobalState:
         values = []
         for p in sorted(self._parts):
             version, total = self._meta[p]
@@ -219,7 +219,7 @@ class StateAssembler:
                 raise WireError(f"state of fragment {p} incomplete ({len(data)} of {total} bytes)")
             tensor = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
             values.append(FragmentValue(p, version, tensor))
-        return GlobalState(tuple(values), incarnation=incarnation, session=session)
+        return GlobalState(tuple(values), incarnation=incarnation, session=session, data_position=data_position)
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -259,6 +259,7 @@ def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
                 "accepted_per_min": lr.accepted_per_min,
                 "link_starved": lr.link_starved,
                 "joining": lr.joining,
+                "data_position": lr.data_position,
             }
             for lr in reply.learners
         ],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,7 @@ from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.measures import Direction, fragment_shares
 from ddiloco.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
+from ddiloco.sim.data_stream import DataStreams
 from ddiloco.sim.events import (
     AtLearner,
     CallTimeout,
@@ -107,6 +109,7 @@ class VirtualCluster:
                              until_s=self.attack_until_s),
         )
         self.learners = [self._new_node(m) for m in range(run.learners)]
+        self.streams = DataStreams(run.learners)
         self._by_name = {node.name: node for node in self.learners}
         self.windows = plan_windows(f, learners=run.learners, until_s=self.attack_until_s, seed=run.seed,
                                     shards=protocol.shards)
@@ -240,9 +243,13 @@ class VirtualCluster:
     def run_progress(self) -> float:
         return self.recorder.run_progress(self.tokens, self.queue.now)
 
-    def on_step(self, m: int, tokens: int, step: int, started_s: float) -> None:
+    def on_step(self, m: int, tokens: int, step: int, started_s: float, batch: int) -> None:
         self.tokens += tokens
         self.recorder.accounting.add_step(m, step, started_s, self.queue.now)
+        self.streams.trained(m, batch)
+
+    def on_resume(self, m: int, batch: int) -> None:
+        self.streams.resumed(m, batch)
 
     def after_step(self) -> None:
         if self.recorder.eval_due(self.tokens, self.queue.now):
@@ -268,9 +275,10 @@ class VirtualCluster:
         share = self._share[record.fragment]
         for mc in record.merged:
             node = self._by_name[mc.learner_id]
-            offset = node.offsets.get((record.incarnation, mc.session))
-            if offset is not None:
-                first = offset + mc.first_step
+            self.streams.merged(node.index, record.fragment, mc.first_step, mc.first_step + mc.steps - 1)
+            base = node.step_bases.get(node.session_boots.get((record.incarnation, mc.session), -1))
+            if base is not None:
+                first = base + mc.first_step
                 self.recorder.accounting.credit(node.index, first, first + mc.steps - 1, share)
 
     def versions(self) -> list[int]:
@@ -293,7 +301,8 @@ class VirtualCluster:
 
     def events(self) -> RunEvents:
         """What happened up to now (``summary.json``'s ``events``)."""
-        return self.timeline.summarize(self.queue.now, self.recorder.timer.slow_learners())
+        return replace(self.timeline.summarize(self.queue.now, self.recorder.timer.slow_learners()),
+                       **self.streams.figures())
 
     def so_far(self) -> dict[str, Any]:
         """An interrupted run's summary figures (:meth:`ddiloco.sim.harness.Recorder.so_far`)."""

@@ -50,8 +50,11 @@ class NodeHost(Protocol):
     def run_progress(self) -> float:
         """The run's progress in [0, 1] (the inner learning-rate schedule's position)."""
 
-    def on_step(self, m: int, tokens: int, step: int, started_s: float) -> None:
-        """Learner ``m`` finished its ``step``-th inner step (counted across its boots)."""
+    def on_step(self, m: int, tokens: int, step: int, started_s: float, batch: int) -> None:
+        """Learner ``m`` finished its ``step``-th inner step (counted across its boots) on batch ``batch`` of its data."""
+
+    def on_resume(self, m: int, batch: int) -> None:
+        """A process of learner ``m`` is about to train its first step, on batch ``batch`` of its data."""
 
     def after_step(self) -> None:
         """After a step's actions: evaluate the global model if one is due."""

@@ -5,7 +5,9 @@ It only executes: a ``Send`` becomes a call on the uplink, a reply or an update 
 back to the core, a call that gets no answer before its deadline is reported undelivered.
 What any of it means is the core's business. The node also plays the process's fate: it
 crashes and restarts (a new *boot*: fresh core and optimizer, it joins again), it freezes
-(nothing runs until it thaws; the synchronizer sees silence), its link may be cut.
+(nothing runs until it thaws; the synchronizer sees silence), its link may be cut. A process
+draws its data from where the synchronizer says its learner's data reached the global model
+(``data_position``), as ``ddiloco learner`` does.
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ class LearnerNode:
     calls: dict[int, tuple[Request, int]] = field(default_factory=dict)
     """Calls awaiting an answer: the request and the shard it went to."""
     tick_at: float | None = None
-    offsets: dict[tuple[int, int], int] = field(default_factory=dict)
-    """(incarnation, session) → step offset of the boot that held it (to credit merged steps)."""
+    session_boots: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(incarnation, session) → the boot that held it (to credit merged steps)."""
+    step_bases: dict[int, int] = field(default_factory=dict)
+    """Per boot, what turns a contribution's step (numbered by the data stream) into the
+    accounting's (numbered across boots): the steps of earlier boots less where its data resumed."""
     failure: Fail | None = None
 
     @property
@@ -104,7 +109,7 @@ class LearnerNode:
                 host.on_ready(self.index, rejoin)
             session = self.core.links[shard].session
             if session != held and session is not None:
-                self.offsets[(session.incarnation, session.number)] = self.step_offset
+                self.session_boots[(session.incarnation, session.number)] = self.boot
                 if host.checker:
                     for f in reply.state.fragments:
                         host.checker.on_anchor(self.core, f.fragment)
@@ -157,12 +162,17 @@ class LearnerNode:
 
     def on_step_end(self, host: NodeHost, started_s: float) -> None:
         self.stepping = False
+        batch = self.core.next_batch
+        if self.core.step == 0:  # this process's first step: its data resumes at the learner's data_position
+            self.sampler.skip_to(batch)
+            self.step_bases[self.boot] = self.step_offset - batch
+            host.on_resume(self.index, batch)
         x, y = self.sampler.next_batch()
         now = host.queue.now
         self.trainer.step(x, y, host.run_progress())
         tokens = x.numel()
         sends = self.core.record_step(tokens, now - started_s, now)
-        host.on_step(self.index, tokens, self.step_offset + self.core.step, started_s)
+        host.on_step(self.index, tokens, self.step_offset + self.core.step, started_s, batch)
         self.execute(host, list(sends))
         host.after_step()
 

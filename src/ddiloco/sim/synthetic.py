@@ -59,6 +59,9 @@ class ConstantSampler:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch
 
+    def skip_to(self, batch: int) -> None:
+        """Every batch is the same one: nothing to skip."""
+
 
 @dataclass(slots=True)
 class SyntheticWorkload:

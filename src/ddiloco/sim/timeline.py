@@ -68,6 +68,12 @@ class RunEvents:
     rollbacks: tuple[Rollback, ...] = ()
     reconfigurations: int = 0
     """Elastic data parallel: pauses to let a replica leave or return."""
+    batches_retrained: int = 0
+    """Batches a restarted learner trained again (it resumed at its data_position: ``sim/data_stream.py``)."""
+    batches_skipped: int = 0
+    """Batches no process of a learner trained although a later one went beyond them (0 unless broken)."""
+    batches_merged_twice: int = 0
+    """Batches whose work one fragment merged twice, most per learner, summed (about one period per restart)."""
 
     def counters(self) -> dict[str, int]:
         """The counts a metrics row carries (and the live view and the final table show)."""

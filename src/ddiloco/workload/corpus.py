@@ -261,6 +261,12 @@ class BatchSampler:
         windows = self.shard[starts + self._offsets].long()
         return windows[:, :-1], windows[:, 1:]
 
+    def skip_to(self, batch: int) -> None:
+        """Draw batch ``batch`` next (a restarted learner resumes at its ``data_position``)."""
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0, got {batch}")
+        self.batches_drawn = batch
+
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "batches_drawn": self.batches_drawn}
 

@@ -122,6 +122,11 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
         return 0
     log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
              config.run.learners, sum(p.numel() for p in model.parameters()), device)
+    sampler.skip_to(runtime.data_position)
+    if rank == 0:
+        log.info("resuming data at batch %d (every batch before it reached the global model)" if runtime.data_position
+                 else "data from batch %d (none of this learner's batches reached the global model yet)",
+                 runtime.data_position)
     steps, started = 0, time.perf_counter()
     logged_at = started - LOG_EVERY_S
     progress = ProgressFile(Path(args.progress_file) if rank == 0 and args.progress_file else None)

@@ -4,6 +4,7 @@ Wrap a model whose inner optimizer you step yourself; call :meth:`LearnerRuntime
 after every inner step::
 
     runtime = LearnerRuntime(model, "sync-host:7000", "island-a", token=token)
+    loader.skip_to(runtime.data_position)  # a restarted learner: what reached the global model is not trained again
     while not runtime.should_stop:
         loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
         runtime.step(tokens=x.numel())
@@ -35,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,10 +181,13 @@ class LearnerRuntime:
         tls_ca: str | None = None,
         join_timeout_s: float | None = None,
         tokens_per_step: int = 0,
+        on_data_position: Callable[[int], None] | None = None,
     ) -> None:
         """``token``: the run's shared token; ``secret``: this learner's own (per-learner credentials).
         ``tokens_per_step``: the most tokens one call of :meth:`step` reports (this rank's batch), so
-        the synchronizer can bound what this learner claims; 0 leaves it to the run's configuration."""
+        the synchronizer can bound what this learner claims; 0 leaves it to the run's configuration.
+        ``on_data_position``: called once the learner joined (on every rank, before the first step)
+        with :attr:`data_position`, for a loader to skip ahead to it."""
         if not learner_id:
             raise ConfigError("a learner needs a non-empty id")
         if token is not None and secret is not None:
@@ -209,8 +213,11 @@ class LearnerRuntime:
             self.clients = connect_all(connect, token=secret or token, tls_ca=tls_ca,
                                        learner_id=learner_id if secret is not None else None)
             self._setup(join_timeout_s)
+        self._data_position = self.core.next_batch if self.core is not None else 0
         if self.world > 1:
             self._share_layout()
+        if on_data_position is not None:
+            on_data_position(self._data_position)
         # The first step is timed from here: the join (the whole state's download, 40 s on a
         # 1 Mbit/s link) is not a step, and the synchronizer spaces rounds by the step time.
         self._last_step_end = time.perf_counter()
@@ -247,10 +254,11 @@ class LearnerRuntime:
     def _share_layout(self) -> None:
         """Rank 0 tells the other ranks the fragments, then everyone takes rank 0's weights."""
         box = [[f.param_names for f in self.plan.fragments] if self.plan is not None else None,
-               self._leader_should_stop()]
+               self._leader_should_stop(), self._data_position]
         dist.broadcast_object_list(box, src=0)
         self._fragment_names = box[0] or []
         self._stop_agreed = bool(box[1])
+        self._data_position = int(box[2])
         with torch.no_grad():
             for names in self._fragment_names:
                 for name in names:
@@ -271,6 +279,14 @@ class LearnerRuntime:
 
     def _leader_should_stop(self) -> bool:
         return self.core is not None and self.core.should_stop
+
+    @property
+    def data_position(self) -> int:
+        """The batch of this learner's data stream its first step trains: where the synchronizer says
+        its data reached the global model (every fragment merged the steps before it), 0 for a new
+        learner id. A restarted learner that resumes its loader here trains again at most about one
+        period of batches that already reached the model, and skips none that did not."""
+        return self._data_position
 
     @property
     def backlog(self) -> int:

@@ -59,7 +59,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256")
+    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256", "data_position")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
     PERIOD_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class JoinHeader(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     RUN_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     protocol_json: str
     period: int
@@ -88,7 +89,8 @@ class JoinHeader(_message.Message):
     shard: int
     shards: int
     run_sha256: str
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., run_sha256: _Optional[str] = ...) -> None: ...
+    data_position: int
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., run_sha256: _Optional[str] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("fragment", "version", "offset", "total_bytes", "data")
@@ -233,7 +235,7 @@ class StatusRequest(_message.Message):
     def __init__(self, learner_offset: _Optional[int] = ..., learner_limit: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s", "accepted_per_min", "link_starved", "joining")
+    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s", "accepted_per_min", "link_starved", "joining", "data_position")
     ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +249,7 @@ class LearnerStatus(_message.Message):
     ACCEPTED_PER_MIN_FIELD_NUMBER: _ClassVar[int]
     LINK_STARVED_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
+    DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     id: str
     alive: bool
     last_seen_s_ago: float
@@ -260,7 +263,8 @@ class LearnerStatus(_message.Message):
     accepted_per_min: int
     link_starved: bool
     joining: bool
-    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ...) -> None: ...
+    data_position: int
+    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
     __slots__ = ("id", "version", "numel", "bytes_up", "bytes_down")

@@ -290,6 +290,7 @@ class SyncService:
         header = self._header(reply.data_shard)
         header.session.CopyFrom(wire.session_to_pb(session))
         header.stop = reply.stop
+        header.data_position = reply.state.data_position
         header.versions.extend(reply.state.versions())
         log.info("learner %s %s (index %d, session %s) at versions %s", learner,
                  "rejoined" if learner in self._joined else "joined", header.learner_index, session, list(header.versions))

@@ -105,6 +105,7 @@ def status_reply(service: Measured, core: SyncStatus, now: float, learner_offset
             accepted_per_min=rec.accepted_per_min,
             link_starved=rec.link_starved,
             joining=rec.joining,
+            data_position=rec.data_position,
         ))
     up_by_frag, down_by_frag = service.ledger.by(1, Direction.UP), service.ledger.by(1, Direction.DOWN)
     for index, version in zip(core.fragments, core.versions):
