@@ -229,7 +229,7 @@ class GlobalFragment:
         m ← (μ·m − u/lr) / (1 + μ)); what the update could not carry (the error-feedback
         residual) is not in the log and is taken as zero from here on, so the recovered
         momentum is off by at most the rounds' quantization errors over lr·(1 + μ), fading by
-        μ per round (``tests/core/test_round_log.py`` bounds it)."""
+        μ per round (``tests/core/test_round_replay.py`` bounds it)."""
         numel = self.value.numel()
         sent = downlink.decode(payload, numel)
         if not plain:

@@ -14,7 +14,7 @@ import grpc
 from ddiloco.core.kernels import compile_kernels
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import Address
-from ddiloco.runtime.sync.service import SyncService
+from ddiloco.runtime.sync.service import SERVICE_NAME, SyncService
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger("ddiloco.sync")
@@ -38,7 +38,7 @@ class SyncServer:
     async def start(self, listen: Address, credentials: grpc.ServerCredentials | None = None) -> int:
         """Bind and start serving; returns the port (useful with port 0)."""
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers([self.service.handlers()])
+        server.add_generic_rpc_handlers([handlers(self.service)])
         target = str(listen)
         try:
             port = server.add_insecure_port(target) if credentials is None else server.add_secure_port(target, credentials)
@@ -63,6 +63,19 @@ class SyncServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self.service.stop()
+
+
+def handlers(s: SyncService) -> grpc.GenericRpcHandler:
+    """The service's RPCs by name (requests arrive as raw bytes: the service parses them)."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Join": grpc.unary_stream_rpc_method_handler(s.join),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(s.heartbeat),
+        "Contribute": grpc.stream_unary_rpc_method_handler(s.contribute),
+        "Updates": grpc.unary_stream_rpc_method_handler(s.updates),
+        "FetchState": grpc.unary_stream_rpc_method_handler(s.fetch_state),
+        "Leave": grpc.unary_unary_rpc_method_handler(s.leave),
+        "Status": grpc.unary_unary_rpc_method_handler(s.status),
+    })
 
 
 async def serve(service: SyncService, listen: Address, *, credentials: grpc.ServerCredentials | None = None,

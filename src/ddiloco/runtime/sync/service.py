@@ -423,17 +423,6 @@ class SyncService:
         assert self.host is not None, "the service is not started"
         return self.host
 
-    def handlers(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Join": grpc.unary_stream_rpc_method_handler(self.join),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.heartbeat),
-            "Contribute": grpc.stream_unary_rpc_method_handler(self.contribute),
-            "Updates": grpc.unary_stream_rpc_method_handler(self.updates),
-            "FetchState": grpc.unary_stream_rpc_method_handler(self.fetch_state),
-            "Leave": grpc.unary_unary_rpc_method_handler(self.leave),
-            "Status": grpc.unary_unary_rpc_method_handler(self.status),
-        })
-
     def start_host(self) -> SyncHost:
         """Create the core host on the running event loop (``serve`` does this; tests may too)."""
         self.writer.start(lambda p: self._host.query(lambda core: core.fragment_state(p)))
