@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sync_scale import stamp  # noqa: E402
+
 LEASE_S = 3.0
 MIN_STEP_S = 0.2
 """Learners paced to 5 steps/s (~0.15 core each): restarts (python, torch, the corpus: ~20 s on this shared
@@ -212,7 +215,9 @@ def main() -> int:
     with_baseline = {s.strip() for s in args.baseline.split(",")}
     results = {name: scenarios[name](counts[name], work, name in with_baseline, args.seed) for name in chosen}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        stamped = {**stamp(sys.argv[1:]), "command": "python benchmarks/bench_chaos.py " + " ".join(sys.argv[1:]),
+                   "load_at_end": os.getloadavg(), **results}
+        Path(args.json).write_text(json.dumps(stamped, indent=2) + "\n")
     print(f"runs kept in {work}")
     return 0 if all(r["exit_ok"] for r in results.values()) else 1
 
