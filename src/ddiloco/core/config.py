@@ -64,7 +64,8 @@ class ProtocolConfig:
     block_size: int = 128
     """Elements per quantization block (one float32 scale each)."""
     merge: MergeRuleName = MergeRuleName.RDA
-    """Merge rule for non-embedding fragments: rda, mean or rda-median (the embedding always uses mean)."""
+    """Merge rule for non-embedding fragments (the embedding always uses mean); the rules are those of
+    ``core/merge.py``."""
     outer_lr: float = 0.4
     """Outer SGD learning rate. DiLoCo's 0.7 was tuned for H≈500 and synchronous rounds; with
     H = 12 and partial rounds 0.4 gave the lowest eval loss here (docs/results.md)."""

@@ -45,6 +45,7 @@ class MergeRuleName(enum.StrEnum):
 
 
 MERGE_RULES = tuple(name.value for name in MergeRuleName)
+"""Every rule's name, the one list: ``protocol.merge`` accepts these and ``ddiloco simtest`` draws them."""
 
 
 def token_weight(tokens: int, steps: int) -> float:

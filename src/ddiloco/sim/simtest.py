@@ -31,6 +31,7 @@ import torch
 
 from ddiloco.config import Config, apply_override, apply_section, check_seed
 from ddiloco.core.learner import LearnerPhase
+from ddiloco.core.merge import MERGE_RULES
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED, FaultKind, parse_kind
 from ddiloco.sim.cluster import VirtualCluster
@@ -95,7 +96,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
         "protocol": {
             "fragments": fragments, "shards": shards, "period": period, "quorum": int(rng.integers(1, m + 1)),
             "overlap": int(rng.integers(0, 4)), "staleness_max": int(rng.integers(1, 5)),
-            "alpha": float(rng.choice([0.0, 0.5])), "merge": str(rng.choice(["rda", "mean"])),
+            "alpha": float(rng.choice([0.0, 0.5])), "merge": str(rng.choice(MERGE_RULES)),
             "lease_s": lease_s, "heartbeat_s": float(rng.uniform(0.5, 3.0)),
             "grace_max_s": float(rng.uniform(0.5, 5.0)), "max_wait_s": float(rng.choice([0.0, 0.0, 3.0])),
         },
