@@ -196,16 +196,6 @@ def merge_rule(name: str) -> MergeRule:
     return _RULES[MergeRuleName(name)]
 
 
-def merge_mean(deltas: Sequence[Tensor], weights: Tensor) -> Tensor:
-    """The plain weighted mean's reference (the embedding fragment's rule)."""
-    return _RULES[MergeRuleName.MEAN].reference(deltas, weights)
-
-
-def merge_rda(deltas: Sequence[Tensor], weights: Tensor) -> Tensor:
-    """RDA's reference."""
-    return _RULES[MergeRuleName.RDA].reference(deltas, weights)
-
-
 def _check(deltas: Sequence[Tensor], weights: Tensor) -> None:
     if not deltas:
         raise ValueError("nothing to merge: no deltas")
