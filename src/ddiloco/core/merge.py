@@ -1,4 +1,5 @@
-"""Merge rules: how one round's outer gradients of a fragment become one update (DESIGN.md section 2, 3-4).
+"""Merge rules: how one round's outer gradients of a fragment become one update
+(docs/concepts.md, "Token-weighted merge").
 
 Learners' outer gradients are close to orthogonal, so their plain mean has a norm about
 1/sqrt(M) of theirs: the outer step would shrink as learners are added and the outer
