@@ -12,6 +12,7 @@ from rich.table import Table
 from ddiloco.chaos.outcome import ChaosOutcome, Sample
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
+from ddiloco.core.liveness import pause_bound_s
 from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
@@ -112,7 +113,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
     report: dict[str, Any] = {
         "faults": {str(k): injected.get(str(k), 0) for k in REAL},
         "longest_pause_s": round(longest, 3),
-        "pause_bound_s": round(grace_s + config.protocol.lease_s, 3),
+        "pause_bound_s": round(pause_bound_s(config.protocol, grace_s), 3),
         "grace_window_s": round(grace_s, 3),
         "lease_s": config.protocol.lease_s,
         "sync_downtime_s": round(sum(up - down for down, up in outcome.sync_down), 3),
