@@ -7,7 +7,7 @@ inner learning rate is the best of the same small grid; every run decays it with
 cosine schedule (to 0.1 of the peak, indexed by the run's tokens: a learner that joins late
 takes the rate the run has reached). The gap is a mode's best final eval loss over data
 parallel's, minus one, plotted against parameters beside the published M = 4 points of the
-DiLoCo scaling study (DESIGN.md section 7), with the table behind it as JSON.
+DiLoCo scaling study (Charles et al. 2025, Table 4; docs/results.md section 7), with the table behind it as JSON.
 
     PYTHONPATH=src python benchmarks/bench_scale.py --preset smoke --out build/scale-smoke   # CPU, a few minutes
     PYTHONPATH=src python benchmarks/bench_scale.py --preset gpu --device cuda --estimate     # projected minutes

@@ -288,6 +288,20 @@ MAIN_JOB: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def unknown_keys(sections: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The sections and ``section.key`` names in ``sections`` (a configuration as a dict) that this
+    version's :class:`Config` has no field for: what a newer ddiloco wrote and this one cannot honour."""
+    defaults = Config()
+    found = []
+    for section, values in sections.items():
+        if section not in {f.name for f in fields(Config)}:
+            found.append(section)
+            continue
+        known = {f.name for f in fields(getattr(defaults, section))}
+        found += [f"{section}.{key}" for key in values if key not in known]
+    return sorted(found)
+
+
 def apply_section(config: Config, section: str, values: Mapping[str, Any], *, origin: str) -> Config:
     """Return ``config`` with ``values`` set in ``section``, type-checked against the fields."""
     if section not in {f.name for f in fields(Config)}:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -14,21 +15,20 @@ from ddiloco.fault_kinds import FaultKind
 
 
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),
-           pause: float = 0.1, rejected: dict[str, int] | None = None, phase: str = "running") -> Sample:
+           pause: float = 0.1, rejected: dict[str, int] | None = None, phase: str = "running",
+           registered: tuple[int, ...] = (1, 1)) -> Sample:
     return Sample(t_s=t, instance_id=instance, phase=phase, versions=versions,
                   alive={f"learner-{i}": a for i, a in enumerate(alive)}, tokens=100 * int(t), grace_window_s=0.2,
-                  longest_pause_s=pause, rejections=rejected or {})
+                  longest_pause_s=pause, rejections=rejected or {},
+                  registrations={f"learner-{i}": n for i, n in enumerate(registered)})
 
 
 def outcome(tmp_path: Path, samples: list[Sample], records: list[FaultRecord],
             restarts: list[SyncRestart]) -> ChaosOutcome:
-    log = tmp_path / "sync.log"
-    log.write_text("learner learner-0 joined (index 0\nlearner learner-1 joined (index 1\n"
-                   "learner learner-1 joined (index 1\nlearner learner-0 joined (index 0\n")
     return ChaosOutcome(completed=True, failure="", records=records, samples=samples, sync_restarts=restarts,
                         final_status={"goodput": 0.8, "model_uptime": 0.9, "tokens": 5000,
                                       "fragments": [{"version": 9}, {"version": 8}]},
-                        eval_loss=2.0, wall_s=60.0, sync_log=log, status_url="http://127.0.0.1:1/")
+                        eval_loss=2.0, wall_s=60.0, status_url="http://127.0.0.1:1/")
 
 
 def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(tmp_path) -> None:
@@ -39,7 +39,7 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
                           answering_at_s=6.0, versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
     samples = [sample(0, "a", (0, 0)), sample(1, "a", (5, 5), pause=0.4, rejected={"stale": 2}),
                sample(6, "b", (3, 4), pause=0.0, rejected={"stale": 1, "unknown_learner": 2}),
-               sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4})]
+               sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4}, registered=(2, 2))]
     report = build_report(outcome(tmp_path, samples, [kill], [restart]), config, window_s=10, seed=3, baseline=None)
     assert report["faults"]["sync_crash"] == 1 and sum(report["faults"].values()) == 1
     assert report["longest_pause_s"] == 1.5  # the restart's own pause is the longest
@@ -71,7 +71,8 @@ def test_each_broken_property_is_named(tmp_path) -> None:
 
 def test_rejections_and_rejoins_of_one_incarnation(tmp_path) -> None:
     assert rejections([sample(0, "a", (0,), rejected={"stale": 3, "duplicate": 0})]) == {"stale": 3}
-    assert rejoins_by_learner(tmp_path / "missing.log") == {}
+    assert rejoins_by_learner([sample(0, "a", (0,), registered=(1, 3))]) == {"learner-0": 0, "learner-1": 2}
+    assert rejoins_by_learner([]) == {}
 
 
 def test_a_learner_that_rejoins_far_more_often_than_its_faults_explain_fails_the_verdict(tmp_path) -> None:
@@ -79,14 +80,51 @@ def test_a_learner_that_rejoins_far_more_often_than_its_faults_explain_fails_the
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
     latency = FaultRecord(Fault(at_s=1, kind=FaultKind.LATENCY, target="learner-1", duration_s=5, delay_s=0.205),
                           started_s=1.0, ended_s=6.0)
-    samples = [sample(0, "a", (0, 0)), sample(9, "a", (9, 9))]
-    loop = outcome(tmp_path, samples, [latency], [])
-    loop.sync_log.write_text("learner learner-0 joined (index 0\nlearner learner-1 joined (index 1\n"
-                             + "learner learner-1 rejoined (index 1\n" * 10)
-    report = build_report(loop, config, window_s=10, seed=0, baseline=None)
+    samples = [sample(0, "a", (0, 0)), sample(9, "a", (9, 9), registered=(1, 11))]
+    report = build_report(outcome(tmp_path, samples, [latency], []), config, window_s=10, seed=0, baseline=None)
     assert report["rejoins"] == 10 and report["rejoins_by_learner"] == {"learner-0": 0, "learner-1": 10}
     assert report["rejoins_explained"] == {"learner-0": 0, "learner-1": 1}
     assert report["violations"] == ["learner-1 rejoined 10 times, 1 explained by faults (a rejoin loop)"]
-    loop.sync_log.write_text("learner learner-0 joined (index 0\nlearner learner-1 joined (index 1\n"
-                             "learner learner-1 rejoined (index 1\n")
-    assert build_report(loop, config, window_s=10, seed=0, baseline=None)["violations"] == []  # one per fault
+    samples[-1] = sample(9, "a", (9, 9), registered=(1, 2))
+    once = outcome(tmp_path, samples, [latency], [])
+    assert build_report(once, config, window_s=10, seed=0, baseline=None)["violations"] == []  # one per fault
+
+
+def test_counts_across_incarnations_keep_what_a_crash_lost_and_what_the_registry_forgot() -> None:
+    a = [sample(0, "a", (0,), registered=(1, 1)), sample(1, "a", (0,), registered=(3, 2)),
+         sample(2, "a", (0,), registered=(3, 2))]
+    a[-1] = replace(a[-1], registrations={"learner-1": 2})  # learner-0 forgotten by the registry, at its peak
+    b = [sample(5, "b", (0,), registered=(2, 2)), sample(6, "b", (0,), registered=(3, 3))]
+    # a: learner-0 reached 3 (its checkpoint kept 2), learner-1 reached 2 (kept 2); b adds one each.
+    assert rejoins_by_learner(a + b) == {"learner-0": 3, "learner-1": 2}
+
+
+def test_a_reworded_synchronizer_log_does_not_change_the_rejoin_count(monkeypatch, caplog) -> None:
+    """Rejoins came from a regex over a log line of service.py: rewording it made chaos.json say 0."""
+    import logging
+
+    from runtime_helpers import InProcessSync
+
+    import ddiloco.runtime.sync.service as service_module
+    from ddiloco.core.messages import Join
+    from ddiloco.runtime.client import SyncClient
+    from ddiloco.runtime.sharded import merge_statuses
+    from ddiloco.runtime.sync.service import ServiceOptions
+
+    original = service_module.log.info
+    monkeypatch.setattr(service_module.log, "info",
+                        lambda msg, *args: original(msg.replace("learner %s %s (", "member %s %s ["), *args))
+    sync = InProcessSync(build_config(preset="tiny", overrides=("run.learners=2",)), ServiceOptions())
+    try:
+        with caplog.at_level(logging.INFO, logger="ddiloco.sync"), SyncClient(f"127.0.0.1:{sync.port}") as client:
+            client.join(Join("learner-0", "boot-0"))
+            for _ in range(3):
+                client.join(Join("learner-1", "boot-1"))
+            status = client.status_dict()
+    finally:
+        sync.close()
+    assert "member learner-1 rejoined [" in caplog.text and "learner learner-1 rejoined (" not in caplog.text
+    assert rejoins_by_learner([Sample.from_status(0.0, status)]) == {"learner-0": 0, "learner-1": 2}
+    # Sharded: the first shard's counts (the shard whose restarts explain rejoins), not the sum.
+    other = {**status, "learners": [{**lr, "registrations": 7} for lr in status["learners"]]}
+    assert Sample.from_status(0.0, merge_statuses([status, other])).registrations == {"learner-0": 1, "learner-1": 3}

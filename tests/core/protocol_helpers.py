@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.actions import Admitted, Broadcast, Refused, SendHeartbeat, SendJoin, StateDelivered
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten, plan_fragments
@@ -11,6 +13,12 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.synchronizer import Synchronizer
 
 SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("b1", (8,)), ("b2", (8,)), ("w3", (4, 8))]
+
+
+def merged(acc: RoundAccumulator) -> torch.Tensor:
+    """A round's merged Δ as its close computes it (the sum times the rule's factor), as a new tensor."""
+    total, factor, _ = acc.accumulated()
+    return torch.from_numpy(total * np.float32(factor))
 
 
 def make_params(seed: int = 0) -> dict[str, torch.Tensor]:

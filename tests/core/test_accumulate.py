@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from ddiloco.core import kernels
 from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import CODEC_NAMES, get_codec
-from ddiloco.core.merge import MERGE_RULES, merge_mean, merge_rule
+from ddiloco.core.merge import MERGE_RULES, MergeRuleName, merge_rule
 from ddiloco.core.messages import Rejected
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.rounds import GlobalFragment
+from protocol_helpers import merged
 
 FAST = get_codec("int4", block_size=128)
 
@@ -52,7 +53,7 @@ def test_accumulated_merge_equals_the_reference(numel, block, codec, rule, count
         deltas.append(c.decode(payload, numel))
         weights.append(weight)
     want = reference(deltas, weights, rule)
-    got = acc.merged()
+    got = merged(acc)
     scale = max(float(want.abs().max()), 1e-12)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale)  # float32 accumulation
 
@@ -76,7 +77,7 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
         assert len(acc) == 0
         return
     want = reference([FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()], "rda")
-    assert torch.allclose(acc.merged(), want, rtol=1e-3, atol=1e-6)
+    assert torch.allclose(merged(acc), want, rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("codec", ["int4", "int8", "fp32"])
@@ -86,7 +87,7 @@ def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(code
     acc = RoundAccumulator(numel, c, merge_rule("rda"))
     good = c.encode(torch.full((numel,), 0.01))
     acc.add("a", good, 10.0, acc.measure(good, math.inf))
-    before = acc.merged().clone()
+    before = merged(acc).clone()
     if codec == "fp32":
         bad = struct.pack("<f", math.nan) + good[4:]
     else:
@@ -96,7 +97,7 @@ def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(code
     huge = c.encode(torch.full((numel,), 1e3))
     with pytest.raises(Rejected, match="norm_bound"):
         acc.measure(huge, 1.0)
-    assert torch.equal(acc.merged(), before) and len(acc) == 1
+    assert torch.equal(merged(acc), before) and len(acc) == 1
 
 
 def test_zero_deltas_count_in_the_magnitude_and_cancelling_directions_give_zero():
@@ -104,12 +105,12 @@ def test_zero_deltas_count_in_the_magnitude_and_cancelling_directions_give_zero(
     acc = RoundAccumulator(numel, FAST, merge_rule("rda"))
     zero = FAST.encode(torch.zeros(numel))
     acc.add("z", zero, 1.0, acc.measure(zero, math.inf))
-    assert torch.equal(acc.merged(), torch.zeros(numel))
+    assert torch.equal(merged(acc), torch.zeros(numel))
     up = FAST.encode(torch.full((numel,), 0.5))
     down = FAST.encode(torch.full((numel,), -0.5))
     acc.add("u", up, 1.0, acc.measure(up, math.inf))
     acc.add("d", down, 1.0, acc.measure(down, math.inf))
-    assert torch.equal(acc.merged(), torch.zeros(numel))
+    assert torch.equal(merged(acc), torch.zeros(numel))
 
 
 @settings(max_examples=25, deadline=None)
@@ -128,9 +129,9 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
             for frag in (fast, ref):
                 frag.accumulator.add(m, p, 5.0 + m, frag.accumulator.measure(p, math.inf))
         before = fast.value.clone()
-        merged = ref.accumulator.merged()
+        delta = merged(ref.accumulator)
         ref.accumulator.clear()
-        ref_payload = ref.step(merged, outer, FAST, plain=plain)
+        ref_payload = ref.step(delta, outer, FAST, plain=plain)
         payload, coherence = fast.close(outer, FAST, plain=plain)
         assert 0.0 < coherence <= 1.0 + 1e-6
         # The learner's reconstruction: previous value + decode(payload), bit for bit.
@@ -169,7 +170,8 @@ def shard():
     acc = RoundAccumulator(numel, codec, merge_rule("rda"))
     for m in range(30):
         acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
-    results.append(acc.merged())
+    total, factor, _ = acc.accumulated()
+    results.append(torch.from_numpy(total * factor))
 threads = [threading.Thread(target=shard) for _ in range(3)]
 for t in threads:
     t.start()
@@ -230,9 +232,9 @@ def test_mean_coherence_is_the_merged_norm_over_the_mean_norm() -> None:
         deltas.append(FAST.decode(payload, numel))
         acc.add(k, payload, w, acc.measure(payload, math.inf))
     w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-    merged = merge_mean(deltas, w)
+    want = merge_rule(MergeRuleName.MEAN).reference(deltas, w)
     mean_norm = sum(wi * float(torch.linalg.vector_norm(d.double())) for wi, d in zip(w.tolist(), deltas))
-    assert acc.accumulated().coherence == pytest.approx(float(torch.linalg.vector_norm(merged.double())) / mean_norm,
+    assert acc.accumulated().coherence == pytest.approx(float(torch.linalg.vector_norm(want.double())) / mean_norm,
                                                          rel=1e-4)
 
 
@@ -248,5 +250,5 @@ def test_no_contribution_weighs_more_than_the_cap_times_the_lower_median_weight(
         capped.add(m, payload, weight, capped.measure(payload, math.inf))
     assert capped.cap_weights(4.0) == 1
     want = reference([FAST.decode(p, numel) for p in payloads], [1.0, 2.0, 8.0], rule)
-    assert torch.allclose(capped.merged(), want, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(merged(capped), want, rtol=1e-4, atol=1e-7)
     assert capped.cap_weights(0.0) == 0  # 0: no cap

@@ -22,6 +22,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.merge import merge_rule
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.rounds import GlobalFragment
+from protocol_helpers import merged
 
 INT4 = get_codec("int4", block_size=128)
 DRIFT_MAX = 0.01
@@ -42,9 +43,9 @@ def run_rounds(frag: GlobalFragment, rounds: int, learners: int, seed: int, *, f
         if fused:
             frag.close(outer, INT4, plain=plain)
         else:
-            merged = frag.accumulator.merged()
+            delta = merged(frag.accumulator)
             frag.accumulator.clear()
-            frag.step(merged, outer, INT4, plain=plain)
+            frag.step(delta, outer, INT4, plain=plain)
 
 
 @pytest.mark.parametrize("rule", ["rda", "mean"])

@@ -9,6 +9,7 @@ import pytest
 
 from ddiloco import cli
 from ddiloco.core.learner import Learner
+from ddiloco.core.merge import MERGE_RULES, MergeRuleName
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.sim.simtest import DEFAULT_SEEDS, SeedResult, draw_world, run_simtest
 
@@ -36,6 +37,11 @@ def test_each_seed_draws_its_own_world_and_the_same_seed_the_same_one():
     assert a == b and a != c
     fixed, _ = draw_world(4, overrides=("faults.loss=0.3",))
     assert fixed.faults.loss == 0.3
+
+
+def test_every_registered_merge_rule_is_swarm_tested():
+    drawn = {draw_world(seed)[0].protocol.merge for seed in range(60)}
+    assert drawn == set(MergeRuleName) == set(MERGE_RULES), "a merge rule simtest never draws is never swarm-tested"
 
 
 def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):

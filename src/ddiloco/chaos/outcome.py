@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ddiloco.chaos.schedule import Fault
@@ -35,6 +34,20 @@ class Sample:
     grace_window_s: float
     longest_pause_s: float
     rejections: dict[str, int]
+    registrations: dict[str, int]
+    """Per learner, its registrations at the first synchronizer shard (the one whose restarts
+    :func:`~ddiloco.chaos.report.explained_rejoins` counts): the status's own counter."""
+
+    @classmethod
+    def from_status(cls, t_s: float, status: dict[str, Any]) -> Sample:
+        """One poll's sample from the (merged) status dict, as ``SyncClient.status_dict`` returns it."""
+        first = status.get("per_shard", [status])[0]
+        return cls(t_s=t_s, instance_id=status["instance_id"], phase=status["phase"],
+                   versions=tuple(f["version"] for f in status["fragments"]),
+                   alive={lr["id"]: lr["alive"] for lr in status["learners"]}, tokens=status["tokens"],
+                   grace_window_s=status["grace"]["window_s"], longest_pause_s=status["longest_pause_s"],
+                   rejections=dict(status["rejections"]),
+                   registrations={lr["id"]: lr["registrations"] for lr in first["learners"]})
 
 
 @dataclass
@@ -100,7 +113,6 @@ class ChaosOutcome:
     final_status: dict[str, Any]
     eval_loss: float | None
     wall_s: float
-    sync_log: Path
     status_url: str
     sync_names: tuple[str, ...] = ("sync",)
     proxy_bytes: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.table import Table
 
 from ddiloco.chaos.outcome import ChaosOutcome, Sample
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
+from ddiloco.core.liveness import pause_bound_s
 from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
-JOINED = re.compile(r"learner (\S+) (?:re)?joined \(")
-"""The synchronizer's log line for every registration (first joins and rejoins, every incarnation)."""
 LOOP_SLACK = 1
 """Rejoins of one learner beyond those its faults explain that are not yet a loop (one update
 lost under load, a lease that ran out on a busy machine)."""
@@ -38,35 +36,51 @@ def by_incarnation(samples: list[Sample]) -> list[list[Sample]]:
     return groups
 
 
-def rejections(samples: list[Sample]) -> dict[str, int]:
-    """Rejections per reason over the run.
+def across_incarnations(samples: list[Sample], counts: Callable[[Sample], dict[str, int]]) -> dict[str, int]:
+    """A counter the synchronizer keeps per key (and checkpoints), totalled over its incarnations.
 
-    The last incarnation's counters include what its checkpoint restored; what an earlier
-    incarnation counted after its last checkpoint is what its last sample shows above the
-    next incarnation's first (rejections between the last poll and a kill are missed).
+    Within an incarnation a count only grows, so its peak is what it reached (a learner the
+    registry forgot keeps its peak here). A resumed incarnation starts from its checkpoint's
+    counts: what an earlier one counted after its last checkpoint is its peak above the next
+    one's first sample (what happened between the last poll and a kill, or before the resumed
+    one's first poll, is missed).
     """
     groups = by_incarnation(samples)
-    total: collections.Counter = collections.Counter(groups[-1][-1].rejections if groups else {})
-    for killed, resumed in zip(groups, groups[1:]):
-        for reason, count in killed[-1].rejections.items():
-            total[reason] += max(0, count - resumed[0].rejections.get(reason, 0))
-    return {reason: n for reason, n in sorted(total.items()) if n}
+    peaks = [_peak(group, counts) for group in groups]
+    total = collections.Counter(peaks[-1] if peaks else {})
+    for killed, resumed in zip(peaks, groups[1:]):
+        first = counts(resumed[0])
+        for key, count in killed.items():
+            total[key] += max(0, count - first.get(key, 0))
+    return dict(sorted(total.items()))
 
 
-def rejoins_by_learner(sync_log: Path) -> dict[str, int]:
-    """Registrations beyond each learner's first: after a kill, a freeze, a partition or a new incarnation."""
-    try:
-        joined = JOINED.findall(sync_log.read_text(errors="replace"))
-    except OSError:
-        return {}
-    return {name: n - 1 for name, n in sorted(collections.Counter(joined).items())}
+def _peak(group: list[Sample], counts: Callable[[Sample], dict[str, int]]) -> dict[str, int]:
+    peak: dict[str, int] = {}
+    for s in group:
+        for key, count in counts(s).items():
+            peak[key] = max(peak.get(key, 0), count)
+    return peak
+
+
+def rejections(samples: list[Sample]) -> dict[str, int]:
+    """Rejections per reason over the run."""
+    return {reason: n for reason, n in across_incarnations(samples, lambda s: s.rejections).items() if n}
+
+
+def rejoins_by_learner(samples: list[Sample]) -> dict[str, int]:
+    """Registrations beyond each learner's first at the first synchronizer shard: after a kill, a
+    freeze, a partition or a new incarnation. Read from the status's per-learner count, not from a
+    log line, so rewording the synchronizer's log cannot change it."""
+    registered = across_incarnations(samples, lambda s: s.registrations)
+    return {name: max(0, n - 1) for name, n in registered.items()}
 
 
 def explained_rejoins(outcome: ChaosOutcome, learners: int) -> dict[str, int]:
-    """Per learner, the rejoins its faults may cause at the logged synchronizer: one per fault on
-    the learner, one per restart of that synchronizer process."""
-    logged = outcome.sync_names[0]
-    restarts = sum(1 for r in outcome.sync_restarts if r.target in (logged, "sync"))
+    """Per learner, the rejoins its faults may cause at the first synchronizer shard: one per fault
+    on the learner, one per restart of that synchronizer process."""
+    first = outcome.sync_names[0]
+    restarts = sum(1 for r in outcome.sync_restarts if r.target in (first, "sync"))
     explained = {learner_name(i): restarts for i in range(learners)}
     for r in outcome.records:
         if r.started_s is not None and not r.skipped and r.fault.target in explained:
@@ -94,12 +108,12 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
                   + outcome.restart_pauses_s, default=0.0)
     grace_s = max((s.grace_window_s for s in running), default=0.0)
     status = outcome.final_status
-    rejoined = rejoins_by_learner(outcome.sync_log)
+    rejoined = rejoins_by_learner(outcome.samples)
     explained = explained_rejoins(outcome, config.run.learners)
     report: dict[str, Any] = {
         "faults": {str(k): injected.get(str(k), 0) for k in REAL},
         "longest_pause_s": round(longest, 3),
-        "pause_bound_s": round(grace_s + config.protocol.lease_s, 3),
+        "pause_bound_s": round(pause_bound_s(config.protocol, grace_s), 3),
         "grace_window_s": round(grace_s, 3),
         "lease_s": config.protocol.lease_s,
         "sync_downtime_s": round(sum(up - down for down, up in outcome.sync_down), 3),

@@ -192,7 +192,6 @@ class ChaosRun:
             final_status=status,
             eval_loss=eval_loss,
             wall_s=time.monotonic() - launched,
-            sync_log=files.logs / f"{cluster.syncs[0]}.log",
             status_url=cluster.status_url(),
             sync_names=tuple(cluster.syncs),
             proxy_bytes=cluster.proxies.call(lambda: {n: dict(p.bytes) for n, p in cluster.proxies.proxies.items()}),
@@ -250,17 +249,7 @@ class ChaosRun:
                 self.on_event(f"t={self.now_s():6.1f}s  first merge after the restart of {awaiting.target}, "
                               f"{awaiting.first_merge_after_s:.1f}s after it answered")
                 shard.awaiting = None
-        self.samples.append(Sample(
-            t_s=self.now_s() if self._t0 is not None else -1.0,
-            instance_id=status["instance_id"],
-            phase=status["phase"],
-            versions=tuple(f["version"] for f in status["fragments"]),
-            alive={lr["id"]: lr["alive"] for lr in status["learners"]},
-            tokens=status["tokens"],
-            grace_window_s=status["grace"]["window_s"],
-            longest_pause_s=status["longest_pause_s"],
-            rejections=dict(status["rejections"]),
-        ))
+        self.samples.append(Sample.from_status(self.now_s() if self._t0 is not None else -1.0, status))
         return status
 
     def _answering(self, name: str, shard: _Shard, status: dict[str, Any]) -> None:

@@ -153,10 +153,6 @@ class RoundAccumulator:
         length = math.sqrt(norm_squared(acc))
         return Accumulated(acc, self.rule.factor(summands, length), self.rule.coherence(summands, length))
 
-    def merged(self) -> torch.Tensor:
-        acc, factor, _ = self.accumulated()
-        return torch.from_numpy(acc * np.float32(factor))
-
     def clear(self, *, zeroed: bool = False) -> None:
         """Forget the round and give its accumulator back; ``zeroed``: the caller has already zeroed
         it (the fused close does)."""

@@ -7,7 +7,8 @@ Both drivers (virtual cluster and gRPC runtime) build their cores from one
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 
 from ddiloco.core.codecs import CodecName
 from ddiloco.core.fragments import Fragmentation
@@ -64,7 +65,8 @@ class ProtocolConfig:
     block_size: int = 128
     """Elements per quantization block (one float32 scale each)."""
     merge: MergeRuleName = MergeRuleName.RDA
-    """Merge rule for non-embedding fragments: rda, mean or rda-median (the embedding always uses mean)."""
+    """Merge rule for non-embedding fragments (the embedding always uses mean); the rules are those of
+    ``core/merge.py``."""
     outer_lr: float = 0.4
     """Outer SGD learning rate. DiLoCo's 0.7 was tuned for H≈500 and synchronous rounds; with
     H = 12 and partial rounds 0.4 gave the lowest eval loss here (docs/results.md)."""
@@ -112,6 +114,12 @@ class ProtocolConfig:
     min_link_bytes_per_s: float = 32_000.0
     """The slowest link a (re)join is allowed for: the lease of a joining learner waits for its
     global state for up to lease_s + state bytes / this rate (the state sends as fast as the link allows)."""
+
+    @classmethod
+    def unknown_keys(cls, keys: Iterable[str]) -> list[str]:
+        """The names among ``keys`` that are no field of this version's ProtocolConfig (sorted): a
+        configuration written by a newer ddiloco carries settings this one cannot honour."""
+        return sorted(set(keys) - {f.name for f in fields(cls)})
 
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field."""

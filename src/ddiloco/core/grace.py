@@ -1,4 +1,4 @@
-"""Minimum quorum and the adaptive grace window (DESIGN.md section 2, synchronizer step 2).
+"""Minimum quorum and the adaptive grace window (docs/concepts.md, "Grace window").
 
 Once K learners have contributed to a round, the synchronizer waits a little longer for
 stragglers — but only as long as the fast learners would not notice: a fragment is in

@@ -1,4 +1,5 @@
-"""Merge rules: how one round's outer gradients of a fragment become one update (DESIGN.md section 2, 3-4).
+"""Merge rules: how one round's outer gradients of a fragment become one update
+(docs/concepts.md, "Token-weighted merge").
 
 Learners' outer gradients are close to orthogonal, so their plain mean has a norm about
 1/sqrt(M) of theirs: the outer step would shrink as learners are added and the outer
@@ -45,6 +46,7 @@ class MergeRuleName(enum.StrEnum):
 
 
 MERGE_RULES = tuple(name.value for name in MergeRuleName)
+"""Every rule's name, the one list: ``protocol.merge`` accepts these and ``ddiloco simtest`` draws them."""
 
 
 def token_weight(tokens: int, steps: int) -> float:
@@ -193,16 +195,6 @@ _RULES: dict[MergeRuleName, MergeRule] = {rule.name: rule for rule in (Mean(), R
 def merge_rule(name: str) -> MergeRule:
     """The rule named ``name`` (ValueError for an unknown one; the configuration says which exist)."""
     return _RULES[MergeRuleName(name)]
-
-
-def merge_mean(deltas: Sequence[Tensor], weights: Tensor) -> Tensor:
-    """The plain weighted mean's reference (the embedding fragment's rule)."""
-    return _RULES[MergeRuleName.MEAN].reference(deltas, weights)
-
-
-def merge_rda(deltas: Sequence[Tensor], weights: Tensor) -> Tensor:
-    """RDA's reference."""
-    return _RULES[MergeRuleName.RDA].reference(deltas, weights)
 
 
 def _check(deltas: Sequence[Tensor], weights: Tensor) -> None:

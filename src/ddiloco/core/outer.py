@@ -1,4 +1,4 @@
-"""The synchronizer's outer optimizer (DESIGN.md section 2, synchronizer step 5)."""
+"""The synchronizer's outer optimizer (docs/concepts.md, "Outer optimizer")."""
 
 from __future__ import annotations
 

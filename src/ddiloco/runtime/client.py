@@ -22,6 +22,9 @@ from typing import Any, Iterator
 
 import grpc
 
+from ddiloco import __version__
+from ddiloco.config import unknown_keys
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import (
     Contribution,
     FragmentUpdate,
@@ -33,9 +36,10 @@ from ddiloco.core.messages import (
     Session,
     StopNotice,
 )
-from ddiloco.errors import DdilocoError
+from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import (
+    PROTOCOL_VERSION,
     REASON_HEADER,
     Address,
     channel_credentials,
@@ -84,11 +88,27 @@ class JoinResult:
 
     @property
     def protocol(self) -> dict[str, Any]:
-        return json.loads(self.header.protocol_json)
+        """The run's ProtocolConfig fields as the synchronizer sent them (version skew: ConfigError)."""
+        fields = json.loads(self.header.protocol_json)
+        _refuse_version_skew(ProtocolConfig.unknown_keys(fields), "protocol")
+        return fields
 
     @property
     def run_config(self) -> dict[str, Any]:
-        return json.loads(self.header.run_json)
+        """The synchronizer's whole configuration, by section (version skew: ConfigError)."""
+        sections = json.loads(self.header.run_json)
+        _refuse_version_skew(unknown_keys(sections), "configuration")
+        return sections
+
+
+def _refuse_version_skew(unknown: list[str], what: str) -> None:
+    """Settings this learner does not know mean a newer synchronizer (the wire protocol matched, or
+    the join would have been refused): one line saying so, not a TypeError from a constructor."""
+    if unknown:
+        raise ConfigError(
+            f"version skew: the synchronizer runs a newer ddiloco than this learner's {__version__} (both speak "
+            f"wire protocol {PROTOCOL_VERSION}); its {what} has settings this learner does not know: "
+            f"{', '.join(unknown)}. Run the same ddiloco version on the synchronizer and the learners")
 
 
 def _translate(err: grpc.RpcError, address: str) -> Exception:

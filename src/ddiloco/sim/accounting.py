@@ -1,4 +1,5 @@
-"""Goodput and uptime, from what actually happened in a run (DESIGN.md section 4).
+"""Goodput and uptime, from what actually happened in a run
+(docs/design.md, "Goodput and uptime, as measured").
 
 Every finished inner step is recorded with its virtual start and end. A step is *credited*
 once its work reaches the global model — for Decoupled DiLoCo when the contribution that

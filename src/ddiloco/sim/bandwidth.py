@@ -1,4 +1,4 @@
-"""How much wide-area bandwidth data parallel and Decoupled DiLoCo need (DESIGN.md section 5).
+"""How much wide-area bandwidth data parallel and Decoupled DiLoCo need (docs/bandwidth.md).
 
 Both are measured per site and per direction, because a site's WAN link is what one buys.
 

@@ -1,4 +1,4 @@
-"""Goodput and uptime of pre-training on N chips under chip failures (DESIGN.md section 4).
+"""Goodput and uptime of pre-training on N chips under chip failures (docs/goodput.md).
 
 No single machine can run a million chips, so this module *models* them. Every chip is
 interrupted as a Poisson process (mean time between interruptions ``mtbi_s``). A failed chip
@@ -42,7 +42,7 @@ SECONDS_PER_YEAR = 365.25 * 86_400.0
 DEFAULT_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 DEFAULT_CONFIGS = ("dp", "dp-elastic", "decoupled-M2", "decoupled-M4", "decoupled-M8", "decoupled-M16")
 CALIBRATION_CHIPS = 1_200_000
-# Goodput at 1.2M chips, MTBI one year, as published (DESIGN.md section 4).
+# Goodput at 1.2M chips, MTBI one year, as the paper publishes it (docs/goodput.md, "Calibration").
 PUBLISHED_GOODPUT_1_2M = {
     "dp": 0.27, "dp-elastic": 0.58, "decoupled-M2": 0.70,
     "decoupled-M4": 0.82, "decoupled-M8": 0.88, "decoupled-M16": 0.93,

@@ -1,4 +1,4 @@
-"""Invariants the virtual cluster checks after every event (STYLE.md: simulation testing).
+"""Invariants the virtual cluster checks after every event (docs/design.md, "The virtual cluster").
 
 Safety properties of the protocol, whatever the adversary does:
 

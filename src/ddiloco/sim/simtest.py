@@ -9,9 +9,8 @@ synthetic workload (:mod:`ddiloco.sim.synthetic`) in two phases:
    messages, cuts learners off, freezes them past their lease, crashes learners and the
    synchronizer; the invariant checker runs after every event;
 2. **liveness**: faults stop. Once the last fault has ended (``quiet``), within the bound
-   ``B = 3·lease + 2·rpc_timeout + (H + τ + 2)·step·slow_factor + max_wait`` every learner
-   that is up must be training in the synchronizer's current incarnation, alive there, and
-   hold every fragment at least at the version the synchronizer had at ``quiet``; and the
+   ``B`` (:func:`ddiloco.core.liveness.catch_up_bound_s`) every learner that is up must be
+   training in the synchronizer's current incarnation, alive there, and hold every fragment at least at the version the synchronizer had at ``quiet``; and the
    run must then finish its budget (stop, flush, merge the last rounds).
 
 A failing seed is reported with the command that replays it.
@@ -31,6 +30,8 @@ import torch
 
 from ddiloco.config import Config, apply_override, apply_section, check_seed
 from ddiloco.core.learner import LearnerPhase
+from ddiloco.core.liveness import catch_up_bound_s
+from ddiloco.core.merge import MERGE_RULES
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED, FaultKind, parse_kind
 from ddiloco.sim.cluster import VirtualCluster
@@ -95,7 +96,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
         "protocol": {
             "fragments": fragments, "shards": shards, "period": period, "quorum": int(rng.integers(1, m + 1)),
             "overlap": int(rng.integers(0, 4)), "staleness_max": int(rng.integers(1, 5)),
-            "alpha": float(rng.choice([0.0, 0.5])), "merge": str(rng.choice(["rda", "mean"])),
+            "alpha": float(rng.choice([0.0, 0.5])), "merge": str(rng.choice(MERGE_RULES)),
             "lease_s": lease_s, "heartbeat_s": float(rng.uniform(0.5, 3.0)),
             "grace_max_s": float(rng.uniform(0.5, 5.0)), "max_wait_s": float(rng.choice([0.0, 0.0, 3.0])),
         },
@@ -133,10 +134,11 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
 
 
 def liveness_bound_s(config: Config) -> float:
-    """B: how long after the last fault every learner must be back in step (module docstring)."""
-    p, c = config.protocol, config.cluster
-    slow = c.slow_factor if c.slow_fraction else 1.0
-    return 3 * p.lease_s + 2 * c.rpc_timeout_s + (p.period + p.overlap + 2) * c.step_time_s * slow + p.max_wait_s
+    """B of this world: :func:`~ddiloco.core.liveness.catch_up_bound_s` with the virtual cluster's
+    call deadline and its slowest learner's step."""
+    c = config.cluster
+    slowest_step_s = c.step_time_s * (c.slow_factor if c.slow_fraction else 1.0)
+    return catch_up_bound_s(config.protocol, rpc_timeout_s=c.rpc_timeout_s, slowest_step_s=slowest_step_s)
 
 
 def run_seed(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKind] = SIMULATED) -> SeedResult:
