@@ -1,13 +1,18 @@
 """The round log's file format: records come back in order, a torn or damaged tail ends the
-log where it is damaged (said in one line), and a segment of another run is refused."""
+log where it is damaged (said in one line), and a segment of another run is refused; a
+resumed synchronizer replays what is intact and refuses a log with a gap."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
+from ddiloco.config import build_config
+from ddiloco.core.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
 
 IDENTITY = {"layout_sha256": "ab" * 32, "shard": 0}
@@ -51,6 +56,16 @@ def test_a_torn_or_damaged_tail_ends_the_log_there_in_one_line(tmp_path, caplog,
     assert len(warnings) == 1 and "cut short or damaged" in warnings[0]
 
 
+def test_a_damaged_record_with_others_after_it_is_refused(tmp_path):
+    write(tmp_path, [(0, 1, b"x" * 100), (0, 2, b"y" * 100), (0, 3, b"z" * 100)])
+    (_, file), = segments(tmp_path)
+    data = bytearray(file.read_bytes())
+    data[-200] ^= 0xFF  # inside the second record's payload
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is damaged and records follow it"):
+        list(read_rounds(tmp_path, IDENTITY))
+
+
 def test_a_segment_of_another_run_is_refused_naming_the_file(tmp_path):
     write(tmp_path, [(0, 1, b"x")])
     with pytest.raises(CheckpointError, match=r"rounds-00000000\.log belongs to another run"):
@@ -58,3 +73,27 @@ def test_a_segment_of_another_run_is_refused_naming_the_file(tmp_path):
     (tmp_path / "rounds-00000001.log").write_bytes(b"not a log at all")
     with pytest.raises(CheckpointError, match="is not a ddiloco round log"):
         list(read_rounds(tmp_path, IDENTITY))
+
+
+def test_a_resumed_synchronizer_replays_what_is_intact_and_refuses_a_log_with_a_gap(tmp_path, caplog):
+    config = build_config(preset="tiny", overrides=("run.learners=2",))
+    first = SyncService(config, ServiceOptions(state_dir=tmp_path))
+    codec = get_codec(first.protocol.downlink_codec, block_size=first.protocol.block_size)
+    start = first.core.value(0).clone()
+    updates = [codec.encode(torch.full((start.numel(),), 0.01 * v)) for v in (1, 2, 3)]
+    for version, update in enumerate(updates, 1):
+        first.writer.round_log.append(0, version, False, update).result(timeout=30)
+    first.writer.close()
+    (_, file), = segments(tmp_path)
+    file.write_bytes(file.read_bytes()[:-7])  # the last record cut short by a crash
+
+    with caplog.at_level(logging.WARNING, logger="ddiloco.sync"):
+        resumed = SyncService(config, ServiceOptions(state_dir=tmp_path, resume=True))
+    assert resumed.core.versions()[0] == 2 and resumed.writer.replayed == 2
+    expected = start + codec.decode(updates[0], start.numel()) + codec.decode(updates[1], start.numel())
+    assert torch.equal(resumed.core.value(0), expected)  # Θ: the sum of the updates sent, bit for bit
+    assert sum("cut short or damaged" in r.getMessage() for r in caplog.records) == 1
+    resumed.writer.round_log.append(0, 4, False, updates[2]).result(timeout=30)  # version 3 never logged: a gap
+    resumed.writer.close()
+    with pytest.raises(CheckpointError, match="from version 2 to 4"):
+        SyncService(config, ServiceOptions(state_dir=tmp_path, resume=True))

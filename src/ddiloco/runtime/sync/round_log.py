@@ -18,9 +18,10 @@ naming the model's layout and the shard (a segment of another run is refused), t
 ``length, crc32, fragment, version, plain, payload``. One thread writes them and fsyncs once
 for every record queued meanwhile (group commit). A checkpoint starts a new segment before it
 copies its first fragment and, once it is the latest, deletes the segments before that one.
-A record cut short or damaged (a crash mid-write, a bad disk) ends the log there: it is
-reported in one line and the run resumes from what is intact. Such a record was never
-durable, so its update never left.
+A record cut short or damaged (a crash mid-write, a bad disk) ends its segment: it is
+reported in one line and the run resumes from what is intact (the restarted process writes
+a new segment). Such a record was never durable, so its update never left. A damaged record with
+others after it is not a crash mid-write but a damaged file: refused, in one line.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def segments(path: Path) -> list[tuple[int, Path]]:
 
 
 def read_rounds(path: Path, identity: dict[str, object], first: int = 0) -> Iterator[LoggedRound]:
-    """The records of every segment numbered ``first`` or later, in order, up to the first
-    one that is cut short or damaged (said in one line). :class:`CheckpointError` if a segment
-    belongs to another run."""
+    """The records of every segment numbered ``first`` or later, in order; a record cut short
+    or damaged ends its segment (said in one line: a crash while it was written, so the next
+    segment, written after the restart, follows what precedes it). :class:`CheckpointError`
+    if a segment belongs to another run."""
     for number, file in segments(path):
         if number < first:
             continue
@@ -79,10 +81,14 @@ def read_rounds(path: Path, identity: dict[str, object], first: int = 0) -> Iter
                 if not head:
                     break
                 record = _record(f, head)
-                if record is None:
+                if record is None:  # the end of what that incarnation made durable; later segments go on
+                    if f.read(1):
+                        raise CheckpointError(f"{file}: the record at byte {at} is damaged and records follow it "
+                                              "(not a crash mid-write: a damaged disk or file); the rounds after it "
+                                              "cannot be restored")
                     log.warning("round log %s: the record at byte %d is cut short or damaged (a crash while it "
                                 "was written); replaying what precedes it", file, at)
-                    return
+                    break
                 yield record
 
 
