@@ -84,13 +84,13 @@ def mixed_schedule(n: int, learners: int) -> tuple[str, float]:
 
 
 def run_chaos(name: str, schedule: str, window_s: float, learners: int, work: Path, baseline: bool,
-              seed: int) -> tuple[dict[str, Any], float, int]:
+              seed: int, extra: tuple[str, ...]) -> tuple[dict[str, Any], float, int]:
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     path = out / "schedule.toml"
     path.write_text(schedule)
     cmd = [sys.executable, "-m", "ddiloco.cli", "chaos", *COMMON, "--learners", str(learners), "--time",
-           f"{window_s:.0f}", "--seed", str(seed), "--schedule", str(path), "--out", str(out)]
+           f"{window_s:.0f}", "--seed", str(seed), "--schedule", str(path), "--out", str(out), *extra]
     if not baseline:
         cmd.append("--no-baseline")
     print(f"[{name}] {' '.join(cmd[2:])}", flush=True)
@@ -118,10 +118,10 @@ def common_figures(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
+def kills(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...]) -> dict[str, Any]:
     learners = 5
     schedule, window = kills_schedule(n, learners)
-    report, wall, code = run_chaos("kills", schedule, window, learners, work, baseline, seed)
+    report, wall, code = run_chaos("kills", schedule, window, learners, work, baseline, seed, extra)
     skipped = sum(1 for e in report["schedule"] if "skipped" in e)
     figures = {"kills": report["faults"]["learner_crash"], "skipped": skipped, "wall_s": round(wall, 1), "exit_code": code,
                **common_figures(report)}
@@ -133,10 +133,10 @@ def kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
     return figures
 
 
-def sync_kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
+def sync_kills(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...]) -> dict[str, Any]:
     learners = 3
     schedule, window = sync_kills_schedule(n)
-    report, wall, code = run_chaos("sync_kills", schedule, window, learners, work, baseline, seed)
+    report, wall, code = run_chaos("sync_kills", schedule, window, learners, work, baseline, seed, extra)
     restarts = report["sync_restarts"]
     resumed = [r for r in restarts if r["answering_at_s"] is not None and r["versions_resumed"]]
     lost = [r["rounds_lost"] for r in restarts]
@@ -162,10 +162,10 @@ def sync_kills(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
     return figures
 
 
-def mixed(n: int, work: Path, baseline: bool, seed: int) -> dict[str, Any]:
+def mixed(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...]) -> dict[str, Any]:
     learners = 4
     schedule, window = mixed_schedule(n, learners)
-    report, wall, code = run_chaos("mixed", schedule, window, learners, work, baseline, seed)
+    report, wall, code = run_chaos("mixed", schedule, window, learners, work, baseline, seed, extra)
     figures = {"freezes": report["faults"]["freeze"], "partitions": report["faults"]["partition"],
                "wall_s": round(wall, 1), "exit_code": code, **common_figures(report)}
     print(f"[mixed] {figures['freezes']} freezes + {figures['partitions']} partitions, {report['rejoins']} rejoins, "
@@ -197,13 +197,16 @@ def main() -> int:
                         help="scenarios also run without faults, for the eval loss (default sync_kills,mixed; "
                         "the 100 kills take 16 minutes, their baseline as long again)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a workload option for every run (repeatable), e.g. protocol.shards=2: sync_crash "
+                        "then kills one shard of two")
     parser.add_argument("--out", help="keep every run's directory here (default: a temporary directory)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     args = parser.parse_args()
     counts = {"kills": args.kills or (20 if args.quick else 100),
               "sync_kills": args.sync_kills or (3 if args.quick else 10),
               "mixed": args.mixed or (10 if args.quick else 30)}
-    scenarios: dict[str, Callable[[int, Path, bool, int], dict[str, Any]]] = {
+    scenarios: dict[str, Callable[[int, Path, bool, int, tuple[str, ...]], dict[str, Any]]] = {
         "kills": kills, "sync_kills": sync_kills, "mixed": mixed}
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in scenarios]
@@ -213,7 +216,8 @@ def main() -> int:
         return 2
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     with_baseline = {s.strip() for s in args.baseline.split(",")}
-    results = {name: scenarios[name](counts[name], work, name in with_baseline, args.seed) for name in chosen}
+    extra = tuple(arg for kv in args.set for arg in ("--set", kv))
+    results = {name: scenarios[name](counts[name], work, name in with_baseline, args.seed, extra) for name in chosen}
     if args.json:
         stamped = {**stamp(sys.argv[1:]), "command": "python benchmarks/bench_chaos.py " + " ".join(sys.argv[1:]),
                    "load_at_end": os.getloadavg(), **results}
