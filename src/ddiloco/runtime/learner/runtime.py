@@ -44,10 +44,12 @@ from torch import nn
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.flat import ModelHold
 from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.learner_kernels import compile_learner_kernels
 from ddiloco.core.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
 from ddiloco.core.shard_link import BACKOFF_START_S
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.link import Inbox, LearnerLink, next_delay
@@ -183,6 +185,9 @@ class LearnerRuntime:
         self.learner_id = learner_id
         self.boot = uuid.uuid4().hex[:12]
         self._params = dict(model.named_parameters())
+        if not self._params:
+            raise ParameterError(f"the model ({type(model).__name__}) has no parameters: nothing to train or synchronize")
+        self._hold = ModelHold(model)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
         self.tokens_per_step = tokens_per_step * self.world
         self.is_leader = self.rank == 0
@@ -221,7 +226,9 @@ class LearnerRuntime:
                                    tokens_per_step=self.tokens_per_step)
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
-        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments])
+        compile_learner_kernels()  # now, not at the first due fragment (a stall of seconds)
+        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments],
+                              [core.decodes_updates(f.index) for f in self.plan.fragments])
         self.link = link = LearnerLink(core, self.clients, self._lock, staging)
         link.start()
         # The first join is the core's like every other: retried while unreachable or refused
@@ -304,6 +311,7 @@ class LearnerRuntime:
         core, link = self.core, self.link
         if self.is_leader and core is not None and link is not None:
             self._raise_if_failed()
+            self._hold.check()  # the core's flat buffers are still the model's parameters
             self._steps += 1
             if core.joined and core.phase not in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
                 with self._lock:
