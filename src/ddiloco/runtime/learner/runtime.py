@@ -23,6 +23,8 @@ Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runti
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
 fragments a merge changed, and their new values, to the other ranks. Gradients are the
 user's to all-reduce (``DistributedDataParallel``), so all ranks keep identical weights.
+Those per-step flags travel over a CPU (gloo) group: read from a GPU tensor they would be a
+device synchronization per step, and the training thread would wait for the GPU to drain.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class LearnerRuntime:
                                        learner_id=learner_id if secret is not None else None)
             self._setup(join_timeout_s)
         if self.world > 1:
+            self._flags_group = _cpu_group()
             self._share_layout()
         # The first step is timed from here: the join (the whole state's download, 40 s on a
         # 1 Mbit/s link) is not a step, and the synchronizer spaces rounds by the step time.
@@ -399,16 +402,13 @@ class LearnerRuntime:
     def _sync_ranks(self, changed: set[int]) -> set[int]:
         """Every rank takes rank 0's merged fragments (and stop / error flags)."""
         names = self._fragment_names
-        # On the parameters' device: NCCL moves only tensors that live on a GPU.
-        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
-        flags = torch.zeros(len(names) + 2, dtype=torch.int64, device=device)
+        flags = torch.zeros(len(names) + 2, dtype=torch.int64)  # on the CPU: reading it waits for no device
         if self.is_leader:
             flags[0] = int(self._leader_should_stop())
             flags[1] = int(self.link is not None and self.link.fatal is not None)
             for p in changed:
                 flags[2 + p] = 1
-        dist.broadcast(flags, src=0)
-        flags = flags.cpu()
+        dist.broadcast(flags, src=0, group=self._flags_group)
         self._stop_agreed = bool(flags[0])
         if flags[1] and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")
@@ -418,6 +418,12 @@ class LearnerRuntime:
                 for name in names[p]:
                     dist.broadcast(self._params[name].data, src=0)
         return changed
+
+
+def _cpu_group() -> Any:
+    """A process group that carries CPU tensors: the default one if its backend does (gloo), else
+    a gloo group over the same ranks (made by every rank, at the same point: it is collective)."""
+    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
 
 
 def _distributed() -> bool:
