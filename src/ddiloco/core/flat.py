@@ -8,7 +8,9 @@ views into one contiguous buffer, the flat vector *is* the parameters: binding s
 ``param.data`` to a view, so the Parameter objects — and the optimizer's hold on them — stay.
 On the CPU, in float32 and with the int4 codecs, Δ → payload and payload → anchor → θ are
 then one pass each, without the GIL (``core/learner_kernels.py``); elsewhere (an accelerator,
-another dtype or codec) they are torch ops on the buffer, without the copies.
+another dtype or codec) they are torch ops on the buffer, without the copies. A fragment whose
+parameters differ in dtype or device (fp32 norms beside bf16 weights) cannot share a buffer:
+it is gathered and scattered at each use, as before.
 
 The binding holds only while the model keeps its parameters in place. Every use checks that
 each parameter is still the view it was given — same storage, shape, dtype, device, strides
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ddiloco.core.codecs import Codec, fused_int4, int4_parts
+from ddiloco.core.fragments import flatten, unflatten_into
 from ddiloco.core.learner_kernels import apply_int4, delta_int4
 from ddiloco.errors import ParameterError
 
@@ -40,11 +43,13 @@ class FlatFragment:
         self.names = tuple(names)
         self._tensors = tuple(tensors)
         self.buffer = _bind(self.names, self._tensors)
-        self._views = tuple((t.data_ptr(), t.shape) for t in self._tensors)
-        self.anchor = self.buffer.to(torch.float32, copy=True)
+        """The parameters back to back (None: they differ in dtype or device, and stay apart)."""
+        self._views = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in self._tensors)
+        self.anchor = self._gather().to(torch.float32, copy=True)
         """The global value last adopted (beside the parameters, on their device)."""
         self._uplink, self._downlink = uplink, downlink
-        host_fp32 = self.buffer.device.type == "cpu" and self.buffer.dtype == torch.float32
+        host_fp32 = (self.buffer is not None and self.buffer.device.type == "cpu"
+                     and self.buffer.dtype == torch.float32)
         self.fused_up = host_fp32 and fused_int4(uplink)
         """Δ is encoded here, in one pass, into the payload (else returned as a tensor to encode)."""
         self.fused_down = host_fp32 and fused_int4(downlink)
@@ -54,12 +59,11 @@ class FlatFragment:
 
     @property
     def numel(self) -> int:
-        return self.buffer.numel()
+        return self.anchor.numel()
 
     def check(self) -> None:
-        """Raise ``ParameterError`` naming the first parameter that is no longer its view of the buffer."""
-        dtype, device = self.buffer.dtype, self.buffer.device
-        for name, t, (ptr, shape) in zip(self.names, self._tensors, self._views):
+        """Raise ``ParameterError`` naming the first parameter that is no longer the memory bound."""
+        for name, t, (ptr, shape, dtype, device) in zip(self.names, self._tensors, self._views):
             if t.data_ptr() != ptr or t.shape != shape or t.dtype != dtype or t.device != device \
                     or not t.is_contiguous():
                 raise changed(name, t, shape, dtype, device, "was replaced by other memory (param.data = ...?)"
@@ -69,7 +73,7 @@ class FlatFragment:
         """Take a global state: parameters and anchor ← values (flat float32)."""
         self.check()
         with torch.no_grad():
-            self.buffer.copy_(values)
+            self._scatter(values)
             self.anchor.copy_(values)
 
     def take_delta(self) -> Tensor | np.ndarray:
@@ -77,7 +81,7 @@ class FlatFragment:
         size, one pass), else a new float32 tensor for the codec (one pass)."""
         self.check()
         if not self.fused_up:
-            return self.anchor - self.buffer.to(torch.float32)
+            return self.anchor - self._gather().to(torch.float32)
         block = self._uplink.block_size  # type: ignore[attr-defined]
         blocks = -(-self.numel // block)
         payload = np.empty(self._uplink.encoded_size(self.numel), dtype=np.uint8)
@@ -107,13 +111,23 @@ class FlatFragment:
                              f"expected {self.numel}")
         with torch.no_grad():
             self.anchor += values.to(self.anchor.device, non_blocking=True)  # pinned memory: no wait for the device
-            local = self.buffer.to(torch.float32)  # the buffer itself in float32
+            local = self._gather().to(torch.float32)  # a float32 buffer itself: merged in place
             if alpha:
                 local.mul_(alpha).add_(self.anchor, alpha=1.0 - alpha)
             else:
                 local.copy_(self.anchor)
             if local is not self.buffer:
-                self.buffer.copy_(local)
+                self._scatter(local)
+
+    def _gather(self) -> Tensor:
+        """The parameters as one flat vector: the buffer itself, or a copy when unbound."""
+        return self.buffer if self.buffer is not None else flatten(self._tensors)
+
+    def _scatter(self, flat: Tensor) -> None:
+        if self.buffer is not None:
+            self.buffer.copy_(flat)
+        else:
+            unflatten_into(flat, self._tensors)
 
 
 def changed(name: str, now: Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device,
@@ -152,21 +166,21 @@ class ModelHold:
                               "was replaced by a new Parameter (load_state_dict(assign=True)?)")
 
 
-def _bind(names: Sequence[str], tensors: Sequence[Tensor]) -> Tensor:
-    """One new buffer holding ``tensors`` back to back; each tensor becomes a view into it."""
+def _bind(names: Sequence[str], tensors: Sequence[Tensor]) -> Tensor | None:
+    """One new buffer holding ``tensors`` back to back, each tensor becoming a view into it; None
+    when they differ in dtype or device."""
     if not tensors:
         raise ParameterError("a fragment without parameters: the model has none to synchronize")
-    first, head = tensors[0], names[0]
+    first = tensors[0]
     for name, t in zip(names, tensors):
         if not t.is_floating_point():
             raise ParameterError(f"parameter {name!r} is {t.dtype}: only floating-point parameters are trained")
-        if (t.dtype, t.device) != (first.dtype, first.device):
-            raise ParameterError(f"parameter {name!r} is {t.dtype} on {t.device} but {head!r} is {first.dtype} on "
-                                 f"{first.device}: the parameters of one fragment share one dtype and device")
         if not t.is_contiguous():
             raise ParameterError(f"parameter {name!r} is not contiguous (shape {tuple(t.shape)}, strides "
                                  f"{t.stride()}): make it so before the learner starts "
                                  "(param.data = param.data.contiguous())")
+    if any((t.dtype, t.device) != (first.dtype, first.device) for t in tensors):
+        return None
     buffer = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
     offset = 0
     with torch.no_grad():
