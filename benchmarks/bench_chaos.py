@@ -62,10 +62,11 @@ def kills_schedule(n: int, learners: int) -> tuple[str, float]:
     return text, FIRST_S + n * gap_s
 
 
-def sync_kills_schedule(n: int) -> tuple[str, float]:
-    """n synchronizer kills 15 s apart on the schedule's clock (which stops while it is down), 1 s down each."""
+def sync_kills_schedule(n: int, target: str = "sync") -> tuple[str, float]:
+    """n synchronizer kills 15 s apart on the schedule's clock (which stops while it is down), 1 s down each;
+    ``target``: the synchronizer, or one shard of a sharded one (``sync-1``)."""
     gap_s = 15.0
-    text = "\n".join(entry(FIRST_S + k * gap_s, "sync_crash", "sync", 1.0) for k in range(n))
+    text = "\n".join(entry(FIRST_S + k * gap_s, "sync_crash", target, 1.0) for k in range(n))
     return text, FIRST_S + n * gap_s
 
 
@@ -135,7 +136,8 @@ def kills(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...])
 
 def sync_kills(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...]) -> dict[str, Any]:
     learners = 3
-    schedule, window = sync_kills_schedule(n)
+    sharded = any(a.startswith("protocol.shards=") and a.split("=", 1)[1].strip() not in ("0", "1") for a in extra)
+    schedule, window = sync_kills_schedule(n, "sync-1" if sharded else "sync")
     report, wall, code = run_chaos("sync_kills", schedule, window, learners, work, baseline, seed, extra)
     restarts = report["sync_restarts"]
     resumed = [r for r in restarts if r["answering_at_s"] is not None and r["versions_resumed"]]

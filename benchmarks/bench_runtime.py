@@ -3,6 +3,7 @@
     python benchmarks/bench_runtime.py            # everything (a few minutes on 2 CPU cores)
     python benchmarks/bench_runtime.py --only upload,wire
     python benchmarks/bench_runtime.py --only throughput --device cuda [--precision bf16]
+    python benchmarks/bench_runtime.py --only profile [--model large]   # the training thread's profile
 
 1. learner throughput: the same training loop with a synchronizer attached (LearnerRuntime,
    synchronizer in its own CPU process on 127.0.0.1) and alone, interleaved in one run;
@@ -22,7 +23,9 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -52,13 +55,16 @@ SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_l
 MEDIUM = ("model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=16",
           "run.learners=1", "protocol.fragments=4", "protocol.period=8")
 """~0.8M parameters: steps of ~100 ms on one CPU thread."""
+LARGE = ("model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=16",
+         "run.learners=1", "protocol.fragments=4", "protocol.period=8")
+"""~3.2M parameters, 4x ``MEDIUM``: steps of ~400 ms on one CPU thread (fragments 4x larger, same step count)."""
 BIG = ("model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.seq_len=64", "run.learners=1",
        "protocol.fragments=4", "protocol.period=8")
 """~13M parameters: fragments of ~3M parameters (12 MB in fp32) for the transport benchmarks."""
 GPU = ("model.d_model=512", "model.n_layers=10", "model.n_heads=8", "model.seq_len=256", "train.batch_size=32",
        "run.learners=1", "protocol.fragments=4", "protocol.period=12")
 """~32M parameters, 8192 tokens a step: the throughput benchmark on a GPU (the protocol's default P and H)."""
-MODELS = {"small": SMALL, "medium": MEDIUM, "gpu": GPU}
+MODELS = {"small": SMALL, "medium": MEDIUM, "large": LARGE, "gpu": GPU}
 
 
 class SyncProcess:
@@ -95,8 +101,10 @@ def _wait_for_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_id: str) -> tuple[float, dict]:
-    """Steps per second of the reference training loop (after 20 warm-up steps)."""
+def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_id: str,
+          profile: cProfile.Profile | None = None) -> tuple[float, dict]:
+    """Steps per second of the reference training loop (after 20 warm-up steps); ``profile``
+    records the timed steps (on this thread only: the training thread)."""
     model = workload.new_model()
     trainer = workload.new_trainer(model)
     sampler = workload.sampler(0)
@@ -108,6 +116,8 @@ def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_i
             runtime.step(x.numel())
     _wait_for_device(workload.device)
     overhead_before = runtime.stats.step_overhead_s if runtime else 0.0
+    if profile:
+        profile.enable()
     started = time.perf_counter()
     for _ in range(steps):
         x, y = sampler.next_batch()
@@ -115,6 +125,8 @@ def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_i
         if runtime:
             runtime.step(x.numel())
     _wait_for_device(workload.device)
+    if profile:
+        profile.disable()
     elapsed = time.perf_counter() - started
     stats = {}
     if runtime:
@@ -136,8 +148,10 @@ def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], devic
             alone.append(_loop(workload, steps, None, "")[0])
             rate, last = _loop(workload, steps, sync.address, f"bench-{r}")
             attached.append(rate)
-    # Best of the repeats: on a shared machine, interference only ever slows a run down.
+    # Best of the repeats: on a shared machine, interference only ever slows a run down. The
+    # ratio of each pair (alone, then attached, back to back) shows the spread.
     a, b = max(alone), max(attached)
+    pairs = sorted(t / s for s, t in zip(alone, attached))
     params = sum(p.numel() for p in workload.new_model().parameters())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu, 1 thread"
     target = 0.98 if device.type == "cuda" else 0.95
@@ -145,11 +159,31 @@ def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], devic
           f"{workload.tokens_per_step} tokens/step, {steps} steps, best of {repeats}: alone {a:.2f} steps/s, "
           f"with synchronizer {b:.2f} steps/s -> ratio {b / a:.3f} (target >= {target}; medians "
           f"{statistics.median(alone):.2f} / {statistics.median(attached):.2f} -> "
-          f"{statistics.median(attached) / statistics.median(alone):.3f}); training thread inside "
+          f"{statistics.median(attached) / statistics.median(alone):.3f}; per pair median {statistics.median(pairs):.3f}, "
+          f"range {pairs[0]:.3f}-{pairs[-1]:.3f}); training thread inside "
           f"runtime.step: {last['overhead_ms_per_step']:.2f} ms of a {1e3 / a:.0f} ms step "
           f"({last['overhead_ms_per_step'] * a / 1e3:.1%}); "
           f"{last['sent']} contributions sent, "
           f"{last['applied']} updates applied")
+
+
+def profile_training_thread(steps: int, overrides: tuple[str, ...], device: torch.device) -> None:
+    """Where the training thread's time goes with a synchronizer attached (cProfile of that thread):
+    the inner step, ``runtime.step`` and the protocol's functions under it, in ms per step."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    workload = Workload.build(build_config(preset="tiny", overrides=overrides), device)
+    profile = cProfile.Profile()
+    with SyncProcess(overrides) as sync:
+        _loop(workload, steps, sync.address, "bench-profile", profile)
+    rows = []
+    for (path, line, name), (_, calls, own_s, total_s, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        where = path.replace(os.sep, "/")
+        if "/ddiloco/" in where and ("/core/" in where or "/runtime/learner/" in where or name == "step"):
+            rows.append((total_s, own_s, calls, f"{where.split('/ddiloco/')[-1]}:{line}({name})"))
+    print(f"[profile] training thread, {steps} steps with a synchronizer attached (ms per step: cumulative, own; calls):")
+    for total_s, own_s, calls, what in sorted(rows, reverse=True)[:16]:
+        print(f"  {1e3 * total_s / steps:8.3f} {1e3 * own_s / steps:8.3f} {calls:6d}  {what}")
 
 
 def _contribution(learner: str, session: Session, fragment: int, numel: int, codec: str, seq: int,
@@ -259,7 +293,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps per throughput measurement")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", choices=tuple(MODELS), default=None,
-                        help="model of the throughput benchmark (small: ~20 ms CPU steps, medium: ~100 ms; "
+                        help="model of the throughput benchmark (small: ~20 ms CPU steps, medium: ~100 ms, large: ~400 ms; "
                              "gpu: ~32M parameters); default medium on the CPU, gpu on a GPU")
     add_device_option(parser)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="train.precision of the learner")
@@ -268,6 +302,8 @@ def main() -> None:
     try:
         device = resolve_device(args.device)
         model = args.model or ("medium" if device.type == "cpu" else "gpu")
+        if "profile" in chosen:
+            profile_training_thread(args.steps, MODELS[model] + (f"train.precision={args.precision}",), device)
         if "throughput" in chosen:
             bench_throughput(args.steps, args.repeats, MODELS[model] + (f"train.precision={args.precision}",), device)
         if "upload" in chosen:

@@ -21,6 +21,7 @@ from ddiloco.runtime.learner.runtime import (
 )
 from ddiloco.runtime.layout import layout_from_file, model_layout
 from ddiloco.runtime.sync.service import ServiceOptions
+from ddiloco.errors import ParameterError
 
 
 class TiedLM(nn.Module):
@@ -121,5 +122,33 @@ def test_a_learner_refused_for_its_layout_is_not_left_registered_as_live(tmp_pat
         with SyncClient(f"127.0.0.1:{s.port}") as client:
             live = [lr["id"] for lr in client.status_dict()["learners"] if lr["alive"]]
         assert live == []
+    finally:
+        s.close()
+
+
+def test_a_model_without_parameters_is_refused_before_anything_connects():
+    with pytest.raises(ParameterError, match=r"^the model \(Sequential\) has no parameters"):
+        LearnerRuntime(nn.Sequential(nn.ReLU()), "127.0.0.1:1", "empty")
+
+
+@pytest.mark.parametrize("change,problem", [
+    (lambda m: m.to(torch.float64), r"'[\w.]+' changed dtype from torch.float32 to torch.float64"),
+    (lambda m: m.load_state_dict(m.state_dict(), assign=True), r"'embed.weight' was replaced by a new Parameter"),
+])
+def test_a_model_changed_under_a_running_learner_stops_it_naming_the_parameter(tmp_path, change, problem):
+    """Issue 27: the learner's parameters are views into its flat buffers; a model that casts or
+    swaps them afterwards is named at the latest when its fragment is next used, never measured."""
+    save_initial_state(TiedLM(), tmp_path / "init.safetensors")
+    config = tiny_config()
+    s = InProcessSync(config, ServiceOptions(), layout=layout_from_file(tmp_path / "init.safetensors", config.protocol))
+    try:
+        model = TiedLM()
+        runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0")
+        runtime.step(tokens=8)
+        change(model)
+        with pytest.raises(ParameterError, match=rf"^parameter {problem}.* after the learner started"):
+            for _ in range(config.protocol.period):
+                runtime.step(tokens=8)
+        runtime.close(flush=False)
     finally:
         s.close()

@@ -48,8 +48,11 @@ def joined_learner(device: str = "cpu") -> tuple[Learner, dict[str, torch.Tensor
     return core, params, sync
 
 
-def staging_for(core: Learner, device: str) -> HostStaging:
-    return HostStaging(torch.device(device), get_codec(CONFIG.downlink_codec), [f.numel for f in core.plan.fragments])
+def staging_for(core: Learner, device: str, *, ahead: bool = False) -> HostStaging:
+    """The runtime's staging (``ahead``: decoding every update, also those the core would apply from the payload)."""
+    fragments = core.plan.fragments
+    return HostStaging(torch.device(device), get_codec(CONFIG.downlink_codec), [f.numel for f in fragments],
+                       [not ahead and core.decodes_updates(f.index) for f in fragments])
 
 
 def train_until_sends(core: Learner, params: dict[str, torch.Tensor]) -> list[Send]:
@@ -89,7 +92,7 @@ def test_an_update_decoded_ahead_merges_exactly_like_one_decoded_by_the_core():
         core, params, sync = joined_learner()
         sends = train_until_sends(core, params)
         update = first_update(sync, sends[0])
-        values = staging_for(core, "cpu").decode(update) if ahead else None
+        values = staging_for(core, "cpu", ahead=True).decode(update) if ahead else None
         core.on_update(update, 2.0, values=values)
         results.append((core.versions, [t.clone() for t in params.values()]))
     assert results[0][0] == results[1][0] and results[0][0][sends[0].fragment] == 1
@@ -99,7 +102,8 @@ def test_an_update_decoded_ahead_merges_exactly_like_one_decoded_by_the_core():
 def test_an_update_that_does_not_fit_is_left_to_the_core_to_refuse():
     core, params, sync = joined_learner()
     update = first_update(sync, train_until_sends(core, params)[0])
-    staging = staging_for(core, "cpu")
+    staging = staging_for(core, "cpu", ahead=True)
+    assert staging.decode(update) is not None and staging_for(core, "cpu").decode(update) is None  # the core's own
     assert staging.decode(dataclasses.replace(update, codec="fp32")) is None
     assert staging.decode(dataclasses.replace(update, payload=update.payload[:-1])) is None
     assert staging.decode(dataclasses.replace(update, fragment=99)) is None

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ddiloco.core.codecs import Codec
@@ -218,30 +219,35 @@ SyncAction = (Reply | Broadcast | LogRound | RoundClosed | LeaseExpired | LinkSt
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Upload a contribution whose Δ is taken but not yet compressed.
-
-    Δ is a copy taken at the step boundary (the parameters move on with the next step), so
-    ``encode()`` may run on another thread and a real learner never compresses inside its
-    training loop.
+    """Upload a contribution whose Δ is taken at the step boundary (the parameters move on with
+    the next step): either already encoded (``encoded``: the core's one fused pass, on the
+    CPU with int4) or as a tensor that ``encode()`` compresses — on another thread, so a real
+    learner never runs the codec inside its training loop.
     """
 
     header: Contribution
     """Every field of the contribution but its payload, which is empty."""
-    delta: torch.Tensor
+    delta: torch.Tensor | None
+    """Δ to compress, or None when ``encoded`` holds the payload."""
     codec: Codec
     shard: int = 0
     """The synchronizer shard that owns the fragment."""
     ready: Callable[[], object] | None = None
     """Waits until ``delta`` holds its values, when a driver copies it from an accelerator
     asynchronously (``runtime/learner/staging.py``); None: it already does."""
+    encoded: np.ndarray | None = None
+    """The payload's bytes, written by the core (``core/flat.py``); None: ``delta`` is to encode."""
 
     @property
     def fragment(self) -> int:
         return self.header.fragment
 
     def encode(self) -> Contribution:
-        """Compress Δ on the host: a Δ still on an accelerator is copied here, by the thread
-        that encodes (a real learner's sender thread, never its training loop)."""
+        """The contribution with its payload: compressed on the host (a Δ still on an accelerator
+        is copied here, by the thread that encodes: a real learner's sender thread)."""
+        if self.encoded is not None:
+            return dataclasses.replace(self.header, payload=self.encoded.tobytes())
+        assert self.delta is not None
         if self.ready is not None:
             self.ready()
         return dataclasses.replace(self.header, payload=self.codec.encode(self.delta.cpu()))

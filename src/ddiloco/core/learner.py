@@ -29,7 +29,8 @@ import torch
 from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import FragmentPlan, flatten, unflatten_into
+from ddiloco.core.flat import FlatFragment
+from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.grace import MovingAverage
 from ddiloco.core.link_watch import LinkWatch
 from ddiloco.core.schedule import SendSchedule
@@ -71,7 +72,8 @@ taking it back from each other would fight for ever, so the earlier one stops)."
 
 
 class Learner:
-    """One learner's protocol state; holds references to the model's parameters, not copies."""
+    """One learner's protocol state; binds the model's parameters, fragment by fragment, to one
+    flat buffer each (``core/flat.py``): the parameters become views into it, not copies."""
 
     def __init__(
         self,
@@ -98,8 +100,8 @@ class Learner:
         self.links = [ShardLink() for _ in range(config.shards)]
         self._uplink = get_codec(config.codec, block_size=config.block_size)
         self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
-        self._tensors = [[named_parameters[n] for n in f.param_names] for f in plan.fragments]
-        self._anchors = [flatten(ts) for ts in self._tensors]
+        self._flat = [FlatFragment(f.index, f.param_names, [named_parameters[n] for n in f.param_names],
+                                   self._uplink, self._downlink) for f in plan.fragments]
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
         self.schedule = SendSchedule(plan)
@@ -196,7 +198,12 @@ class Learner:
 
     def anchor(self, fragment: int) -> torch.Tensor:
         """The global value this learner last adopted for ``fragment`` (do not modify)."""
-        return self._anchors[fragment]
+        return self._flat[fragment].anchor
+
+    def decodes_updates(self, fragment: int) -> bool:
+        """Does the core apply ``fragment``'s updates straight from their payload (one fused pass),
+        so that a driver gains nothing by decoding them ahead?"""
+        return self._flat[fragment].fused_down
 
     # ---- joining -------------------------------------------------------------------------
 
@@ -240,20 +247,18 @@ class Learner:
             values = frag.values.to(torch.float32).flatten()
             if values.numel() != self.plan.fragments[p].numel:
                 raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
-            anchor = self._anchors[p]
+            flat = self._flat[p]
             kept = (self.versions[p] == frag.version and self._keepable(p)
-                    and torch.equal(values.to(anchor.device), anchor))
-            if not kept:  # a first join, or a synchronizer that moved on (or, without a round log, back)
-                newer = 0 <= self.versions[p] < frag.version
-                self._anchors[p] = anchor = values.to(anchor.device, copy=True)  # beside the parameters
-                if newer:
-                    self._mix(p, anchor)
-                else:
-                    unflatten_into(values, self._tensors[p])
-                self.versions[p] = frag.version
+                    and torch.equal(values.to(flat.anchor.device), flat.anchor))
             if kept:
                 self.kept += (p,)
                 self.watch.kept(p)
+            else:  # a first join, or a synchronizer that moved on (or, without a round log, back)
+                if 0 <= self.versions[p] < frag.version:
+                    flat.move_to(values, self.config.alpha)
+                else:
+                    flat.adopt(values)
+                self.versions[p] = frag.version
             self.watch.arrived(self.step)
             self.schedule.restart(p, self.step, keep_counters=kept)
 
@@ -286,7 +291,7 @@ class Learner:
         shard = self.config.shard_of(p)
         session = self.links[shard].session
         assert session is not None
-        delta = self._anchors[p] - flatten(self._tensors[p])
+        delta = self._flat[p].take_delta()  # before any accounting: it checks the parameters are still bound
         counters, seq = self.schedule.take(p, self.step)
         self.watch.sent(p, counters.steps)
         header = Contribution(
@@ -304,7 +309,9 @@ class Learner:
             first_step=counters.first_step,
             progress=self.progress,
         )
-        return Send(header, delta, self._uplink, shard)
+        if isinstance(delta, torch.Tensor):
+            return Send(header, delta, self._uplink, shard)
+        return Send(header, None, self._uplink, shard, encoded=delta)
 
     def close(self, now: float) -> list[LearnerAction]:
         """End of training: send every fragment with unsent steps, due or not, then leave every shard."""
@@ -326,7 +333,8 @@ class Learner:
         """Merge a new global value: anchor ← Θ, θ ← α·θ + (1−α)·Θ.
 
         ``values``: the update's payload already decoded by the driver (off the training
-        thread, into memory an accelerator copies from without waiting); decoded here if None.
+        thread, into memory an accelerator copies from without waiting); decoded here if None
+        (in the same pass as the merge where ``decodes_updates``).
         """
         result = self._apply(update, values)
         self.updates[result] += 1
@@ -337,7 +345,7 @@ class Learner:
 
     def _apply(self, update: FragmentUpdate, values: torch.Tensor | None) -> UpdateResult:
         p = update.fragment
-        if not 0 <= p < len(self._tensors) or update.codec != self._downlink.name:
+        if not 0 <= p < len(self._flat) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
         session = self.session_of(p)
         if session is None or update.incarnation != session.incarnation:
@@ -346,14 +354,8 @@ class Learner:
             return UpdateResult.IGNORED
         if update.version != self.versions[p] + 1:
             return UpdateResult.GAP
-        anchor = self._anchors[p]
-        if values is None:
-            values = self._downlink.decode(update.payload, anchor.numel())
-        elif values.shape != anchor.shape:
-            raise ValueError(f"update for fragment {p}: {values.numel()} decoded values, expected {anchor.numel()}")
-        anchor += values.to(anchor.device, non_blocking=True)  # from pinned memory: no wait for the device
+        self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
-        self._mix(p, anchor)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
@@ -364,12 +366,6 @@ class Learner:
         """Is p's unsent progress short enough to keep across a rejoin? Progress of more than
         ``staleness_max`` periods would go out as one Δ beyond the synchronizer's norm bound."""
         return self.schedule.counters[p].steps <= self.config.staleness_max * self.plan.period
-
-    def _mix(self, p: int, anchor: torch.Tensor) -> None:
-        """θ ← α·θ + (1−α)·Θ for fragment p."""
-        alpha = self.config.alpha
-        local = flatten(self._tensors[p])
-        unflatten_into(local.mul_(alpha).add_(anchor, alpha=1.0 - alpha) if alpha else anchor, self._tensors[p])
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):

@@ -24,6 +24,8 @@ Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runti
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
 fragments a merge changed, and their new values, to the other ranks. Gradients are the
 user's to all-reduce (``DistributedDataParallel``), so all ranks keep identical weights.
+Those per-step flags travel over a CPU (gloo) group: read from a GPU tensor they would be a
+device synchronization per step, and the training thread would wait for the GPU to drain.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ from torch import nn
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.flat import ModelHold
 from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.learner_kernels import compile_learner_kernels
 from ddiloco.core.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
 from ddiloco.core.shard_link import BACKOFF_START_S
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.auth import parse_address
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
@@ -196,6 +200,9 @@ class LearnerRuntime:
         self.learner_id = learner_id
         self.boot = uuid.uuid4().hex[:12]
         self._params = dict(model.named_parameters())
+        if not self._params:
+            raise ParameterError(f"the model ({type(model).__name__}) has no parameters: nothing to train or synchronize")
+        self._hold = ModelHold(model)
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
         self.tokens_per_step = tokens_per_step * self.world
         self.is_leader = self.rank == 0
@@ -215,6 +222,7 @@ class LearnerRuntime:
             self._setup(join_timeout_s)
         self._data_position = self.core.next_batch if self.core is not None else 0
         if self.world > 1:
+            self._flags_group = _cpu_group()
             self._share_layout()
         if on_data_position is not None:
             on_data_position(self._data_position)
@@ -237,7 +245,9 @@ class LearnerRuntime:
                                    tokens_per_step=self.tokens_per_step)
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
-        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments])
+        compile_learner_kernels()  # now, not at the first due fragment (a stall of seconds)
+        staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments],
+                              [core.decodes_updates(f.index) for f in self.plan.fragments])
         self.link = link = LearnerLink(core, self.clients, self._lock, staging)
         link.start()
         # The first join is the core's like every other: retried while unreachable or refused
@@ -329,6 +339,7 @@ class LearnerRuntime:
         core, link = self.core, self.link
         if self.is_leader and core is not None and link is not None:
             self._raise_if_failed()
+            self._hold.check()  # the core's flat buffers are still the model's parameters
             self._steps += 1
             if core.joined and core.phase not in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
                 with self._lock:
@@ -418,16 +429,13 @@ class LearnerRuntime:
     def _sync_ranks(self, changed: set[int]) -> set[int]:
         """Every rank takes rank 0's merged fragments (and stop / error flags)."""
         names = self._fragment_names
-        # On the parameters' device: NCCL moves only tensors that live on a GPU.
-        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
-        flags = torch.zeros(len(names) + 2, dtype=torch.int64, device=device)
+        flags = torch.zeros(len(names) + 2, dtype=torch.int64)  # on the CPU: reading it waits for no device
         if self.is_leader:
             flags[0] = int(self._leader_should_stop())
             flags[1] = int(self.link is not None and self.link.fatal is not None)
             for p in changed:
                 flags[2 + p] = 1
-        dist.broadcast(flags, src=0)
-        flags = flags.cpu()
+        dist.broadcast(flags, src=0, group=self._flags_group)
         self._stop_agreed = bool(flags[0])
         if flags[1] and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")
@@ -437,6 +445,12 @@ class LearnerRuntime:
                 for name in names[p]:
                     dist.broadcast(self._params[name].data, src=0)
         return changed
+
+
+def _cpu_group() -> Any:
+    """A process group that carries CPU tensors: the default one if its backend does (gloo), else
+    a gloo group over the same ranks (made by every rank, at the same point: it is collective)."""
+    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
 
 
 def _distributed() -> bool:

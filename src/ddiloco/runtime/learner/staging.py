@@ -12,14 +12,16 @@ stream has drained, so the GPU idles while the CPU queues the next step. Here in
   never waits; the copy overlaps the next step's compute (a copy engine, not the SMs).
 - **Updates in.** The receiver thread decodes each update's payload as it arrives, into
   pinned memory; the core adds it to the anchor with a ``non_blocking`` copy, queued on the
-  training stream between two steps like any kernel.
+  training stream between two steps like any kernel. Where the core applies an update
+  straight from its payload (the CPU with int4: one fused pass, ``core/flat.py``) nothing is
+  decoded ahead: that would only add passes.
 
 Memory is safe by construction: pinned buffers come from PyTorch's caching host
 allocator, which records an event on the stream of every asynchronous copy and does not
 hand a block out again before it has passed; Δ's device memory is marked as used by the
 side stream (``record_stream``) so the training stream cannot reuse it under the copy.
-On the CPU (and MPS) staging changes nothing: Δ is already a host copy, and updates are
-only decoded ahead, off the training thread.
+On the CPU (and MPS) staging changes nothing: Δ is already a host copy (or its payload), and
+updates are at most decoded ahead, off the training thread.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from ddiloco.core.messages import FragmentUpdate
 class HostStaging:
     """Stages one learner's outer gradients out of, and updates into, ``device``."""
 
-    def __init__(self, device: torch.device, downlink: Codec, numels: list[int]) -> None:
+    def __init__(self, device: torch.device, downlink: Codec, numels: list[int], core_decodes: list[bool]) -> None:
         self.device = device
         self.downlink = downlink
         self.numels = numels
         """Elements of each fragment."""
+        self.core_decodes = core_decodes
+        """Per fragment: the core applies updates from their payload (``Learner.decodes_updates``)."""
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
@@ -57,7 +61,7 @@ class HostStaging:
     def _stage(self, send: Send) -> Send:
         delta, side = send.delta, self.side
         assert side is not None
-        if delta.device.type != "cuda":
+        if delta is None or delta.device.type != "cuda":
             return send
         side.wait_stream(torch.cuda.current_stream(delta.device))  # after the kernel that took Δ
         with torch.cuda.stream(side):
@@ -71,8 +75,9 @@ class HostStaging:
     def decode(self, update: FragmentUpdate) -> torch.Tensor | None:
         """The update's values, decoded now (on the receiving thread) into memory the device
         copies from without waiting; None when they do not fit this learner (the core then
-        decodes, and refuses, on its own)."""
-        if update.codec != self.downlink.name or not 0 <= update.fragment < len(self.numels):
+        decodes, and refuses, on its own) or where the core decodes in its merge."""
+        if (update.codec != self.downlink.name or not 0 <= update.fragment < len(self.numels)
+                or self.core_decodes[update.fragment]):
             return None
         try:
             values = self.downlink.decode(update.payload, self.numels[update.fragment])
