@@ -25,6 +25,7 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
 from ddiloco.core.rounds import RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase
+from ddiloco.core.synchronizer import Synchronizer
 from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)

@@ -18,7 +18,7 @@ from runtime_helpers import DEADLINE_S, free_port, learner_args, status_of, sync
 from ddiloco.core.link_watch import OUTAGE_AFTER_S
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.learner.runtime import probe_with_backoff
+from ddiloco.runtime.learner.connect import probe_with_backoff
 
 pytestmark = pytest.mark.slow
 

@@ -113,6 +113,20 @@ class FlatFragment:
             self.anchor += values.to(self.anchor.device, non_blocking=True)  # pinned memory: no wait for the device
             self._mix(alpha)
 
+    def take(self, values: Tensor, held: int, version: int, *, keepable: bool, alpha: float) -> bool:
+        """A (re)join's global value at ``version`` for this fragment, held at ``held`` (−1: never):
+        keep θ and the anchor when the anchor is that very value (a synchronizer restarted from its
+        round log) and the progress is ``keepable``; move to it as the updates it replaces would
+        have when it is newer; adopt it otherwise (a first join, or a synchronizer that went back).
+        True if kept."""
+        if held == version and keepable and torch.equal(values.to(self.anchor.device), self.anchor):
+            return True
+        if 0 <= held < version:
+            self.move_to(values, alpha)
+        else:
+            self.adopt(values)
+        return False
+
     def move_to(self, values: Tensor, alpha: float) -> None:
         """A newer global state than the anchor (a rejoin after missed updates): anchor ← values and
         θ ← α·θ + (1−α)·anchor, as the updates it replaces would have done."""

@@ -38,6 +38,7 @@ from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
                                    Leave, Progress, RejectReason, Request, Session)
 
+
 class LearnerPhase(enum.StrEnum):
     IDLE = "idle"
     """Created; ``start`` sends the first join."""
@@ -75,16 +76,8 @@ class Learner:
     """One learner's protocol state; binds the model's parameters, fragment by fragment, to one
     flat buffer each (``core/flat.py``): the parameters become views into it, not copies."""
 
-    def __init__(
-        self,
-        learner_id: str,
-        config: ProtocolConfig,
-        plan: FragmentPlan,
-        named_parameters: Mapping[str, torch.Tensor],
-        *,
-        boot: str = "boot",
-        tokens_per_step: int = 0,
-    ) -> None:
+    def __init__(self, learner_id: str, config: ProtocolConfig, plan: FragmentPlan,
+                 named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0) -> None:
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
@@ -220,8 +213,8 @@ class Learner:
     def on_admitted(self, state: GlobalState, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         """A synchronizer shard registered us (a new session there): per fragment it sent, keep our
         progress where it holds the value we hold (a synchronizer that restarted from its round
-        log) and the progress is short (:meth:`_keepable`), mix it in like an update where it is
-        newer, adopt it otherwise."""
+        log) and the progress is short, mix it in like an update where it is newer, adopt it
+        otherwise (``FlatFragment.take``)."""
         link = self.links[shard]
         if state.session is None or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
             return []
@@ -247,18 +240,13 @@ class Learner:
             values = frag.values.to(torch.float32).flatten()
             if values.numel() != self.plan.fragments[p].numel:
                 raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
-            flat = self._flat[p]
-            kept = (self.versions[p] == frag.version and self._keepable(p)
-                    and torch.equal(values.to(flat.anchor.device), flat.anchor))
+            # Progress of more than staleness_max periods would go out as one Δ beyond the norm bound.
+            short = self.schedule.counters[p].steps <= self.config.staleness_max * self.plan.period
+            kept = self._flat[p].take(values, self.versions[p], frag.version, keepable=short, alpha=self.config.alpha)
             if kept:
                 self.kept += (p,)
                 self.watch.kept(p)
-            else:  # a first join, or a synchronizer that moved on (or, without a round log, back)
-                if 0 <= self.versions[p] < frag.version:
-                    flat.move_to(values, self.config.alpha)
-                else:
-                    flat.adopt(values)
-                self.versions[p] = frag.version
+            self.versions[p] = frag.version
             self.watch.arrived(self.step)
             self.schedule.restart(p, self.step, keep_counters=kept)
 
@@ -361,11 +349,6 @@ class Learner:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
         self.schedule.landed(p)
         return UpdateResult.APPLIED
-
-    def _keepable(self, p: int) -> bool:
-        """Is p's unsent progress short enough to keep across a rejoin? Progress of more than
-        ``staleness_max`` periods would go out as one Δ beyond the synchronizer's norm bound."""
-        return self.schedule.counters[p].steps <= self.config.staleness_max * self.plan.period
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):

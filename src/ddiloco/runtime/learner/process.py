@@ -27,7 +27,8 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import LayoutMismatch
-from ddiloco.runtime.learner.runtime import LearnerRuntime, probe_with_backoff
+from ddiloco.runtime.learner.connect import probe_with_backoff
+from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.workload.device import process_group_backend, resolve_device
 from ddiloco.workload.workload import Workload, weights_sha256
