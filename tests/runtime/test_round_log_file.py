@@ -31,7 +31,8 @@ def test_records_come_back_in_order_across_segments_and_old_segments_are_dropped
     log.append(0, 1, False, b"a" * 10).result(timeout=30)
     second = log.rotate().result(timeout=30)
     log.append(1, 1, True, b"b" * 7).result(timeout=30)
-    log.append(0, 2, False, b"").result(timeout=30)
+    log.append(0, 2, False, b"")
+    log.barrier().result(timeout=30)  # what a state transfer waits for: everything appended is durable
     assert [r.version for r in read_rounds(tmp_path, IDENTITY)] == [1, 1, 2]
     assert [(r.fragment, r.plain, r.payload) for r in read_rounds(tmp_path, IDENTITY, second)] == \
         [(1, True, b"b" * 7), (0, False, b"")]

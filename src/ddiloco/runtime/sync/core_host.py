@@ -199,6 +199,11 @@ class SyncHost:
             operation()
             self._outbox.task_done()
 
+    async def durable(self) -> None:
+        """Wait until every round logged so far is on disk (at once without a round log)."""
+        if self.round_log is not None:
+            await asyncio.wrap_future(self.round_log.barrier())
+
     async def flush(self) -> None:
         """Wait until every stream operation queued behind the round log is carried out."""
         await self._outbox.join()

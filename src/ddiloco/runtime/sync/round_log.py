@@ -135,6 +135,10 @@ class RoundLog:
     def append(self, fragment: int, version: int, plain: bool, payload: bytes) -> Future:
         return self._put(LoggedRound(fragment, version, plain, payload))
 
+    def barrier(self) -> Future:
+        """A future done once everything appended so far is durable."""
+        return self._put("barrier")
+
     def rotate(self) -> Future:
         """Start a new segment after everything appended so far; the future gives its number."""
         return self._put("rotate")
@@ -179,6 +183,9 @@ class RoundLog:
                     self._file.close()
                     done.set_result(None)
                     return
+                if item == "barrier":
+                    waiting.append(done)
+                    continue
                 if item == "rotate":
                     self._sync(waiting)
                     self._guard(lambda: self._open(self.segment + 1), [done], self.segment + 1)

@@ -144,7 +144,7 @@ class SyncService:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
         self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
         self.host: SyncHost | None = None
-        self.copies = SharedCopies(lambda fn: self._host.query(fn))
+        self.copies = SharedCopies(lambda fn: self._host.query(fn), lambda: self._host.durable())
 
     @property
     def view(self) -> CoreView:

@@ -5,7 +5,8 @@ thread for a copy of the next fragment (``Synchronizer.fragment_value``), sends 
 and lets it go, so a transfer holds one fragment beyond the steady state instead of a copy
 of the whole model. Transfers under way at once share one copy of a fragment as long as its
 version has not moved on: eight learners joining together cost one copy of each fragment in
-turn, not eight copies of the model.
+turn, not eight copies of the model. A copy leaves only once the round log holds its version
+(``durable``): a learner never receives a version a restart could not restore.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ Query = Callable[[Callable[[Synchronizer], _Shared]], Awaitable[_Shared]]
 
 
 class SharedCopies:
-    def __init__(self, query: Query) -> None:
+    def __init__(self, query: Query, durable: Callable[[], Awaitable[None]]) -> None:
         self._query = query
+        self._durable = durable
         self._cache: weakref.WeakValueDictionary[int, _Shared] = weakref.WeakValueDictionary()
 
     async def get(self, fragment: int) -> _Shared:
@@ -53,6 +55,7 @@ class SharedCopies:
         """Send these fragments' values in chunks, one fragment's copy held at a time."""
         for p in fragments:
             shared = await self.get(p)
+            await self._durable()
             for chunk in wire.fragment_chunks(shared.value):
                 await write(chunk)
             del shared  # the next fragment's copy replaces this one
