@@ -97,6 +97,9 @@ class Learner:
                                    self._uplink, self._downlink) for f in plan.fragments]
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
+        self._anchored_at = [0] * len(plan.fragments)
+        """The step at which each fragment's anchor last moved: its Δ holds the progress since (kept
+        across a rejoin only up to ``staleness_max`` periods: a longer one exceeds the norm bound)."""
         self.schedule = SendSchedule(plan)
         self.step = 0
         self.step_time = MovingAverage()
@@ -240,13 +243,12 @@ class Learner:
             values = frag.values.to(torch.float32).flatten()
             if values.numel() != self.plan.fragments[p].numel:
                 raise ValueError(f"fragment {p}: {values.numel()} values, expected {self.plan.fragments[p].numel}")
-            # Progress of more than staleness_max periods would go out as one Δ beyond the norm bound.
-            short = self.schedule.counters[p].steps <= self.config.staleness_max * self.plan.period
+            short = self.step - self._anchored_at[p] <= self.config.staleness_max * self.plan.period
             kept = self._flat[p].take(values, self.versions[p], frag.version, keepable=short, alpha=self.config.alpha)
             if kept:
                 self.kept += (p,)
                 self.watch.kept(p)
-            self.versions[p] = frag.version
+            self.versions[p], self._anchored_at[p] = frag.version, self._anchored_at[p] if kept else self.step
             self.watch.arrived(self.step)
             self.schedule.restart(p, self.step, keep_counters=kept)
 
@@ -344,6 +346,7 @@ class Learner:
             return UpdateResult.GAP
         self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
+        self._anchored_at[p] = self.step
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began
