@@ -89,7 +89,7 @@ class SyncRestart:
 
     @property
     def rounds_lost(self) -> int:
-        """Rounds merged after the last checkpoint: what docs/runtime.md says a crash loses."""
+        """Versions merged before the kill that the restart did not restore (0 with the round log)."""
         return sum(max(0, a - b) for a, b in zip(self.versions_at_kill, self.versions_resumed))
 
     def to_dict(self) -> dict[str, Any]:
