@@ -266,7 +266,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": {"batch_size": 16},
         "run": {"tokens": 4 * 400 * 16 * 64},
     },
-    # The main job: under 2 minutes on 2 quiet CPU cores (README).
+    # The main job: about 3 minutes on 2 CPU cores (README).
     "default": {
         "model": {"seq_len": 128, "d_model": 128, "n_layers": 4, "n_heads": 4},
         "train": {"batch_size": 16},
