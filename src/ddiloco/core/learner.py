@@ -98,8 +98,7 @@ class Learner:
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._anchored_at = [0] * len(plan.fragments)
-        """The step at which each fragment's anchor last moved: its Δ holds the progress since (kept
-        across a rejoin only up to ``staleness_max`` periods: a longer one exceeds the norm bound)."""
+        """Per fragment, the step its anchor last moved (a rejoin keeps ≤ staleness_max periods since)."""
         self.schedule = SendSchedule(plan)
         self.step = 0
         self.step_time = MovingAverage()
@@ -248,7 +247,9 @@ class Learner:
             if kept:
                 self.kept += (p,)
                 self.watch.kept(p)
-            self.versions[p], self._anchored_at[p] = frag.version, self._anchored_at[p] if kept else self.step
+            else:
+                self._anchored_at[p] = self.step  # the anchor moved
+            self.versions[p] = frag.version
             self.watch.arrived(self.step)
             self.schedule.restart(p, self.step, keep_counters=kept)
 

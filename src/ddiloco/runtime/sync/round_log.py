@@ -26,6 +26,7 @@ others after it is not a crash mid-write but a damaged file: refused, in one lin
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -49,6 +50,16 @@ _HEADER = struct.Struct("<I")
 _RECORD = struct.Struct("<IIIQB")
 """Length of the payload, CRC-32 of what follows it, fragment, version, plain."""
 _SEGMENT = re.compile(r"rounds-(\d{8})\.log$")
+
+
+class _Control(enum.Enum):
+    """What the log's thread is asked besides appending a round."""
+
+    BARRIER = "barrier"
+    """Resolve once everything before is durable."""
+    ROTATE = "rotate"
+    """Start a new segment."""
+    CLOSE = "close"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +136,7 @@ class RoundLog:
         self.path = path
         self.identity = identity
         self.failures = 0
-        self._queue: queue.Queue[tuple[object, Future]] = queue.Queue()
+        self._queue: queue.Queue[tuple[LoggedRound | _Control, Future]] = queue.Queue()
         self._file: BinaryIO | None = None
         self.segment = max((n for n, _ in segments(path)), default=-1) + 1
         self._open(self.segment)
@@ -137,11 +148,11 @@ class RoundLog:
 
     def barrier(self) -> Future:
         """A future done once everything appended so far is durable."""
-        return self._put("barrier")
+        return self._put(_Control.BARRIER)
 
     def rotate(self) -> Future:
         """Start a new segment after everything appended so far; the future gives its number."""
-        return self._put("rotate")
+        return self._put(_Control.ROTATE)
 
     def drop_before(self, number: int) -> None:
         """Delete the segments older than ``number`` (a checkpoint holds what they held)."""
@@ -150,10 +161,10 @@ class RoundLog:
                 file.unlink(missing_ok=True)
 
     def close(self) -> None:
-        self._put(None).result()
+        self._put(_Control.CLOSE).result()
         self._thread.join()
 
-    def _put(self, item: object) -> Future:
+    def _put(self, item: LoggedRound | _Control) -> Future:
         done: Future = Future()
         self._queue.put((item, done))
         return done
@@ -178,15 +189,15 @@ class RoundLog:
                 batch.append(self._queue.get_nowait())
             waiting: list[Future] = []
             for item, done in batch:
-                if item is None:
+                if item is _Control.CLOSE:
                     self._sync(waiting)
                     self._file.close()
                     done.set_result(None)
                     return
-                if item == "barrier":
+                if item is _Control.BARRIER:
                     waiting.append(done)
                     continue
-                if item == "rotate":
+                if item is _Control.ROTATE:
                     self._sync(waiting)
                     self._guard(lambda: self._open(self.segment + 1), [done], self.segment + 1)
                     continue
