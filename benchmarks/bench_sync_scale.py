@@ -398,9 +398,9 @@ def idle_rss(init_small: Path, tmp: Path) -> int:
 
 def merge_bytes(numel: int, learners: int) -> int:
     """Bytes a round of ``learners`` int4 contributions must read and write, per the fused path:
-    each contribution's payload read twice (check, accumulate) and the fp32 accumulator read and
-    written; the close reads and zeroes the accumulator, reads and writes Θ (fp32), the bf16
-    momentum and the int8 residual, and writes the int4 update."""
+    each contribution's payload read twice (checked on arrival, added at the close) and the fp32
+    sum read and written; the close then reads and zeroes the sum, reads and writes Θ (fp32), the
+    bf16 momentum and the int8 residual, and writes the int4 update."""
     payload = INT4.encoded_size(numel)
     per_contribution = 2 * payload + 8 * numel
     close = (4 + 4) + (4 + 4) + (2 + 2) + (1 + 1)

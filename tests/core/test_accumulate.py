@@ -252,3 +252,53 @@ def test_no_contribution_weighs_more_than_the_cap_times_the_lower_median_weight(
     want = reference([FAST.decode(p, numel) for p in payloads], [1.0, 2.0, 8.0], rule)
     assert torch.allclose(merged(capped), want, rtol=1e-4, atol=1e-7)
     assert capped.cap_weights(0.0) == 0  # 0: no cap
+
+
+def test_open_rounds_hold_their_payloads_and_the_closes_share_one_buffer():
+    """An open round costs its compressed payloads, not a float32 accumulator: eight fragments
+    with rounds open hold about 8 × 4 int4 payloads, and closing them one after the other
+    borrows one buffer (the memory a 1B-parameter synchronizer is sized by)."""
+    import tracemalloc
+
+    from ddiloco.core.accumulate import BufferPool
+
+    numel, fragments, learners = 1 << 20, 8, 4
+    g = torch.Generator().manual_seed(5)
+    payloads = [FAST.encode(torch.randn(numel, generator=g) * 0.01) for _ in range(learners)]
+    pool = BufferPool()
+    rounds = [RoundAccumulator(numel, FAST, merge_rule("rda"), pool) for _ in range(fragments)]
+    fp32 = 4 * numel
+    tracemalloc.start()
+    try:
+        for acc in rounds:
+            for m, payload in enumerate(payloads):
+                acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
+        held, _ = tracemalloc.get_traced_memory()
+        assert held < fp32 // 4  # the payloads are the callers' bytes: the rounds add only bookkeeping
+        tracemalloc.reset_peak()
+        for acc in rounds:
+            assert acc.accumulated().factor > 0
+            acc.clear()
+        _, peak = tracemalloc.get_traced_memory()
+        assert fp32 <= peak - held < 1.5 * fp32  # one buffer for all eight closes
+    finally:
+        tracemalloc.stop()
+
+
+
+@pytest.mark.parametrize("rule", MERGE_RULES)
+def test_a_capped_weight_leaves_the_other_contributions_whole(rule):
+    """A member claiming a weight 10^12 times the others' is capped at the close; the merge is the
+    reference with the capped weight. (When contributions were added on arrival, the cap was a
+    float32 correction subtracted from a sum dominated by the huge weight, and the honest Δs
+    were lost in its rounding.)"""
+    numel, c = 4096, get_codec("int4", block_size=128)
+    g = torch.Generator().manual_seed(3)
+    acc = RoundAccumulator(numel, c, merge_rule(rule))
+    payloads = [c.encode(torch.randn(numel, generator=g) * 0.01) for _ in range(3)]
+    weights = [1000.0, 1200.0, 1e15]
+    for m, (payload, weight) in enumerate(zip(payloads, weights)):
+        acc.add(m, payload, weight, acc.measure(payload, math.inf))
+    assert acc.cap_weights(4.0) == 1
+    want = reference([c.decode(p, numel) for p in payloads], [1000.0, 1200.0, 4 * 1200.0], rule)
+    assert torch.allclose(merged(acc), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))

@@ -1,13 +1,17 @@
-"""A round's merge, accumulated as contributions arrive (the synchronizer's fast path).
+"""A round's merge: contributions checked as they arrive, summed once at the close.
 
-Every merge rule (:mod:`ddiloco.core.merge`) is a scaled sum: the round keeps
-Σ scale(w_m, ‖Δ_m‖)·Δ_m in one float32 vector and, per contribution, its weight and norm;
-closing it costs one pass over the fragment instead of one per contribution. A contribution
-is checked (finite, norm bound) and added in one pass over its payload when it arrives;
-only its compressed payload is kept, so that a newer one from the same learner can take its
-place (subtract, add), and so that a weight capped at the close can be corrected. int4
-payloads go through compiled loops (``core/kernels.py``); other codecs are decoded and added
-with torch.
+Every merge rule (:mod:`ddiloco.core.merge`) is a scaled sum: the round adds
+Σ scale(w_m, ‖Δ_m‖)·Δ_m into one float32 vector and multiplies it by the rule's factor. A
+contribution is checked (finite, norm bound) in one pass over its payload when it arrives,
+and only its compressed payload, weight and norm are kept until the close. Summing there
+rather than on arrival is what keeps the synchronizer small: an open round holds its
+payloads (int4: 0.53 bytes per parameter each) instead of a float32 accumulator (4) plus the
+payloads, which it would still need so that a newer contribution from the same learner can
+take the older one's place and a weight capped at the close can be corrected. The close
+borrows one float32 buffer, shared by every fragment (:class:`BufferPool`), and adds the
+payloads in the order they came (the arithmetic the arrivals used to do; summing a cache-sized
+chunk at a time measured no faster: the int4 loops, not memory, set the pace). int4 payloads
+go through compiled loops (``core/kernels.py``); other codecs are decoded and added with torch.
 
 This path matches each rule's float64 reference within float32 rounding
 (``tests/core/test_accumulate.py``).
@@ -47,28 +51,32 @@ class Accumulated(NamedTuple):
 
 
 class BufferPool:
-    """Zeroed float32 accumulators, lent to open rounds and given back at their close.
+    """The zeroed float32 buffer a round's close sums into, lent to one close at a time.
 
-    A fragment holds an accumulator only while its round is open, so a synchronizer holds as
-    many as it has rounds open at once (not one per fragment: 4 bytes per parameter it need
-    not keep). Buffers given back are kept for the next round rather than freed: a fresh
-    buffer per round would cost a page fault per 4 KiB, more than the merge itself on a large
-    fragment."""
+    The synchronizer closes one round at a time, so one buffer as large as its largest fragment
+    serves every fragment (a view of its first ``numel`` values); a second is made only while
+    the first is lent. The buffer is kept between closes rather than freed: a fresh one per
+    round would cost a page fault per 4 KiB, more than the merge itself on a large fragment."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: np.ndarray | None = None
 
     def take(self, numel: int) -> np.ndarray:
-        free = self._free.get(numel)
-        return free.pop() if free else np.zeros(numel, dtype=np.float32)
+        free = self._free
+        if free is not None and free.shape[0] >= numel:
+            self._free = None
+            return free[:numel]
+        return np.zeros(numel, dtype=np.float32)
 
     def give(self, buffer: np.ndarray) -> None:
-        """Take back a zeroed buffer."""
-        self._free.setdefault(buffer.shape[0], []).append(buffer)
+        """Take back a zeroed buffer (or a view of one); the largest is kept."""
+        whole = buffer if buffer.base is None else buffer.base
+        if self._free is None or whole.shape[0] > self._free.shape[0]:
+            self._free = whole
 
 
 class RoundAccumulator:
-    """Σ of one round's contributions to one fragment, by key (a learner's session)."""
+    """One round's contributions to one fragment, by key (a learner's session), summed at the close."""
 
     def __init__(self, numel: int, codec: Codec, rule: MergeRule, pool: BufferPool | None = None) -> None:
         self.numel = numel
@@ -77,7 +85,7 @@ class RoundAccumulator:
         self._fast = fused_int4(codec)
         self._pool = pool or BufferPool()
         self._acc: np.ndarray | None = None
-        """Taken from the pool at the round's first contribution, given back at its close."""
+        """Borrowed from the pool by :meth:`accumulated`, given back by :meth:`clear`."""
         self._entries: dict[Hashable, _Entry] = {}
 
     def __len__(self) -> int:
@@ -103,14 +111,10 @@ class RoundAccumulator:
 
     def add(self, key: Hashable, payload: bytes, weight: float, norm: float) -> None:
         """Count a (measured) contribution; one with the same key is replaced by it."""
-        if key in self._entries:
-            self.discard(key)
-        self._axpy(payload, self.rule.scale(weight, norm))
         self._entries[key] = _Entry(payload, weight, norm)
 
     def discard(self, key: Hashable) -> None:
-        entry = self._entries.pop(key)
-        self._axpy(entry.payload, -self.rule.scale(entry.weight, entry.norm))
+        del self._entries[key]
 
     def cap_weights(self, max_ratio: float) -> int:
         """No entry weighs more than ``max_ratio`` times the lower-median weight; returns how many
@@ -122,20 +126,9 @@ class RoundAccumulator:
         capped = 0
         for key, entry in list(self._entries.items()):
             if entry.weight > cap:
-                self._axpy(entry.payload, self.rule.scale(cap, entry.norm) - self.rule.scale(entry.weight, entry.norm))
                 self._entries[key] = _Entry(entry.payload, cap, entry.norm)
                 capped += 1
         return capped
-
-    def _axpy(self, payload: bytes, alpha: float) -> None:
-        if alpha == 0.0:
-            return
-        if self._acc is None:
-            self._acc = self._pool.take(self.numel)
-        if self._fast:
-            int4_axpy(*self._parts(payload), self.numel, self.codec.block_size, alpha, self._acc)  # type: ignore[attr-defined]
-        else:
-            torch.from_numpy(self._acc).add_(self.codec.decode(payload, self.numel), alpha=alpha)
 
     def _parts(self, payload: bytes) -> tuple[np.ndarray, np.ndarray]:
         return int4_parts(payload, self.numel, self.codec.block_size)  # type: ignore[attr-defined]
@@ -143,19 +136,34 @@ class RoundAccumulator:
     # ---- the round's close -----------------------------------------------------------------
 
     def accumulated(self) -> Accumulated:
-        """The sum, the rule's factor and coherence (factor 0: nothing with weight, or directions that cancel)."""
-        if self._acc is None:  # nothing added a vector (zero weights or zero norms)
+        """The sum, the rule's factor and coherence (factor 0: nothing with weight, or directions
+        that cancel). The sum lives in a borrowed buffer until :meth:`clear`."""
+        if self._acc is None:
             self._acc = self._pool.take(self.numel)
-        acc = self._acc
+        else:  # asked again: sum afresh (an entry may have changed since)
+            self._acc.fill(0.0)
         summands = [Summand(e.weight, e.norm) for e in self._entries.values()]
         if not summands or sum(s.weight for s in summands) <= 0:
-            return Accumulated(acc, 0.0, 0.0)
-        length = math.sqrt(norm_squared(acc))
-        return Accumulated(acc, self.rule.factor(summands, length), self.rule.coherence(summands, length))
+            return Accumulated(self._acc, 0.0, 0.0)
+        length = math.sqrt(self._sum())
+        return Accumulated(self._acc, self.rule.factor(summands, length), self.rule.coherence(summands, length))
+
+    def _sum(self) -> float:
+        """Σ scale(w, ‖Δ‖)·Δ into the buffer, in the order the contributions came; returns its ‖·‖²."""
+        assert self._acc is not None
+        for entry in self._entries.values():
+            alpha = self.rule.scale(entry.weight, entry.norm)
+            if alpha == 0.0:
+                continue
+            if self._fast:
+                int4_axpy(*self._parts(entry.payload), self.numel, self.codec.block_size, alpha, self._acc)  # type: ignore[attr-defined]
+            else:
+                torch.from_numpy(self._acc).add_(self.codec.decode(entry.payload, self.numel), alpha=alpha)
+        return norm_squared(self._acc)
 
     def clear(self, *, zeroed: bool = False) -> None:
-        """Forget the round and give its accumulator back; ``zeroed``: the caller has already zeroed
-        it (the fused close does)."""
+        """Forget the round and give the buffer back; ``zeroed``: the caller has already zeroed it
+        (the fused close does)."""
         if self._acc is not None:
             if not zeroed:
                 self._acc.fill(0.0)

@@ -27,9 +27,9 @@ time budget, the drain).
 
 Status never waits for a merge: the merge kernels release the GIL, so the event loop runs
 while the core's thread merges, and :meth:`SyncHost.status` answers from the status the core's
-thread last published (at most ``STATUS_REFRESH_S`` older than its latest event) when the
-core is busy for longer than ``STATUS_WAIT_S``; a merge of a 1B-parameter model's fragment
-takes seconds.
+thread last published (at most ``STATUS_REFRESH_S`` older than its latest event) whenever the
+core's thread has an event in hand or queued; only an idle core is asked (a round of a
+1B-parameter model's fragment takes a good part of a second).
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ T = TypeVar("T")
 TIMER_MAX_WAIT_S = 1.0
 """The timer wakes at least this often (an idle core has no deadline)."""
 STATUS_WAIT_S = 0.05
-"""How long a status call waits for the core's thread before it answers from the published status."""
+"""How long a status call waits for an idle core's thread before it answers from the published status."""
 STATUS_REFRESH_S = 0.25
-"""The core's thread publishes its status after an event when the published one is this old."""
+"""The core's thread publishes its status after an event when the published one is this old, and
+after the last event of a burst (so that an idle core's published status is its latest)."""
 
 
 class HostObserver(Protocol):
@@ -101,8 +102,8 @@ class SyncHost:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self.view: CoreView = core.view()  # before the thread starts: nobody else holds the core yet
         self._status: tuple[float, SyncStatus] = (time.monotonic(), core.status(clock()))
-        self._busy_since: float | None = None
-        """When the event the core's thread is handling began (None: it is not handling one)."""
+        self._events = 0
+        """Events and questions handed to the core's thread and not yet answered (running or queued)."""
         self._timer: asyncio.Task | None = None
         self._stopped = False
         self.failure: BaseException | None = None
@@ -111,14 +112,17 @@ class SyncHost:
 
     async def query(self, fn: Callable[[Synchronizer], T]) -> T:
         """Run a read-only question to the core on its thread (its answer must not share the core's state)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.core)
+        self._events += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.core)
+        finally:
+            self._events -= 1
 
     async def status(self) -> SyncStatus:
-        """The core's status: asked of its thread, or — when that is busy merging for longer than
-        ``STATUS_WAIT_S`` — the one it last published."""
-        busy_since = self._busy_since
-        if busy_since is not None and time.monotonic() - busy_since >= STATUS_WAIT_S:
-            return self._status[1]  # a long event (a merge) is under way: do not queue behind it
+        """The core's status: asked of its thread when it is idle, else the one it last published
+        (a status call never queues behind an event: any of them may close a round)."""
+        if self._events:
+            return self._status[1]
         asked = asyncio.ensure_future(self.query(self._publish_status))
         try:
             return await asyncio.wait_for(asyncio.shield(asked), STATUS_WAIT_S)
@@ -135,17 +139,17 @@ class SyncHost:
 
         def run() -> tuple[list[SyncAction], float, CoreView]:
             started = time.perf_counter()
-            self._busy_since = time.monotonic()
-            try:
-                actions = self.core.handle(event, self.clock())
-            finally:
-                self._busy_since = None
+            actions = self.core.handle(event, self.clock())
             elapsed = time.perf_counter() - started
-            if time.monotonic() - self._status[0] >= STATUS_REFRESH_S:
-                self._publish_status(self.core)
+            if self._events <= 1 or time.monotonic() - self._status[0] >= STATUS_REFRESH_S:
+                self._publish_status(self.core)  # the last of a burst, or a while since the last one
             return actions, elapsed, self.core.view()
 
-        actions, compute_s, self.view = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        self._events += 1
+        try:
+            actions, compute_s, self.view = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        finally:
+            self._events -= 1
         reply = actions[0] if actions and isinstance(actions[0], (Admitted, Accepted, Refused)) else None
         self._execute(actions, compute_s)
         return reply

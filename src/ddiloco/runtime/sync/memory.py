@@ -6,9 +6,9 @@ code has (docs/runtime.md, "The synchronizer's memory", measures each):
 - the state, always: Θ in fp32 (4 bytes a parameter), and with the fused int4 downlink the
   lean outer state — momentum bf16 (2), residual int8 (1) and a float32 scale per block;
   other downlink codecs keep momentum and residual in fp32 (4 + 4);
-- while rounds are open: a float32 accumulator per open round (4, lent from a pool) and the
-  int4 payloads of the contributions pending in it (about 0.53 per learner) — at most every
-  fragment's round at once;
+- while rounds are open: the int4 payloads of the contributions pending in them (about 0.53
+  per learner) — at most every fragment's round at once — and one float32 buffer as large as
+  the largest fragment, which each round's close sums into (``core/accumulate.py``);
 - the replay log's budget (``core/replay.py``: an eighth of the fp32 state, at least 64 MiB);
 - transients bounded by fragments, not by the model: each state transfer (join or fetch)
   holds a copy of one fragment, a checkpoint write one fragment's state and its file's bytes,
@@ -48,7 +48,7 @@ class MemoryPlan:
     state: int
     """Θ and the outer state: held from start to end."""
     open_rounds: int
-    """Accumulators and pending payloads with every fragment's round open (an upper bound)."""
+    """Pending payloads with every fragment's round open (an upper bound) and the close's buffer."""
     replay: int
     transients: int
     """Transfers, a checkpoint write and a restore at once, a fragment each."""
@@ -78,7 +78,7 @@ def memory_plan(numels: Sequence[int], *, learners: int, lean: bool, block_size:
     return MemoryPlan(
         params=params,
         state=per_param * params + scales,
-        open_rounds=int((4 + learners * INT4_BYTES_PER_PARAM) * params),
+        open_rounds=int(learners * INT4_BYTES_PER_PARAM * params) + 4 * largest,
         replay=replay_budget(4 * params),
         # transfers × one fp32 fragment, a checkpoint's fragment copy and file bytes, a restore's file and tensors
         transients=transfers * 4 * largest + 4 * fragment_state,
