@@ -1,5 +1,6 @@
 """The source tree keeps the shape docs/design.md describes: one protocol core that imports no
-driver, two drivers that do not import each other, and no import cycle anywhere."""
+driver, two drivers that do not import each other, analytic models apart from the simulator,
+and no import cycle anywhere."""
 
 from __future__ import annotations
 
@@ -79,6 +80,17 @@ def test_the_core_imports_no_driver_and_the_drivers_not_each_other():
             assert not {d for d in deps if d.startswith("ddiloco.sim.")}, name
         if name.startswith("ddiloco.sim."):
             assert not {d for d in deps if d.startswith("ddiloco.runtime.")}, name
+
+
+def test_the_analytic_models_and_the_simulator_do_not_import_each_other():
+    """``scale/`` models what no machine runs and ``sim/`` runs the protocol: a model that
+    borrowed the simulator's code (or the reverse) could no longer be checked against it."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("ddiloco.sim."):
+            assert not {d for d in deps if d.startswith("ddiloco.scale")}, name
+        if name.startswith("ddiloco.scale."):
+            assert not {d for d in deps if d.startswith("ddiloco.sim")}, name
 
 
 def test_the_cycle_finder_finds_a_cycle():

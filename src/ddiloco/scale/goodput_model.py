@@ -22,7 +22,7 @@ each group alternates exponential runs and fixed stalls (memoryless failures mak
 and slices that are down are subtracted from the chip-time of the runs they overlap.
 
 The three recovery-cost constants (``reconfig_s``, ``restart_s``, ``recovery_mean_s``) are the
-only ones fit to the paper, on its 1.2M-chip column alone (:mod:`ddiloco.sim.goodput_fit`);
+only ones fit to the paper, on its 1.2M-chip column alone (:mod:`ddiloco.scale.goodput_fit`);
 docs/goodput.md lists every assumption and its source.
 """
 
