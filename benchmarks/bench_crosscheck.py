@@ -38,7 +38,7 @@ import torch
 from ddiloco.config import Config, build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
-from ddiloco.sim.cluster import VirtualCluster
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.scale.goodput_model import SmallClusterPrediction, predict_small_cluster
 from ddiloco.sim.harness import Recorder

@@ -5,6 +5,7 @@ and no import cycle anywhere."""
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -91,6 +92,36 @@ def test_the_analytic_models_and_the_simulator_do_not_import_each_other():
             assert not {d for d in deps if d.startswith("ddiloco.scale")}, name
         if name.startswith("ddiloco.scale."):
             assert not {d for d in deps if d.startswith("ddiloco.sim")}, name
+
+
+SHARED_FILE_NAMES = {
+    "learner.py": ({"commands/learner.py", "core/learner.py"},
+                   "commands/ is named by subcommand (cli.py imports `ddiloco learner` as commands.learner); "
+                   "core/learner.py is the learner's state machine, the counterpart of core/synchronizer.py"),
+    "run.py": ({"commands/run.py", "core/run.py"},
+               "commands/ is named by subcommand (`ddiloco run`); core/run.py (budget, run phases) is imported "
+               "by core/synchronizer.py, which is being changed elsewhere: rename it after that lands"),
+    "config.py": ({"config.py", "core/config.py"},
+                  "the run's configuration and the protocol's (ProtocolConfig); core/config.py would read better "
+                  "as protocol_config.py, but core/synchronizer.py, runtime/sync/service.py and chaos/ import it "
+                  "and are being changed elsewhere: rename it after that lands"),
+}
+"""File names two modules share on purpose, with why; any other name appears once under src/."""
+
+
+def shared_file_names() -> dict[str, set[str]]:
+    """File name -> the modules under src/ddiloco that have it, where more than one does."""
+    root = SRC / "ddiloco"
+    paths = defaultdict(set)
+    for path in root.rglob("*.py"):
+        if path.name != "__init__.py":
+            paths[path.name].add(path.relative_to(root).as_posix())
+    return {name: found for name, found in paths.items() if len(found) > 1}
+
+
+def test_no_two_modules_share_a_file_name_but_the_listed_ones():
+    """A name used twice sends a newcomer (and a grep, and a traceback) to the wrong file."""
+    assert shared_file_names() == {name: paths for name, (paths, _) in SHARED_FILE_NAMES.items()}
 
 
 def test_the_cycle_finder_finds_a_cycle():

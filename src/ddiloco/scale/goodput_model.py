@@ -360,7 +360,7 @@ def predict_small_cluster(*, learners: int, mtbf_s: float, downtime_s: float, st
     """Long-run goodput and uptime of M whole learners that crash and come back.
 
     This is the small-scale counterpart of :func:`simulate_cell`, in the terms of the virtual
-    cluster (``ddiloco.sim.cluster``): each learner fails after an exponential up time of mean
+    cluster (``ddiloco.sim.virtual_cluster``): each learner fails after an exponential up time of mean
     ``mtbf_s``, stays down ``downtime_s`` on average, spends ``rejoin_s`` fetching the global
     state, then trains again. A step is useful once the fragment contributions carrying it are
     merged; with each fragment sent once per H steps (any P <= H, staggered offsets), a crash
