@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.config import Config
+from ddiloco.core.config import Mode
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize
 from ddiloco.runtime.client import CallRefused, Unreachable
@@ -72,13 +73,14 @@ def run_processes(
     synchronizer process per shard) and ``out/timeline.jsonl``; returns (summary, metrics
     rows) like the virtual cluster. ``--mode dp`` runs data parallel on the same hosts.
     """
-    if config.run.mode == "dp":
+    mode = Mode(config.run.mode)
+    if mode is Mode.DP:
         from ddiloco.runtime.launch.data_parallel import run_data_parallel
 
         return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
-    if config.run.mode not in ("decoupled", "diloco"):
-        raise DdilocoError(f"--runtime processes runs modes decoupled, diloco and dp, not {config.run.mode!r} "
-                           "(elastic data parallel runs on the virtual cluster)")
+    if not mode.uses_protocol:
+        raise DdilocoError(f"--runtime processes runs modes {Mode.DECOUPLED}, {Mode.DILOCO} and {Mode.DP}, not "
+                           f"{config.run.mode!r} (elastic data parallel runs on the virtual cluster)")
     files = prepare_files(config, out)
     learners = learner_names(config.run.learners)
     with StopSignals() as stop, placed(topology, [SYNC_HOST, *learners], out) as place:
