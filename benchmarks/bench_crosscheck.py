@@ -1,6 +1,6 @@
 """Cross-check the goodput and bandwidth models against the virtual cluster (issue 4, point 5).
 
-1. Goodput. ``sim.goodput.predict_small_cluster`` predicts the long-run goodput of M learners
+1. Goodput. ``scale.goodput_model.predict_small_cluster`` predicts the long-run goodput of M learners
    that crash whole (exponential up times, mean ``mtbf_s``), stay down ``downtime_s`` and
    rejoin. The virtual cluster runs the same failure model with real learners on the
    ``tiny`` preset and measures goodput from what was merged (``sim/accounting.py``). For each
@@ -9,9 +9,9 @@
    second table applies the model's rule (a crash loses the step in flight and each
    fragment's progress since its last send) to the failures each seed actually drew, and
    to 1000 other drawn traces: it separates the model's mechanics from the luck of the draw.
-2. Bandwidth. ``sim.bandwidth.learner_bytes_per_step`` predicts the bytes a learner sends
+2. Bandwidth. ``scale.bandwidth_model.learner_bytes_per_step`` predicts the bytes a learner sends
    (and receives) per inner step; the virtual cluster counts every byte per learner,
-   fragment and direction. ``sim.bandwidth.check_counted_bytes`` compares the two (control
+   fragment and direction. ``scale.bandwidth_model.check_counted_bytes`` compares the two (control
    traffic on fragment -1 left out) and is the function the gRPC runtime's benchmark can
    call with its own ``ByteLedger.counts``.
 
@@ -37,10 +37,10 @@ import torch
 
 from ddiloco.config import Config, build_config
 from ddiloco.core.codecs import get_codec
-from ddiloco.sim.bandwidth import BandwidthInputs, ByteCheck, check_counted_bytes
-from ddiloco.sim.cluster import VirtualCluster
+from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.faults import FailureTrace
-from ddiloco.sim.goodput import SmallClusterPrediction, predict_small_cluster
+from ddiloco.scale.goodput_model import SmallClusterPrediction, predict_small_cluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload
 from ddiloco.sim.network import HEADER_BYTES

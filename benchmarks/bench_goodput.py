@@ -17,7 +17,7 @@ import sys
 import time
 import tracemalloc
 
-from ddiloco.sim.goodput import DEFAULT_CHIPS, DEFAULT_CONFIGS, ClusterModel, simulate_table
+from ddiloco.scale.goodput_model import DEFAULT_CHIPS, DEFAULT_CONFIGS, ClusterModel, simulate_table
 
 BUDGET_S = 10.0
 BUDGET_BYTES = 2 * 1024**3

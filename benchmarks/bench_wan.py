@@ -14,7 +14,7 @@ learner took its first step (a join's download is not steady state):
 
 Then the smallest link on which each mode keeps >= 95% of its own uncapped throughput
 (Decoupled DiLoCo: steps and merges both), their ratio, and the bandwidth model's
-(:mod:`ddiloco.sim.bandwidth`, fed this workload's parameters, codec, H, P, tau and each
+(:mod:`ddiloco.scale.bandwidth_model`, fed this workload's parameters, codec, H, P, tau and each
 mode's measured uncapped step time) required links and ratio; a plot of throughput against
 link capacity for both modes with the model's predictions on the same axes. Points are
 kept in ``OUT/points/``: a later call with other ``--modes`` or ``--rates`` adds to them, a
@@ -47,7 +47,7 @@ from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.launch.run_log import read_timeline
 from ddiloco.runtime.launch.topology import format_rate, parse_rate, uniform
-from ddiloco.sim import bandwidth as bw
+from ddiloco.scale import bandwidth_model as bw
 
 MODES = ("decoupled", "dp")
 LADDERS = {

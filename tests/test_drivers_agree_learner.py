@@ -27,7 +27,7 @@ from ddiloco.config import build_config
 from ddiloco.core.actions import Send, SendLeave
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import RejectReason
-from ddiloco.sim.cluster import VirtualCluster
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import TOKENS_SHAPE, SyntheticWorkload, WalkModel
 

@@ -7,7 +7,7 @@ import pytest
 from ddiloco.chaos.schedule import Fault, load_schedule, seeded_schedule
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import REAL, SIMULATED, FaultKind, Injector
-from ddiloco.sim.simtest import run_simtest
+from ddiloco.sim.swarm import run_simtest
 
 
 def test_every_kind_is_injected_somewhere_and_the_two_tools_share_the_crashes():

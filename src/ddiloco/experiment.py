@@ -13,8 +13,8 @@ from ddiloco.config import Config
 from ddiloco.core.config import Mode
 from ddiloco.errors import ConfigError
 from ddiloco.reporting import ProgressFn, RunWriter, summarize
-from ddiloco.sim.cluster import VirtualCluster
-from ddiloco.sim.data_parallel import DataParallel
+from ddiloco.sim.virtual_cluster import VirtualCluster
+from ddiloco.sim.dp_baselines import DataParallel
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.snapshot import SnapshotFn
 from ddiloco.workload.workload import Workload

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.codecs import CODEC_NAMES, get_codec
+from ddiloco.core.codecs import CODEC_NAMES, CodecName, get_codec
 from ddiloco.errors import ConfigError
 
 BLOCK = 16  # small blocks so short tests cross many block boundaries
@@ -133,6 +133,12 @@ def test_encode_rejects_other_shapes_and_dtypes() -> None:
         get_codec("int4").encode(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="1-D float32"):
         get_codec("fp32").encode(torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", list(CodecName))
+def test_every_codec_name_builds_the_codec_that_carries_it_as_a_plain_string(name: CodecName) -> None:
+    codec = get_codec(name)
+    assert codec.name == name and type(codec.name) is str  # what the wire and messages carry: no enum repr
 
 
 def test_get_codec_rejects_unknown_names_and_bad_blocks() -> None:

@@ -10,7 +10,7 @@ import pytest
 from ddiloco.config import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.liveness import catch_up_bound_s, pause_bound_s
-from ddiloco.sim.simtest import draw_world, liveness_bound_s
+from ddiloco.sim.swarm import draw_world, liveness_bound_s
 
 
 def test_the_bounds_are_the_documented_sums():
@@ -21,9 +21,9 @@ def test_the_bounds_are_the_documented_sums():
 
 def test_both_tools_import_the_one_definition():
     import ddiloco.chaos.report as chaos_report
-    import ddiloco.sim.simtest as simtest
+    import ddiloco.sim.swarm as swarm
 
-    for module in (chaos_report, simtest):
+    for module in (chaos_report, swarm):
         tree = ast.parse(inspect.getsource(module))
         assert any(isinstance(n, ast.ImportFrom) and n.module == "ddiloco.core.liveness" for n in ast.walk(tree)), module
 

@@ -12,7 +12,7 @@ from bench_loader import load_benchmark
 
 from ddiloco.core.codecs import get_codec
 from ddiloco.errors import ConfigError
-from ddiloco.sim.bandwidth import BandwidthInputs, check_counted_bytes, learner_bytes_per_step
+from ddiloco.scale.bandwidth_model import BandwidthInputs, check_counted_bytes, learner_bytes_per_step
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import HEADER_BYTES
 

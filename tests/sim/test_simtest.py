@@ -11,7 +11,7 @@ from ddiloco import cli
 from ddiloco.core.learner import Learner
 from ddiloco.core.merge import MERGE_RULES, MergeRuleName
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.sim.simtest import DEFAULT_SEEDS, SeedResult, draw_world, run_simtest
+from ddiloco.sim.swarm import DEFAULT_SEEDS, SeedResult, draw_world, run_simtest
 
 
 def first_failure() -> SeedResult:

@@ -11,7 +11,7 @@ only, while learner-0 keeps the rounds going.
 from __future__ import annotations
 
 from ddiloco.config import build_config
-from ddiloco.sim.cluster import VirtualCluster
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload
 

@@ -13,6 +13,7 @@ from ddiloco.chaos.outcome import ChaosOutcome, Sample
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
 from ddiloco.core.liveness import pause_bound_s
+from ddiloco.core.run import RunPhase
 from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
@@ -99,7 +100,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
     """chaos.json: the counts, the pause against its bound, the model against the undisturbed run."""
     injected = collections.Counter(str(r.fault.kind) for r in outcome.records
                                    if r.started_s is not None and not r.skipped)
-    running = [s for s in outcome.samples if s.phase == "running"]
+    running = [s for s in outcome.samples if s.phase == RunPhase.RUNNING]
     left_down = {r.fault.target for r in outcome.records
                  if r.fault.kind is FaultKind.LEARNER_CRASH and not r.fault.restart and r.started_s is not None}
     alive_at_end = sum(1 for i in range(config.run.learners)

@@ -25,6 +25,7 @@ from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, 
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.config import Config
+from ddiloco.core.run import RunPhase
 from ddiloco.fault_kinds import FaultKind
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
@@ -240,7 +241,7 @@ class ChaosRun:
             shard.status = status
         statuses = [s.status for s in self._shards.values() if s.status is not None]
         status = statuses[0] if len(statuses) == 1 else merge_statuses(statuses)
-        if self._t0 is None and status["phase"] != "waiting":
+        if self._t0 is None and status["phase"] != RunPhase.WAITING:
             self._t0 = time.monotonic()
         for shard in self._shards.values():
             awaiting = shard.awaiting
@@ -278,7 +279,7 @@ class ChaosRun:
                          and r.ended_s is None for r in self.records)
         if not restarting and not any(procs.running(n) for n in learners):
             crashed = next((n for n in learners if n not in left_down and procs.children[n].returncode), None)
-            ending = any(sh.status is not None and sh.status["phase"] in ("stopping", "finished")
+            ending = any(sh.status is not None and sh.status["phase"] in (RunPhase.STOPPING, RunPhase.FINISHED)
                          for sh in self._shards.values())
             if crashed is not None or not ending:
                 return "every learner exited before the run finished" + (

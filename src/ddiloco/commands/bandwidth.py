@@ -1,6 +1,6 @@
 """``ddiloco bandwidth``: wide-area bandwidth of data parallel vs Decoupled DiLoCo.
 
-The model is :mod:`ddiloco.sim.bandwidth`; docs/bandwidth.md says where every input comes from.
+The model is :mod:`ddiloco.scale.bandwidth_model`; docs/bandwidth.md says where every input comes from.
 Options override the chosen preset, so ``--preset paper-8dc --sites 4`` asks "and with four?".
 """
 
@@ -12,7 +12,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.sim import bandwidth as bw
+from ddiloco.scale import bandwidth_model as bw
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

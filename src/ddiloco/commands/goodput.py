@@ -1,6 +1,6 @@
 """``ddiloco goodput``: goodput and uptime at datacenter scale, under chip failures.
 
-Three questions, one model (:mod:`ddiloco.sim.goodput`, documented in docs/goodput.md):
+Three questions, one model (:mod:`ddiloco.scale.goodput_model`, documented in docs/goodput.md):
 the table (configurations x cluster sizes x failure rates, over seeds), the planning answer
 (``--target-goodput``: the smallest M that reaches it), and the calibration (``--calibrate``:
 re-fit the recovery-cost constants on the published 1.2M-chip column).
@@ -21,8 +21,8 @@ from rich.table import Table
 
 from ddiloco.config import check_seed
 from ddiloco.errors import ConfigError
-from ddiloco.sim import goodput as gp
-from ddiloco.sim.goodput_fit import FIT_NAMES, fit_recovery_constants
+from ddiloco.scale import goodput_model as gp
+from ddiloco.scale.goodput_fit import FIT_NAMES, fit_recovery_constants
 
 DAY_S = 86_400.0
 

@@ -1,4 +1,4 @@
-"""``ddiloco simtest``: swarm simulation testing of the protocol (see :mod:`ddiloco.sim.simtest`)."""
+"""``ddiloco simtest``: swarm simulation testing of the protocol (see :mod:`ddiloco.sim.swarm`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 from ddiloco.commands.display import console, print_table
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED
-from ddiloco.sim.simtest import (
+from ddiloco.sim.swarm import (
     DEFAULT_SEEDS,
     SeedResult,
     SimtestReport,

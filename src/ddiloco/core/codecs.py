@@ -34,6 +34,8 @@ from torch import Tensor
 from ddiloco.errors import ConfigError
 
 class CodecName(enum.StrEnum):
+    """The codecs by the names the configuration and the wire use (``Codec.name`` is the plain string)."""
+
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
@@ -94,7 +96,7 @@ def _from_bytes(data: bytes | memoryview, dtype: str, torch_dtype: torch.dtype) 
 class Fp32Codec(Codec):
     """Raw float32: the lossless reference."""
 
-    name = "fp32"
+    name = CodecName.FP32.value
 
     def encoded_size(self, numel: int) -> int:
         _check_numel(numel)
@@ -110,7 +112,7 @@ class Fp32Codec(Codec):
 class Bf16Codec(Codec):
     """bfloat16 (round to nearest even): half the bytes, relative error <= 2**-8."""
 
-    name = "bf16"
+    name = CodecName.BF16.value
 
     def encoded_size(self, numel: int) -> int:
         _check_numel(numel)
@@ -203,7 +205,7 @@ class AbsmaxCodec(_BlockCodec):
 class SignCodec(_BlockCodec):
     """int1: sign bits with a per-block scale of mean |x|, preserving each block's L1 mass."""
 
-    name = "int1"
+    name = CodecName.INT1.value
     bits = 1
 
     def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
@@ -248,13 +250,17 @@ DEFAULT_BLOCK_SIZE = 128
 
 
 def get_codec(name: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec called ``name`` (one of CODEC_NAMES); ``block_size`` is for the int codecs."""
-    if name == "fp32":
-        return Fp32Codec()
-    if name == "bf16":
-        return Bf16Codec()
-    if name in ("int8", "int4", "int2"):
-        return AbsmaxCodec(bits=int(name[3:]), block_size=block_size)
-    if name == "int1":
-        return SignCodec(block_size=block_size)
-    raise ConfigError(f"unknown codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
+    """The codec called ``name`` (a :class:`CodecName` or its value); ``block_size`` is for the int codecs."""
+    try:
+        codec = CodecName(name)
+    except ValueError:
+        raise ConfigError(f"unknown codec {name!r}; valid: {', '.join(CODEC_NAMES)}") from None
+    match codec:
+        case CodecName.FP32:
+            return Fp32Codec()
+        case CodecName.BF16:
+            return Bf16Codec()
+        case CodecName.INT8 | CodecName.INT4 | CodecName.INT2:
+            return AbsmaxCodec(bits=int(codec.removeprefix("int")), block_size=block_size)
+        case CodecName.INT1:
+            return SignCodec(block_size=block_size)

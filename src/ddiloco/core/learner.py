@@ -33,7 +33,7 @@ from ddiloco.core.flat import FlatFragment
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.grace import MovingAverage
 from ddiloco.core.link_watch import LinkWatch
-from ddiloco.core.schedule import SendSchedule
+from ddiloco.core.send_schedule import SendSchedule
 from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
                                    Leave, Progress, RejectReason, Request, Session)

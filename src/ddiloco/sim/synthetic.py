@@ -65,7 +65,7 @@ class ConstantSampler:
 
 @dataclass(slots=True)
 class SyntheticWorkload:
-    """What :class:`~ddiloco.sim.cluster.VirtualCluster` needs of a workload, at almost no cost."""
+    """What :class:`~ddiloco.sim.virtual_cluster.VirtualCluster` needs of a workload, at almost no cost."""
 
     config: Config
     _learner: int = 0

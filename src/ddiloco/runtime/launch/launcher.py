@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.config import Config
+from ddiloco.core.config import Mode
 from ddiloco.errors import DdilocoError
 from ddiloco.reporting import ProgressFn, summarize
 from ddiloco.runtime.client import CallRefused, Unreachable
@@ -72,13 +73,14 @@ def run_processes(
     synchronizer process per shard) and ``out/timeline.jsonl``; returns (summary, metrics
     rows) like the virtual cluster. ``--mode dp`` runs data parallel on the same hosts.
     """
-    if config.run.mode == "dp":
+    mode = Mode(config.run.mode)
+    if mode is Mode.DP:
         from ddiloco.runtime.launch.data_parallel import run_data_parallel
 
         return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
-    if config.run.mode not in ("decoupled", "diloco"):
-        raise DdilocoError(f"--runtime processes runs modes decoupled, diloco and dp, not {config.run.mode!r} "
-                           "(elastic data parallel runs on the virtual cluster)")
+    if not mode.uses_protocol:
+        raise DdilocoError(f"--runtime processes runs modes {Mode.DECOUPLED}, {Mode.DILOCO} and {Mode.DP}, not "
+                           f"{config.run.mode!r} (elastic data parallel runs on the virtual cluster)")
     files = prepare_files(config, out)
     learners = learner_names(config.run.learners)
     with StopSignals() as stop, placed(topology, [SYNC_HOST, *learners], out) as place:
@@ -94,87 +96,22 @@ def run_processes(
 def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, timeline: RunTimeline,
          stop: StopSignals, progress: ProgressFn | None, timeout_s: float | None, device: str,
          min_step_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    m = config.run.learners
-    threads = learner_threads(m)
+    """Start the synchronizers, then the learners; watch the run to its end or a signal; stop the
+    learners before the last evaluation and the synchronizers after it."""
     started = time.monotonic()
-    rows: list[dict[str, Any]] = []
-    syncs = files.sync_names
-    for i, name in enumerate(syncs):
-        host, port = place.sync_listen(i)
-        http_port = free_port() if place.net is None else NETNS_HTTP_PORT + i
-        procs.start(name, sync_command(files, i, host=host, port=port, http_port=http_port,
-                                       token_file=place.token_file),
-                    env={"OMP_NUM_THREADS": "1"}, prefix=place.prefix(SYNC_HOST))
-        announce(f"{name}: status page at http://{host}:{http_port}/"
-                 + (f" (?token= the one in {place.token_file})" if place.token_file else ""))
-    addresses = [f"{place.sync_listen(i)[0]}:{wait_for_port(pf, procs, name, stop)}"
-                 for i, (pf, name) in enumerate(zip(files.port_files, syncs))]
+    addresses = _start_synchronizers(files, place, procs, stop)
     client = ShardedClient(addresses, token=place.token)
     try:
-        evaluator = GlobalEvaluator(config, client)
-        for name in timeline.learners:
-            procs.start(name, learner_command(addresses, name, threads, device, min_step_s,
-                                              token_file=place.token_file,
-                                              progress_file=timeline.progress_file(name)),
-                        env={"OMP_NUM_THREADS": str(threads)}, prefix=place.prefix(name))
-
-        def evaluate(status: dict[str, Any]) -> dict[str, Any]:
-            eval_loss, versions = evaluator.evaluate()
-            row = {
-                "virtual_time_s": round(time.monotonic() - started, 3),
-                "tokens": status["tokens"],
-                "eval_loss": eval_loss,
-                "goodput": status["goodput"],
-                "uptime": status["model_uptime"],
-                "bytes_up": status["bytes_up"],
-                "bytes_down": status["bytes_down"],
-                "fragment_versions": versions,
-                "alive": sum(1 for lr in status["learners"] if lr["alive"]),
-            }
-            rows.append(row)
-            if progress:
-                progress(_fraction(config, status, time.monotonic() - started), row)
-            return row
-
-        status = client.status_dict()
-        evaluate(status)
-        evals_done = 1
-        while stop.requested is None:
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {files.logs})")
-            dead = next((name for name in syncs if not procs.running(name)), None)
-            if dead is not None:
-                raise DdilocoError(f"the synchronizer {dead} exited with code {procs.children[dead].returncode}:\n"
-                                   + procs.tail(dead))
-            try:
-                status = client.status_dict()
-            except (Unreachable, CallRefused):
-                time.sleep(POLL_S)
-                continue
-            timeline.record(status)
-            if status["finished"]:
-                break
-            if all(not procs.running(name) for name in timeline.learners):
-                bad = next((n for n in timeline.learners if procs.children[n].returncode), None)
-                raise DdilocoError("every learner exited before the run finished"
-                                   + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
-            fraction = _fraction(config, status, time.monotonic() - started)
-            if fraction >= evals_done / config.train.evals and evals_done < config.train.evals:
-                evaluate(status)
-                evals_done += 1
-            time.sleep(POLL_S)
-        if stop.requested is not None:
-            announce(f"{stop.requested.name}: stopping the learners, then the synchronizer (final checkpoint)")
-        # Learners leave by themselves at the end of the run; told to stop, they flush and leave.
-        if stop.requested is not None:
-            procs.stop_all(timeline.learners, LEAVE_TIMEOUT_S)
-        else:
-            _wait_all(procs, timeline.learners)
+        evaluations = _Evaluations(config, GlobalEvaluator(config, client), started, progress)
+        _start_learners(timeline, procs, place, addresses, learner_threads(config.run.learners), device, min_step_s)
+        evaluations.evaluate(client.status_dict())
+        _watch(files, procs, timeline, client, stop, evaluations, timeout_s)
+        _stop_learners(procs, timeline, stop)
         status = client.status_dict()
         timeline.record(status, force=True)
-        final = evaluate(status)
+        final = evaluations.evaluate(status)
         wall = time.monotonic() - started
-        procs.stop_all(syncs, LEAVE_TIMEOUT_S)
+        procs.stop_all(files.sync_names, LEAVE_TIMEOUT_S)
     finally:
         client.close()
     tokens_per_step = config.train.batch_size * config.model.seq_len
@@ -184,7 +121,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         final,
         wall_s=wall,
         runtime="processes",
-        weights_sha256=weights_sha256(evaluator.model),
+        weights_sha256=weights_sha256(evaluations.evaluator.model),
         fragment_versions=final["fragment_versions"],
         rounds_closed=status["quorum"]["rounds_closed"],
         rejections=status["rejections"],
@@ -194,7 +131,108 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         stopped=stop.requested.name if stop.requested else None,
         **place.describe(),
     )
-    return summary, rows
+    return summary, evaluations.rows
+
+
+def _start_synchronizers(files: RunFiles, place: Placement, procs: Processes, stop: StopSignals) -> list[str]:
+    """One ``ddiloco sync`` per shard, each announcing its status page; returns their addresses
+    once each has written the port it listens on."""
+    syncs = files.sync_names
+    for i, name in enumerate(syncs):
+        host, port = place.sync_listen(i)
+        http_port = free_port() if place.net is None else NETNS_HTTP_PORT + i
+        procs.start(name, sync_command(files, i, host=host, port=port, http_port=http_port,
+                                       token_file=place.token_file),
+                    env={"OMP_NUM_THREADS": "1"}, prefix=place.prefix(SYNC_HOST))
+        announce(f"{name}: status page at http://{host}:{http_port}/"
+                 + (f" (?token= the one in {place.token_file})" if place.token_file else ""))
+    return [f"{place.sync_listen(i)[0]}:{wait_for_port(pf, procs, name, stop)}"
+            for i, (pf, name) in enumerate(zip(files.port_files, syncs))]
+
+
+def _start_learners(timeline: RunTimeline, procs: Processes, place: Placement, addresses: list[str], threads: int,
+                    device: str, min_step_s: float) -> None:
+    """One ``ddiloco learner`` per learner, each on its host, writing the progress file the timeline reads."""
+    for name in timeline.learners:
+        procs.start(name, learner_command(addresses, name, threads, device, min_step_s,
+                                          token_file=place.token_file,
+                                          progress_file=timeline.progress_file(name)),
+                    env={"OMP_NUM_THREADS": str(threads)}, prefix=place.prefix(name))
+
+
+class _Evaluations:
+    """The global model evaluated at the same points of the budget as on the virtual cluster,
+    each a metrics row with the virtual cluster's columns (``virtual_time_s`` holds wall seconds)."""
+
+    def __init__(self, config: Config, evaluator: GlobalEvaluator, started: float, progress: ProgressFn | None):
+        self.config = config
+        self.evaluator = evaluator
+        self.started = started
+        self.progress = progress
+        self.rows: list[dict[str, Any]] = []
+
+    def fraction(self, status: dict[str, Any]) -> float:
+        return _fraction(self.config, status, time.monotonic() - self.started)
+
+    def evaluate(self, status: dict[str, Any]) -> dict[str, Any]:
+        eval_loss, versions = self.evaluator.evaluate()
+        row = {
+            "virtual_time_s": round(time.monotonic() - self.started, 3),
+            "tokens": status["tokens"],
+            "eval_loss": eval_loss,
+            "goodput": status["goodput"],
+            "uptime": status["model_uptime"],
+            "bytes_up": status["bytes_up"],
+            "bytes_down": status["bytes_down"],
+            "fragment_versions": versions,
+            "alive": sum(1 for lr in status["learners"] if lr["alive"]),
+        }
+        self.rows.append(row)
+        if self.progress:
+            self.progress(self.fraction(status), row)
+        return row
+
+    def at_next_point(self, status: dict[str, Any]) -> None:
+        """Evaluate once the run has reached its next evaluation point; the last is the final evaluation's."""
+        done, evals = len(self.rows), self.config.train.evals
+        if done < evals and self.fraction(status) >= done / evals:
+            self.evaluate(status)
+
+
+def _watch(files: RunFiles, procs: Processes, timeline: RunTimeline, client: ShardedClient, stop: StopSignals,
+           evaluations: _Evaluations, timeout_s: float | None) -> None:
+    """Poll the synchronizers' status into the timeline until the run finishes or a signal stops it,
+    evaluating on the way; a dead synchronizer, every learner gone or the timeout is an error."""
+    while stop.requested is None:
+        if timeout_s is not None and time.monotonic() - evaluations.started > timeout_s:
+            raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {files.logs})")
+        dead = next((name for name in files.sync_names if not procs.running(name)), None)
+        if dead is not None:
+            raise DdilocoError(f"the synchronizer {dead} exited with code {procs.children[dead].returncode}:\n"
+                               + procs.tail(dead))
+        try:
+            status = client.status_dict()
+        except (Unreachable, CallRefused):
+            time.sleep(POLL_S)
+            continue
+        timeline.record(status)
+        if status["finished"]:
+            return
+        if all(not procs.running(name) for name in timeline.learners):
+            bad = next((n for n in timeline.learners if procs.children[n].returncode), None)
+            raise DdilocoError("every learner exited before the run finished"
+                               + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
+        evaluations.at_next_point(status)
+        time.sleep(POLL_S)
+
+
+def _stop_learners(procs: Processes, timeline: RunTimeline, stop: StopSignals) -> None:
+    """Learners leave by themselves at the end of the run; told to stop, they flush and leave."""
+    if stop.requested is None:
+        _wait_all(procs, timeline.learners)
+        return
+    announce(f"{stop.requested.name}: stopping the learners, then the synchronizer (final checkpoint)")
+    procs.stop_all(timeline.learners, LEAVE_TIMEOUT_S)
 
 
 def _wait_all(procs: Processes, names: list[str]) -> None:

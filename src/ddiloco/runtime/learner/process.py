@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +31,10 @@ from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.connect import probe_with_backoff
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
+from ddiloco.tb_log import EventLog
+from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
+from ddiloco.workload.trainer import InnerTrainer
 from ddiloco.workload.workload import Workload, weights_sha256
 
 log = logging.getLogger("ddiloco.learner")
@@ -67,11 +71,19 @@ def start_runtime(args: argparse.Namespace, clients: list[SyncClient], model: to
                              "--preset to train the synchronizer's model, or give both sides the same preset)") from None
 
 
-def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> int:
-    """Train as learner ``args.id``; ``resolve_config`` turns the synchronizer's configuration into
-    this learner's (the command line's workload options, if any, checked against it)."""
-    if args.seed is not None:
-        check_seed(args.seed, "--seed")  # before waiting for a synchronizer, not after it answers
+@dataclass(frozen=True)
+class Place:
+    """Where this process runs: rank ``rank`` of a torchrun job of ``world`` ranks (0 of 1 without
+    torchrun), on ``device``. Only rank 0 talks to the synchronizer and writes files."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+
+def start_process(args: argparse.Namespace) -> Place:
+    """Diagnostics, logging, threads, the device and ``torch.distributed``: everything that must be
+    set before the first byte is sent or the first tensor allocated."""
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     rank = int(os.environ.get("RANK", "0"))
@@ -87,12 +99,19 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(process_group_backend(device))
+    return Place(rank, world, device)
+
+
+def probe_run(args: argparse.Namespace, place: Place) -> tuple[list[SyncClient], dict | None, int]:
+    """The clients (rank 0's only), the synchronizer's configuration and this learner's data shard.
+
+    Rank 0 probes before joining, holding no lease yet, because building the workload may take
+    longer than a lease; the other ranks of a torchrun job receive what it learned."""
     addresses = [parse_address(a.strip(), option="--connect") for a in args.connect.split(",") if a.strip()]
     if not addresses:
         raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT[,HOST:PORT...]")
     clients: list[SyncClient] = []
-    if rank == 0:
-        # Probe first (no lease yet): building the workload may take longer than a lease.
+    if place.rank == 0:
         secret = load_secret(args.secret_file)
         token = secret or load_token(args.token_file)
         clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
@@ -101,43 +120,38 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
         box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
     else:
         box = [None, None]
-    if world > 1:
+    if place.world > 1:
         dist.broadcast_object_list(box, src=0)
-    config = resolve_config(box[0]).validate_for_processes()
-    if not args.threads and config.train.threads:
-        torch.set_num_threads(config.train.threads)
-    index = int(box[1])
-    if not 0 <= index < config.run.learners:
-        raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
-    workload = Workload.build(config, device)
-    model = workload.new_model()
-    trained = model
-    if world > 1:
-        trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    trainer = workload.new_trainer(trained)
-    sampler = workload.sampler(index, rank)
-    runtime = start_runtime(args, clients, model, workload, sync_config=box[0])
-    if runtime.should_stop:  # the synchronizer refused our join: the run is over
-        log.info("the run is already finished")
-        runtime.close(flush=False)
-        return 0
-    log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
-             config.run.learners, sum(p.numel() for p in model.parameters()), device)
-    sampler.skip_to(runtime.data_position)
-    if rank == 0:
-        log.info("resuming data at batch %d (every batch before it reached the global model)" if runtime.data_position
-                 else "data from batch %d (none of this learner's batches reached the global model yet)",
-                 runtime.data_position)
-    steps, started = 0, time.perf_counter()
-    logged_at = started - LOG_EVERY_S
-    progress = ProgressFile(Path(args.progress_file) if rank == 0 and args.progress_file else None)
+    return clients, box[0], int(box[1])
+
+
+def log_step(runtime: LearnerRuntime, steps: int, loss: torch.Tensor, events: EventLog | None) -> None:
+    """One progress line (and its TensorBoard scalars); reading the loss waits for the step."""
+    loss_value = float(loss)
+    st = runtime.stats
+    log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
+             "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
+             st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
+    if events is not None:
+        events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
+                           "contributions_sent": st.contributions_sent,
+                           "updates_applied": st.updates_applied, "backlog": runtime.backlog,
+                           "contributions_dropped": st.contributions_dropped,
+                           "unreachable": st.unreachable})
+
+
+def train(args: argparse.Namespace, config: Config, place: Place, runtime: LearnerRuntime, trainer: InnerTrainer,
+          sampler: BatchSampler) -> int:
+    """Step until the run stops, SIGTERM or ``--max-steps``, keeping the progress file and the log;
+    the runtime is closed (its contributions flushed) however the loop ends. Returns the steps taken."""
+    steps = 0
+    logged_at = time.perf_counter() - LOG_EVERY_S
+    progress = ProgressFile(Path(args.progress_file) if place.rank == 0 and args.progress_file else None)
     stop = threading.Event()  # SIGTERM (a launcher, Slurm, systemd): finish the step, flush, leave
-    if world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
+    if place.world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
         signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     events = None
-    if rank == 0 and args.tensorboard_dir:
-        from ddiloco.tb_log import EventLog
-
+    if place.rank == 0 and args.tensorboard_dir:
         events = EventLog(args.tensorboard_dir)
     try:
         while not runtime.should_stop and not stop.is_set() and (args.max_steps is None or steps < args.max_steps):
@@ -151,31 +165,58 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
             if progress.due(steps):
                 progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
                                updates_applied=runtime.stats.updates_applied)
-            if rank == 0 and steps % 50 == 0 and time.perf_counter() >= logged_at + LOG_EVERY_S:
+            if place.rank == 0 and steps % 50 == 0 and time.perf_counter() >= logged_at + LOG_EVERY_S:
                 logged_at = time.perf_counter()
-                loss_value = float(loss)  # waits for this step: only when it is logged
-                st = runtime.stats
-                log.info("step %d  loss %.3f  versions %s  sent %d  applied %d  backlog %d  dropped %d  "
-                         "unreachable %d", steps, loss_value, runtime.versions, st.contributions_sent,
-                         st.updates_applied, runtime.backlog, st.contributions_dropped, st.unreachable)
-                if events is not None:
-                    events.add(steps, {"train_loss": loss_value, "fragment_versions": runtime.versions,
-                                       "contributions_sent": st.contributions_sent,
-                                       "updates_applied": st.updates_applied, "backlog": runtime.backlog,
-                                       "contributions_dropped": st.contributions_dropped,
-                                       "unreachable": st.unreachable})
+                log_step(runtime, steps, loss, events)
     finally:
         runtime.close()
         progress.write(steps, steps * config.train.batch_size * config.model.seq_len)
         if events is not None:
             events.close()
+    return steps
+
+
+def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> int:
+    """Train as learner ``args.id``; ``resolve_config`` turns the synchronizer's configuration into
+    this learner's (the command line's workload options, if any, checked against it)."""
+    if args.seed is not None:
+        check_seed(args.seed, "--seed")  # before waiting for a synchronizer, not after it answers
+    place = start_process(args)
+    clients, sync_config, index = probe_run(args, place)
+    config = resolve_config(sync_config).validate_for_processes()
+    if not args.threads and config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    if not 0 <= index < config.run.learners:
+        raise ConfigError(f"--index {index} is not in [0, {config.run.learners}) (the run has M={config.run.learners})")
+    workload = Workload.build(config, place.device)
+    model = workload.new_model()
+    trained = model
+    if place.world > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[place.device] if place.device.type == "cuda" else None)
+    trainer = workload.new_trainer(trained)
+    sampler = workload.sampler(index, place.rank)
+    runtime = start_runtime(args, clients, model, workload, sync_config=sync_config)
+    if runtime.should_stop:  # the synchronizer refused our join: the run is over
+        log.info("the run is already finished")
+        runtime.close(flush=False)
+        return 0
+    log.info("training as learner %s (data shard %d of %d, %d parameters, on %s)", args.id, index,
+             config.run.learners, sum(p.numel() for p in model.parameters()), place.device)
+    sampler.skip_to(runtime.data_position)
+    if place.rank == 0:
+        log.info("resuming data at batch %d (every batch before it reached the global model)" if runtime.data_position
+                 else "data from batch %d (none of this learner's batches reached the global model yet)",
+                 runtime.data_position)
+    started = time.perf_counter()
+    steps = train(args, config, place, runtime, trainer, sampler)
     elapsed = time.perf_counter() - started
-    if rank == 0:
+    if place.rank == 0:
         s = runtime.stats
         log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
                  steps, elapsed, s.contributions_sent, s.updates_applied, s.joins,
                  ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none")
-    if world > 1:
-        log.info("rank %d of %d: weights sha256 %s", rank, world, weights_sha256(model))
+    if place.world > 1:
+        log.info("rank %d of %d: weights sha256 %s", place.rank, place.world, weights_sha256(model))
         dist.destroy_process_group()
     return 0

@@ -34,7 +34,7 @@ from ddiloco.core.liveness import catch_up_bound_s
 from ddiloco.core.merge import MERGE_RULES
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED, FaultKind, parse_kind
-from ddiloco.sim.cluster import VirtualCluster
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantViolation
 from ddiloco.sim.synthetic import SyntheticWorkload

@@ -1,7 +1,7 @@
 """The calibration of the goodput model: its three recovery-cost constants fit to the paper.
 
 ``reconfig_s``, ``restart_s`` and ``recovery_mean_s`` are the only constants of
-:class:`~ddiloco.sim.goodput.ClusterModel` fit to published numbers, on the 1.2M-chip column
+:class:`~ddiloco.scale.goodput_model.ClusterModel` fit to published numbers, on the 1.2M-chip column
 alone; every other assumption is given (docs/goodput.md). ``ddiloco goodput --calibrate`` runs it.
 """
 
@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ddiloco.sim.goodput import (
+from ddiloco.scale.goodput_model import (
     CALIBRATION_CHIPS,
     DEFAULT_HORIZON_S,
     DEFAULT_SEEDS,

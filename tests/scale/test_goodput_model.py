@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ddiloco.errors import ConfigError
-from ddiloco.sim.goodput import (
+from ddiloco.scale.goodput_model import (
     CALIBRATION_CHIPS,
     DEFAULT_CHIPS,
     DEFAULT_CONFIGS,
@@ -22,7 +22,7 @@ from ddiloco.sim.goodput import (
     simulate_table,
     smallest_learners,
 )
-from ddiloco.sim.goodput_fit import fit_recovery_constants
+from ddiloco.scale.goodput_fit import fit_recovery_constants
 
 MODEL = ClusterModel()
 SHORT_S = 6 * 3600.0

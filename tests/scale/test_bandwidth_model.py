@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ddiloco.errors import ConfigError
-from ddiloco.sim.bandwidth import (
+from ddiloco.scale.bandwidth_model import (
     GBIT,
     PRESET_LINKS_GBPS,
     BandwidthInputs,

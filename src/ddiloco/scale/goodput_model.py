@@ -22,7 +22,7 @@ each group alternates exponential runs and fixed stalls (memoryless failures mak
 and slices that are down are subtracted from the chip-time of the runs they overlap.
 
 The three recovery-cost constants (``reconfig_s``, ``restart_s``, ``recovery_mean_s``) are the
-only ones fit to the paper, on its 1.2M-chip column alone (:mod:`ddiloco.sim.goodput_fit`);
+only ones fit to the paper, on its 1.2M-chip column alone (:mod:`ddiloco.scale.goodput_fit`);
 docs/goodput.md lists every assumption and its source.
 """
 
@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ddiloco.core.config import Mode
 from ddiloco.errors import ConfigError
 
 SECONDS_PER_YEAR = 365.25 * 86_400.0
@@ -117,17 +118,18 @@ class ConfigSpec:
     """A configuration by name: ``dp``, ``dp-elastic`` or ``decoupled-M<n>``."""
 
     name: str
-    kind: str
+    kind: Mode
+    """How it runs: data parallel, elastic data parallel, or Decoupled DiLoCo (``learners`` of them)."""
     learners: int
 
 
 def parse_config(name: str) -> ConfigSpec:
-    if name in ("dp", "dp-elastic"):
-        return ConfigSpec(name, name, 1)
+    if name in (Mode.DP, Mode.DP_ELASTIC):
+        return ConfigSpec(name, Mode(name), 1)
     match = re.fullmatch(r"decoupled-M([0-9]+)", name)
     if match is None or int(match.group(1)) < 1:
         raise ConfigError(f"unknown config {name!r}; expected dp, dp-elastic or decoupled-M<n> (n >= 1)")
-    return ConfigSpec(name, "decoupled", int(match.group(1)))
+    return ConfigSpec(name, Mode.DECOUPLED, int(match.group(1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +163,7 @@ def check_cell(spec: ConfigSpec, chips: int, model: ClusterModel) -> None:
         raise ConfigError(f"chips must be >= 1, got {chips}")
     if spec.learners > chips:
         raise ConfigError(f"{spec.name} needs at least {spec.learners} chips, got {chips}")
-    if spec.kind == "decoupled" and model.quorum > spec.learners:
+    if spec.kind is Mode.DECOUPLED and model.quorum > spec.learners:
         raise ConfigError(f"quorum {model.quorum} is larger than the {spec.learners} learners of {spec.name}")
 
 
@@ -204,11 +206,11 @@ def simulate_cell(spec: ConfigSpec, chips: int, model: ClusterModel, *, horizon_
     # stationary share of live slices (a slice is up ~Exp, down for recovery_mean_s).
     slice_rate = slice_chips / model.mtbi_s
     rate = chips_per_group / model.mtbi_s / (1.0 + slice_rate * model.recovery_mean_s)
-    stall_s = model.restart_s if spec.kind == "dp" else model.reconfig_s
-    quantum_s = model.checkpoint_interval_s if spec.kind == "dp" else model.step_s
+    stall_s = model.restart_s if spec.kind is Mode.DP else model.reconfig_s
+    quantum_s = model.checkpoint_interval_s if spec.kind is Mode.DP else model.step_s
     warmup_s = 8.0 * model.recovery_mean_s  # slices already down at t = 0 are in steady state
 
-    seq = np.random.SeedSequence([seed, chips, groups, 0 if spec.kind == "dp" else 1])
+    seq = np.random.SeedSequence([seed, chips, groups, 0 if spec.kind is Mode.DP else 1])
     runs_seed, absorb_seed, recovery_seed = seq.spawn(3)
     rng_absorb, rng_recovery = np.random.default_rng(absorb_seed), np.random.default_rng(recovery_seed)
 
@@ -254,7 +256,7 @@ def simulate_cell(spec: ConfigSpec, chips: int, model: ClusterModel, *, horizon_
 
     efficiency = straggler_efficiency(slices_per_group, model.straggler_sigma)
     useful_chip_s = chips_per_group * efficiency * useful_s * live_share
-    if spec.kind != "decoupled":
+    if spec.kind is not Mode.DECOUPLED:
         return CellResult(float(useful_chip_s.sum() / (chips * horizon_s)), float(useful_s[0] / horizon_s))
 
     up_s, blocked_s = _quorum(fail, stall_s, horizon_s, groups, model)
@@ -360,7 +362,7 @@ def predict_small_cluster(*, learners: int, mtbf_s: float, downtime_s: float, st
     """Long-run goodput and uptime of M whole learners that crash and come back.
 
     This is the small-scale counterpart of :func:`simulate_cell`, in the terms of the virtual
-    cluster (``ddiloco.sim.cluster``): each learner fails after an exponential up time of mean
+    cluster (``ddiloco.sim.virtual_cluster``): each learner fails after an exponential up time of mean
     ``mtbf_s``, stays down ``downtime_s`` on average, spends ``rejoin_s`` fetching the global
     state, then trains again. A step is useful once the fragment contributions carrying it are
     merged; with each fragment sent once per H steps (any P <= H, staggered offsets), a crash

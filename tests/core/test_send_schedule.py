@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddiloco.core.fragments import plan_fragments
-from ddiloco.core.schedule import SendSchedule
+from ddiloco.core.send_schedule import SendSchedule
 
 PLAN = plan_fragments([("w", (64,))], num_fragments=1, period=12)
 
