@@ -442,7 +442,7 @@ def downlink_vs_model(quick: bool) -> float:
     import bench_crosscheck as xc
 
     from ddiloco.config import build_config
-    from ddiloco.sim.bandwidth import check_counted_bytes
+    from ddiloco.scale.bandwidth_model import check_counted_bytes
     from ddiloco.sim.network import HEADER_BYTES
 
     config = (xc.tiny_config(learners=4, seed=0, time_s=240.0) if quick
