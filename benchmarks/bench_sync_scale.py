@@ -251,6 +251,19 @@ class Window:
     clean_sync_cores: float
 
 
+def _poll_status(address: str, stop: multiprocessing.Event, out: multiprocessing.Queue) -> None:
+    """Ask the synchronizer for its status every 100 ms until ``stop``; put the latencies (ms) in
+    ``out``. A process of its own, so that what the parent does meanwhile (a late join's state
+    transfer) takes no GIL from the measurement."""
+    latencies = []
+    with SyncClient(address) as client:
+        while not stop.wait(0.1):
+            started = time.perf_counter()
+            client.status_dict(timeout_s=60)
+            latencies.append(1e3 * (time.perf_counter() - started))
+    out.put(latencies)
+
+
 def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seconds: float, timeline: Timeline,
                    extra_joins: int) -> Window:
     """Load generators merge for ``seconds`` while status is polled and ``extra_joins`` learners join."""
@@ -266,7 +279,6 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     timeline.mark("merging window opens")
     opened, cpu = time.perf_counter(), sum(cpu_seconds(pid) for pid in pids)
     first_sample = len(timeline.samples)
-    status_ms: list[float] = []
     stop = threading.Event()
     clean: list[tuple[float, float]] = []  # (params/s, synchronizer cores) before the first late join
 
@@ -274,12 +286,9 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
         elapsed = time.perf_counter() - opened
         clean.append((counted.value / elapsed, (sum(cpu_seconds(pid) for pid in pids) - cpu) / elapsed))
 
-    def poll_status() -> None:
-        with SyncClient(addresses[0]) as client:
-            while not stop.wait(0.1):
-                started = time.perf_counter()
-                client.status_dict(timeout_s=60)
-                status_ms.append(1e3 * (time.perf_counter() - started))
+    polling = ctx.Event()
+    poller = ctx.Process(target=_poll_status, args=(addresses[0], polling, out), daemon=True)
+    poller.start()
 
     def late_joins() -> None:
         for j in range(extra_joins):  # at half the window and later: the first half is clean
@@ -292,12 +301,15 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
                 join_discarding(address, f"late-{j}")
             timeline.mark(f"join of late-{j} done")
 
-    helpers = [threading.Thread(target=poll_status, daemon=True), threading.Thread(target=late_joins, daemon=True)]
+    helpers = [threading.Thread(target=late_joins, daemon=True)]
     for th in helpers:
         th.start()
     results = [out.get(timeout=3600) for _ in loaders]
     sync_cores = (sum(cpu_seconds(pid) for pid in pids) - cpu) / (time.perf_counter() - opened)
     stop.set()
+    polling.set()
+    status_ms = out.get(timeout=600)
+    poller.join(60)
     whole = sum(r for r, _ in results)
     clean_rate, clean_cores = clean[0] if clean else (whole, sync_cores)
     timeline.mark("merging window closes")

@@ -22,7 +22,7 @@ from ddiloco.runtime.auth import (
     server_credentials,
 )
 from ddiloco.runtime.layout import layout_from_file
-from ddiloco.runtime.sync.memory import fewer_malloc_arenas
+from ddiloco.runtime.sync.memory import fewer_malloc_arenas, give_back_freed_memory
 from ddiloco.runtime.sync.server import serve
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.status_page import StatusPage
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         shard=shard,
     )
     fewer_malloc_arenas()  # before the model is read and the gRPC threads start
+    give_back_freed_memory(every_s=1.0)
     layout = None
     if args.init:
         layout = layout_from_file(args.init, config.protocol.for_mode(config.run.mode, config.run.learners))

@@ -22,6 +22,7 @@ whose available memory is below its peak.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -105,6 +106,34 @@ def fewer_malloc_arenas() -> None:
         libc.mallopt(_M_ARENA_MAX, 2)
     except (OSError, AttributeError):
         pass
+
+
+def give_back_freed_memory(every_s: float) -> None:
+    """Every ``every_s`` seconds, hand the pages of freed heap blocks back to the kernel (glibc's
+    ``malloc_trim``), from a daemon thread.
+
+    Payloads (int4, 0.53 bytes per parameter of a fragment) arrive, wait in a round and are
+    freed at its close in another order than they came; the holes they leave stay resident
+    until something of their size is allocated in them. Trimming releases them in place
+    (``madvise``), without unmapping, so the next payload costs a page fault per 4 KiB it
+    reuses rather than a mapping. Measured at 200M parameters (bench_sync_scale, 8 learners,
+    once a second): steady 13.5 → 13.0–13.2 and peak 15.6 → 14.0 bytes per parameter, at no
+    lower merge rate. A no-op off glibc."""
+    import ctypes
+    import ctypes.util
+    import threading
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+
+    def loop() -> None:
+        while True:
+            time.sleep(every_s)
+            trim(0)
+
+    threading.Thread(target=loop, name="ddiloco-trim", daemon=True).start()
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
