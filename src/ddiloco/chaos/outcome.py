@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.chaos.schedule import Fault
+from ddiloco.runtime.batch_log import ProcessBatches
 
 
 @dataclass
@@ -134,6 +135,8 @@ class ChaosOutcome:
     connections_reset: int = 0
     stopped: str | None = None
     """The signal (SIGINT, SIGTERM) that stopped the run early, if one did."""
+    batches: dict[str, list[ProcessBatches]] = field(default_factory=dict)
+    """Per learner, what each of its processes trained, from its batch log (``runtime/batch_log.py``)."""
 
     def sync_down_of(self, target: str | None = None) -> list[tuple[float, float]]:
         """(killed, answering again) of every kill of ``target`` (None: any synchronizer process);

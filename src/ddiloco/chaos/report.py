@@ -9,6 +9,7 @@ from typing import Any, Callable, TypeVar
 
 from rich.table import Table
 
+from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.chaos.outcome import ChaosOutcome, Sample, ShardCounts
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
@@ -107,6 +108,20 @@ def rejoin_loops(rejoins: dict[str, int], explained: dict[str, int]) -> list[str
             for name, n in rejoins.items() if n > explained.get(name, 0) + LOOP_SLACK]
 
 
+def batch_figures(outcome: ChaosOutcome, period: int) -> dict[str, Any]:
+    """Each learner's batches trained again and skipped across its restarts (``chaos/batch_counts.py``),
+    and their totals; the allowance is one period H per restart."""
+    positions = {lr["id"]: lr["data_position"] for lr in outcome.final_status.get("learners", [])}
+    counts = {name: count_batches(processes, period, positions.get(name, 0))
+              for name, processes in sorted(outcome.batches.items())}
+    return {"batch_period": period,
+            "batches_trained": sum(c.trained for c in counts.values()),
+            "batches_retrained": sum(c.retrained for c in counts.values()),
+            "batches_retrained_beyond_period": sum(c.retrained_beyond_period for c in counts.values()),
+            "batches_skipped": sum(c.skipped for c in counts.values()),
+            "batches_by_learner": {name: c.to_dict() for name, c in counts.items()}}
+
+
 def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed: int,
                  baseline: dict[str, Any] | None, min_step_s: float = 0.0) -> dict[str, Any]:
     """chaos.json: the counts, the pause against its bound, the model against the undisturbed run."""
@@ -145,6 +160,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "tokens": status.get("tokens"),
         "baseline_tokens": baseline["tokens"] if baseline else None,
         "fragment_versions": [f["version"] for f in status.get("fragments", [])],
+        **batch_figures(outcome, config.protocol.period),
         "completed": outcome.completed,
         "seed": seed,
         "fault_window_s": window_s,
@@ -176,6 +192,8 @@ def violations(report: dict[str, Any], failure: str) -> list[str]:
         found.append(f"longest pause without a merge {report['longest_pause_s']:.2f}s exceeds the bound "
                      f"{report['pause_bound_s']:.2f}s (grace window + lease)")
     found += rejoin_loops(report.get("rejoins_by_learner", {}), report.get("rejoins_explained", {}))
+    found += [f"{name} skipped {c['skipped']} batches of its data (never trained, although its stream moved past "
+              "them)" for name, c in report.get("batches_by_learner", {}).items() if c["skipped"]]
     return found
 
 
@@ -209,6 +227,10 @@ def report_table(report: dict[str, Any], title: str) -> Table:
         ("pause bound (grace window + lease)", f"{report['pause_bound_s']:.2f} s"),
         ("synchronizer downtime", f"{report['sync_downtime_s']:.1f} s"),
         ("rejoins", str(report["rejoins"])),
+        ("batches trained again (beyond one period)",
+         f"{report['batches_retrained']:,} ({report['batches_retrained_beyond_period']:,} beyond "
+         f"H={report['batch_period']} per restart) of {report['batches_trained']:,}"),
+        ("batches skipped", f"{report['batches_skipped']:,}"),
         ("learners alive at the end", f"{report['learners_alive_at_end']} of {report['learners']}"),
         ("rejected", ", ".join(f"{k} {v}" for k, v in report["rejected"].items()) or "none"),
         ("goodput / model uptime", f"{num(report['goodput'], '.1%')} / {num(report['uptime'], '.1%')}"),
