@@ -5,8 +5,10 @@
     python benchmarks/bench_chaos.py --only sync_kills --json out.json
 
 1. kills: N learner kills (kill -9, restart 1 s later with the same id) in one run, on the
-   learners in turn, so at most one is down at a time. Every learner must rejoin and the
-   global model must never stand still longer than one grace window plus one lease.
+   learners in turn, so at most one is down at a time. Every learner must rejoin, the
+   global model must never stand still longer than one grace window plus one lease, and no
+   batch may be skipped; the batches trained again across the restarts are counted, and
+   those beyond one period H per restart (issue 26's allowance), from the learners' batch logs.
 2. sync_kills: N kill -9 of the synchronizer in one run, each restarted with --resume on the
    same state directory and port. Every restart must resume from its checkpoint, the
    learners must reconnect by themselves, and a crash may lose only what docs/runtime.md
@@ -127,8 +129,15 @@ def kills(n: int, work: Path, baseline: bool, seed: int, extra: tuple[str, ...])
     figures = {"kills": report["faults"]["learner_crash"], "skipped": skipped, "wall_s": round(wall, 1), "exit_code": code,
                **common_figures(report)}
     figures["rejoins_per_kill"] = round(report["rejoins"] / max(1, figures["kills"]), 3)
+    figures.update({key: report[key] for key in ("batch_period", "batches_trained", "batches_retrained",
+                                                 "batches_retrained_beyond_period", "batches_skipped")})
+    restarts = sum(len(c["processes"]) - 1 for c in report["batches_by_learner"].values())
+    figures["batches_retrained_per_restart"] = round(report["batches_retrained"] / max(1, restarts), 2)
     print(f"[kills] {figures['kills']} kills ({skipped} skipped), {report['rejoins']} rejoins "
-          f"-> {figures['rejoins_per_kill']} per kill; alive at the end {report['learners_alive_at_end']}/{learners}; "
+          f"-> {figures['rejoins_per_kill']} per kill; batches trained again {report['batches_retrained']} over "
+          f"{restarts} restarts ({figures['batches_retrained_per_restart']} per restart, "
+          f"{report['batches_retrained_beyond_period']} beyond one period H={report['batch_period']}), "
+          f"skipped {report['batches_skipped']}; alive at the end {report['learners_alive_at_end']}/{learners}; "
           f"longest pause {report['longest_pause_s']:.2f}s vs bound {report['pause_bound_s']:.2f}s; "
           f"{_loss_line(figures)}; wall {wall:.0f}s, exit {code}", flush=True)
     return figures

@@ -34,6 +34,7 @@ import yaml
 
 from cli_lines import _parser, check_command
 from ddiloco.commands.options import config_from_args
+from ddiloco.runtime.sync.state_dir import Resume
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERNETES = REPO / "deploy" / "kubernetes"
@@ -180,7 +181,7 @@ def test_kubernetes_command_lines_are_accepted_and_consistent(overlay, tmp_path)
     # The synchronizer: one pod at a time, its state on a claim defined here, resumed on restart.
     assert sync_doc["spec"]["replicas"] == 1
     assert sync_doc["spec"]["strategy"]["type"] == "Recreate"
-    assert sync.resume
+    assert sync.resume is Resume.IF_PRESENT  # a fresh volume starts the run, every restart continues it
     state, _ = mounted_file(sync_pod, sync_container, sync.state_dir + "/CURRENT")
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert state["persistentVolumeClaim"]["claimName"] in claims
@@ -333,7 +334,7 @@ def test_slurm_command_lines_are_accepted_and_consistent(case, tmp_path):
     assert len(syncs) == shards
     for s, (options, argv, args) in enumerate(syncs):
         assert options["--nodelist"] == "node0"
-        assert args.resume and args.exit_when_finished
+        assert args.resume is Resume.IF_PRESENT and args.exit_when_finished
         assert Path(args.state_dir).parent.parent == run_dir
         assert args.token_file == str(token)
         assert int(args.learners) == m

@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
-from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, SyncRestart
+from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
 from ddiloco.chaos.schedule import Fault
 from ddiloco.config import build_config
 from ddiloco.fault_kinds import FaultKind
@@ -17,10 +17,10 @@ from ddiloco.fault_kinds import FaultKind
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),
            pause: float = 0.1, rejected: dict[str, int] | None = None, phase: str = "running",
            registered: tuple[int, ...] = (1, 1)) -> Sample:
+    counts = ShardCounts(instance, rejected or {}, {f"learner-{i}": n for i, n in enumerate(registered)})
     return Sample(t_s=t, instance_id=instance, phase=phase, versions=versions,
                   alive={f"learner-{i}": a for i, a in enumerate(alive)}, tokens=100 * int(t), grace_window_s=0.2,
-                  longest_pause_s=pause, rejections=rejected or {},
-                  registrations={f"learner-{i}": n for i, n in enumerate(registered)})
+                  longest_pause_s=pause, shards=(counts,))
 
 
 def outcome(tmp_path: Path, samples: list[Sample], records: list[FaultRecord],
@@ -93,7 +93,7 @@ def test_a_learner_that_rejoins_far_more_often_than_its_faults_explain_fails_the
 def test_counts_across_incarnations_keep_what_a_crash_lost_and_what_the_registry_forgot() -> None:
     a = [sample(0, "a", (0,), registered=(1, 1)), sample(1, "a", (0,), registered=(3, 2)),
          sample(2, "a", (0,), registered=(3, 2))]
-    a[-1] = replace(a[-1], registrations={"learner-1": 2})  # learner-0 forgotten by the registry, at its peak
+    a[-1] = replace(a[-1], shards=(ShardCounts("a", {}, {"learner-1": 2}),))  # learner-0 forgotten, at its peak
     b = [sample(5, "b", (0,), registered=(2, 2)), sample(6, "b", (0,), registered=(3, 3))]
     # a: learner-0 reached 3 (its checkpoint kept 2), learner-1 reached 2 (kept 2); b adds one each.
     assert rejoins_by_learner(a + b) == {"learner-0": 3, "learner-1": 2}
@@ -125,6 +125,42 @@ def test_a_reworded_synchronizer_log_does_not_change_the_rejoin_count(monkeypatc
         sync.close()
     assert "member learner-1 rejoined [" in caplog.text and "learner learner-1 rejoined (" not in caplog.text
     assert rejoins_by_learner([Sample.from_status(0.0, status)]) == {"learner-0": 0, "learner-1": 2}
-    # Sharded: the first shard's counts (the shard whose restarts explain rejoins), not the sum.
+    # Sharded: every shard's registrations, each shard's own (not the first shard's for all).
     other = {**status, "learners": [{**lr, "registrations": 7} for lr in status["learners"]]}
-    assert Sample.from_status(0.0, merge_statuses([status, other])).registrations == {"learner-0": 1, "learner-1": 3}
+    merged = Sample.from_status(0.0, merge_statuses([status, other]))
+    assert [c.registrations for c in merged.shards] == [{"learner-0": 1, "learner-1": 3},
+                                                        {"learner-0": 7, "learner-1": 7}]
+    assert rejoins_by_learner([merged]) == {"learner-0": 0 + 6, "learner-1": 2 + 6}
+
+
+def sharded(t: float, ids: tuple[str, str], registered: tuple[tuple[int, ...], tuple[int, ...]],
+            rejected: tuple[dict[str, int], dict[str, int]] = ({}, {})) -> Sample:
+    """A sample of a synchronizer of two shards, each process with its own incarnation and counters."""
+    shards = tuple(ShardCounts(i, r, {f"learner-{k}": n for k, n in enumerate(regs)})
+                   for i, regs, r in zip(ids, registered, rejected))
+    return replace(sample(t, ",".join(ids), (0, 0), alive=(True,) * 3), shards=shards)
+
+
+def test_rejoins_and_rejections_count_every_shard_each_across_its_own_restarts(tmp_path) -> None:
+    """docs/results/chaos_shard_kills_round_log.json said 0 rejoins after 10 kills of shard 1: only the
+    first shard's registrations were read. Here shard 1 is killed twice, shard 0 never, 3 learners."""
+    config = build_config(preset="tiny", overrides=("run.learners=3", "protocol.lease_s=3", "protocol.shards=2"))
+    samples = [sharded(0, ("a0", "a1"), ((1, 1, 1), (1, 1, 1)), ({}, {"stale": 1})),
+               sharded(1, ("a0", "a1"), ((1, 1, 1), (1, 1, 1)), ({}, {"stale": 3})),  # checkpointed at 1
+               sharded(5, ("a0", "b1"), ((1, 1, 2), (1, 1, 1)), ({}, {"stale": 1, "unknown_learner": 1})),
+               sharded(6, ("a0", "b1"), ((1, 1, 2), (2, 2, 2)), ({"stale": 2}, {"stale": 1, "unknown_learner": 3})),
+               sharded(9, ("a0", "c1"), ((1, 1, 2), (2, 2, 2)), ({"stale": 2}, {"stale": 1, "unknown_learner": 3})),
+               sharded(10, ("a0", "c1"), ((1, 1, 2), (3, 3, 3)), ({"stale": 2}, {"stale": 1, "unknown_learner": 6}))]
+    # Each learner rejoined both new incarnations of shard 1; learner-2 rejoined shard 0 after its kill too.
+    assert rejoins_by_learner(samples) == {"learner-0": 2, "learner-1": 2, "learner-2": 3}
+    # shard 1: stale 3 lost 2 to the first crash (its checkpoint held 1), unknown_learner 6; shard 0: stale 2.
+    assert rejections(samples) == {"stale": 2 + 1 + 2, "unknown_learner": 6}
+    kills = [SyncRestart(target="sync-1", killed_at_s=t, versions_at_kill=(1,), tokens_at_kill=0, answering_at_s=t + 1)
+             for t in (2.0, 7.0)]
+    crash = FaultRecord(Fault(at_s=3, kind=FaultKind.LEARNER_CRASH, target="learner-2", duration_s=1),
+                        started_s=3.0, ended_s=4.0)
+    run = replace(outcome(tmp_path, samples, [crash], kills), sync_names=("sync-0", "sync-1"))
+    report = build_report(run, config, window_s=10, seed=0, baseline=None)
+    assert report["rejoins"] == 7 and report["violations"] == []
+    # Two shard restarts each, and learner-2's kill makes it join both shards again.
+    assert report["rejoins_explained"] == {"learner-0": 2, "learner-1": 2, "learner-2": 4}

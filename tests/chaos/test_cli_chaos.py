@@ -131,6 +131,9 @@ def test_a_short_run_with_every_fault_kind_keeps_its_promises(tmp_path) -> None:
     assert report["tokens"] > 0 and report["eval_loss"] is not None and report["baseline_eval_loss"] is None
     assert 0 < report["goodput"] <= 1 and 0 < report["uptime"] <= 1
     assert all(entry["started_s"] is not None and "skipped" not in entry for entry in report["schedule"])
+    # Every learner's batch log was read (the killed one's restart appends to it) and no batch was skipped.
+    assert sorted(report["batches_by_learner"]) == ["learner-0", "learner-1", "learner-2"]
+    assert report["batches_skipped"] == 0 and report["batches_trained"] > 0
     assert (out / "chaos.png").stat().st_size > 10_000
     assert "Traceback" not in stderr
     for log in (out / "logs").glob("*.log"):

@@ -38,12 +38,12 @@ def test_simtest_checks_the_catch_up_bound_of_its_world(seed):
 
 
 def test_chaos_checks_the_pause_bound_with_the_largest_grace_window(tmp_path):
-    from ddiloco.chaos.outcome import ChaosOutcome, Sample
+    from ddiloco.chaos.outcome import ChaosOutcome, Sample, ShardCounts
     from ddiloco.chaos.report import build_report
 
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
     samples = [Sample(t_s=t, instance_id="a", phase="running", versions=(t,), alive={}, tokens=0,
-                      grace_window_s=grace, longest_pause_s=0.0, rejections={}, registrations={})
+                      grace_window_s=grace, longest_pause_s=0.0, shards=(ShardCounts("a", {}, {}),))
                for t, grace in ((0, 0.2), (1, 0.7), (2, 0.1))]
     outcome = ChaosOutcome(completed=True, failure="", records=[], samples=samples, sync_restarts=[],
                            final_status={}, eval_loss=None, wall_s=1.0, status_url="")

@@ -14,7 +14,9 @@ import sys
 import pytest
 from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
 
+from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.config import build_config
+from ddiloco.runtime.batch_log import read_batch_log
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +28,14 @@ def learner(status: dict | None, name: str) -> dict:
     return next((lr for lr in status["learners"] if lr["id"] == name), {}) if status else {}
 
 
-def test_a_learner_killed_9_resumes_its_data_at_its_data_position(procs) -> None:
+def test_a_learner_killed_9_resumes_its_data_at_its_data_position(procs, tmp_path) -> None:
     tiny = build_config(preset="tiny")
+    batch_log = ("--batch-log", str(tmp_path / "learner-0.batches"))  # what ddiloco chaos counts from
     tokens_per_step = tiny.train.batch_size * tiny.model.seq_len
     period = tiny.protocol.period
     port = free_port()
     procs.start("sync", *sync_args(port, "--tokens", str(10**9), learners=1))
-    procs.start("a", *learner_args(port, "learner-0", *PACE))
+    procs.start("a", *learner_args(port, "learner-0", *PACE, *batch_log))
     wait_for(lambda: learner(status_of(port), "learner-0").get("data_position", 0) >= 3 * period,
              "three periods of learner-0's data to reach the global model")
     assert "data from batch 0 (none of this learner's batches reached the global model yet)" in procs.log("a")
@@ -49,7 +52,7 @@ def test_a_learner_killed_9_resumes_its_data_at_its_data_position(procs) -> None
                            capture_output=True, text=True, timeout=60, check=True)
     assert learner(json.loads(shown.stdout), "learner-0")["data_position"] == position
 
-    procs.start("a2", *learner_args(port, "learner-0", *PACE))
+    procs.start("a2", *learner_args(port, "learner-0", *PACE, *batch_log))
     line = wait_for(lambda: RESUMED.search(procs.log("a2")), "the restarted learner to say where its data resumes")
     resumed = int(line.group(1))
     print(f"killed after at least {reported_steps} batches; resumed at batch {resumed}")
@@ -59,3 +62,12 @@ def test_a_learner_killed_9_resumes_its_data_at_its_data_position(procs) -> None
                     "the restarted learner's data to reach the global model beyond where it resumed")
     assert learner(back, "learner-0")["registrations"] >= 2
     assert procs.procs["a2"].poll() is None and procs.procs["sync"].poll() is None
+
+    # The batch log says the same from the learner's side, and no batch was skipped: the first process
+    # trained every batch below the position it was given back, the second started there.
+    procs.kill9("a2")
+    first, second = read_batch_log(tmp_path / "learner-0.batches")
+    assert first.resumed_at == 0 and first.trained_to >= position and second.resumed_at == position
+    counts = count_batches([first, second], period, learner(status_of(port), "learner-0")["data_position"])
+    print(f"batch log: {first} then {second}: {counts.retrained} batches trained again, {counts.skipped} skipped")
+    assert counts.retrained == min(first.trained_to, second.trained_to) - position and counts.skipped == 0

@@ -25,6 +25,7 @@ from ddiloco.runtime.auth import Address, client_metadata
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import ServiceOptions
+from ddiloco.runtime.sync.state_dir import Resume
 
 TOKEN = "shared-token"
 UNHANDLED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -216,7 +217,7 @@ def test_registrations_are_kept_across_resume_and_status_comes_in_pages(inproc_s
         for i in range(9):
             client.join(Join(f"extra-{i}", "b"))
     first.close()
-    second = inproc_sync(config, ServiceOptions(state_dir=state, resume=True))
+    second = inproc_sync(config, ServiceOptions(state_dir=state, resume=Resume.REQUIRED))
     with SyncClient(f"127.0.0.1:{second.port}") as client:
         full = client.status_dict()
         assert full["learners_total"] == 10

@@ -14,6 +14,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
+from ddiloco.runtime.sync.state_dir import Resume
 
 IDENTITY = {"layout_sha256": "ab" * 32, "shard": 0}
 
@@ -89,7 +90,7 @@ def test_a_resumed_synchronizer_replays_what_is_intact_and_refuses_a_log_with_a_
     file.write_bytes(file.read_bytes()[:-7])  # the last record cut short by a crash
 
     with caplog.at_level(logging.WARNING, logger="ddiloco.sync"):
-        resumed = SyncService(config, ServiceOptions(state_dir=tmp_path, resume=True))
+        resumed = SyncService(config, ServiceOptions(state_dir=tmp_path, resume=Resume.REQUIRED))
     assert resumed.core.versions()[0] == 2 and resumed.writer.replayed == 2
     expected = start + codec.decode(updates[0], start.numel()) + codec.decode(updates[1], start.numel())
     assert torch.equal(resumed.core.value(0), expected)  # Θ: the sum of the updates sent, bit for bit
@@ -97,4 +98,4 @@ def test_a_resumed_synchronizer_replays_what_is_intact_and_refuses_a_log_with_a_
     resumed.writer.round_log.append(0, 4, False, updates[2]).result(timeout=30)  # version 3 never logged: a gap
     resumed.writer.close()
     with pytest.raises(CheckpointError, match="from version 2 to 4"):
-        SyncService(config, ServiceOptions(state_dir=tmp_path, resume=True))
+        SyncService(config, ServiceOptions(state_dir=tmp_path, resume=Resume.REQUIRED))

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from ddiloco import cli
 from ddiloco.config import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Session
@@ -20,6 +21,7 @@ from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
 from ddiloco.runtime.learner.runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+from ddiloco.runtime.sync.state_dir import Resume
 from ddiloco.workload.workload import Workload
 from ddiloco.workload.model import ByteTransformer
 
@@ -195,7 +197,7 @@ def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync,
     _train(runtime, workload, model, 0, 2 * config.protocol.period)
     runtime.close()
     with pytest.raises(ConfigError, match="in use"):
-        SyncService(config, ServiceOptions(state_dir=state_dir, resume=True))
+        SyncService(config, ServiceOptions(state_dir=state_dir, resume=Resume.REQUIRED))
     s.call(s.service.checkpoint)
     with SyncClient(f"127.0.0.1:{s.port}") as client:
         saved = client.fetch_state()
@@ -204,7 +206,7 @@ def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync,
 
     with pytest.raises(ConfigError, match="--resume"):
         SyncService(config, ServiceOptions(state_dir=state_dir))
-    r = inproc_sync(config, ServiceOptions(state_dir=state_dir, resume=True))
+    r = inproc_sync(config, ServiceOptions(state_dir=state_dir, resume=Resume.REQUIRED))
     with SyncClient(f"127.0.0.1:{r.port}") as client:
         restored = client.fetch_state()
         status = client.status_dict()
@@ -213,6 +215,44 @@ def test_resume_restores_versions_and_values_and_refuses_to_clobber(inproc_sync,
         assert torch.equal(a.values, b.values)
     assert status["learners"][0]["accepted"] == accepted and not status["learners"][0]["alive"]
     assert status["instance_id"] != ""
+
+    # --resume-if-present (the deploy scripts' one command line) resumes the same state.
+    r.close()
+    r = inproc_sync(config, ServiceOptions(state_dir=state_dir, resume=Resume.IF_PRESENT))
+    with SyncClient(f"127.0.0.1:{r.port}") as client:
+        assert client.fetch_state().versions() == saved.versions()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_resume_with_no_state_is_one_line_and_exit_2_with_nothing_created(tmp_path, capsys, existing):
+    """Issue 26: ``--resume`` on a directory with no run's state (a typo, a volume not mounted) started
+    a new run beside the real one. Now an error; --resume-if-present keeps the deploy scripts' behaviour."""
+    state = tmp_path / "state"
+    if existing:
+        state.mkdir()
+    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"ddiloco: error: --resume: --state-dir {str(state)!r} holds no run's state")
+    assert "--resume-if-present" in err
+    assert state.exists() == existing and (not existing or not any(state.iterdir()))
+    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "ddiloco: error: --resume needs --state-dir: without one there is no run's state to continue\n"
+    with pytest.raises(SystemExit) as exited:  # argparse's own error: one line too
+        cli.main(["sync", "--preset", "tiny", "--state-dir", str(state), "--resume", "--resume-if-present"])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_resume_if_present_starts_a_new_run_in_an_empty_state_dir(inproc_sync, tmp_path, caplog):
+    import logging
+
+    state = tmp_path / "state"
+    with caplog.at_level(logging.INFO, logger="ddiloco.sync"):
+        inproc_sync(tiny(), ServiceOptions(state_dir=state, resume=Resume.IF_PRESENT)).close()
+    assert f"no checkpoint in {state}: starting a new run" in caplog.text
+    with pytest.raises(ConfigError, match="already holds a run's state"):  # a new run would overwrite it
+        SyncService(tiny(), ServiceOptions(state_dir=state))
 
 
 def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync):

@@ -29,7 +29,7 @@ from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import check_memory, memory_plan
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.runtime.sync.state_dir import Resume, StateDir
 
 from runtime_helpers import Honest, versions, wait_for
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime import wire
-from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.runtime.sync.state_dir import Resume, StateDir
 
 P, N = {FRAGMENTS}, {NUMEL}
 
@@ -65,7 +65,7 @@ def lean(sync):
 
 config = ProtocolConfig(fragments=P, period=P, quorum=1, lease_s=1e9)
 sync = lean(Synchronizer(config, [torch.randn(N) for _ in range(P)]))
-state = StateDir(Path(sys.argv[1]), resume=True)
+state = StateDir(Path(sys.argv[1]), resume=Resume.IF_PRESENT)
 
 def checkpoint():
     draft = state.begin(1)
@@ -160,7 +160,7 @@ def checkpointed(tmp_path: Path, inproc_sync) -> tuple:
 @pytest.mark.parametrize("damage", ["fragment bytes", "manifest", "pointer", "legacy"])
 def test_a_damaged_checkpoint_is_refused_with_one_line_and_nothing_is_overwritten(tmp_path, inproc_sync, damage):
     config, state = checkpointed(tmp_path, inproc_sync)
-    held = StateDir(state, resume=True)
+    held = StateDir(state, resume=Resume.REQUIRED)
     folder = held.current
     held.close()
     if damage == "fragment bytes":
@@ -184,7 +184,7 @@ def test_a_damaged_checkpoint_is_refused_with_one_line_and_nothing_is_overwritte
         expected = "older ddiloco"
     before = {p: p.read_bytes() for p in state.rglob("*") if p.is_file()}
     with pytest.raises(CheckpointError, match=expected):
-        SyncService(config, ServiceOptions(state_dir=state, resume=True))
+        SyncService(config, ServiceOptions(state_dir=state, resume=Resume.REQUIRED))
     assert {p: p.read_bytes() for p in state.rglob("*") if p.is_file()} == before
 
 
@@ -193,7 +193,7 @@ def test_a_checkpoint_of_other_shards_is_refused(tmp_path, inproc_sync):
     state = tmp_path / "state"
     inproc_sync(config, ServiceOptions(state_dir=state, shard=0)).close()
     with pytest.raises(CheckpointError, match=r"holds fragments \[0, 2, 4, 6\], this synchronizer owns \[1, 3, 5, 7\]"):
-        SyncService(config, ServiceOptions(state_dir=state, shard=1, resume=True))
+        SyncService(config, ServiceOptions(state_dir=state, shard=1, resume=Resume.REQUIRED))
 
 
 def test_a_host_with_less_memory_than_the_model_needs_is_refused_at_start():

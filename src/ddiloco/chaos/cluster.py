@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ddiloco.chaos.proxy import ProxyHost
@@ -22,6 +23,9 @@ from ddiloco.runtime.launch.local_run import RunFiles, learner_command, sync_com
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes
+
+BATCH_LOGS = "batches"
+"""The folder of the run's directory that holds each learner's batch log."""
 
 
 @dataclass
@@ -60,6 +64,10 @@ class ChaosCluster:
                                                          token_file=self.place.token_file),
                          env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
 
+    def batch_log(self, name: str) -> Path:
+        """Learner ``name``'s batch log (``runtime/batch_log.py``): every process of it appends there."""
+        return self.files.out / BATCH_LOGS / f"{name}.log"
+
     def add_learner(self, name: str, device: str, min_step_s: float) -> None:
         """A proxy per shard in front of ``name``'s connections, and its command line."""
         host, _ = self.place.sync_listen(0)
@@ -68,7 +76,7 @@ class ChaosCluster:
         addresses = [f"{gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=gateway)}"
                      for proxy, port in zip(self.links[name], self.ports)]
         self.learner_cmds[name] = learner_command(addresses, name, self.threads, device, min_step_s,
-                                                  token_file=self.place.token_file)
+                                                  token_file=self.place.token_file, batch_log=self.batch_log(name))
 
     def start_learner(self, name: str) -> None:
         self.procs.start(name, self.learner_cmds[name], env={"OMP_NUM_THREADS": str(self.threads)},

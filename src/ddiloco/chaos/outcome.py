@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.chaos.schedule import Fault
+from ddiloco.runtime.batch_log import ProcessBatches
 
 
 @dataclass
@@ -21,33 +22,46 @@ class FaultRecord:
 
 
 @dataclass(frozen=True)
+class ShardCounts:
+    """One synchronizer process's counters at one poll: each process checkpoints its own and a
+    restart of it resumes from them, so they are totalled per process (``report.across_incarnations``)."""
+
+    instance_id: str
+    rejections: dict[str, int]
+    registrations: dict[str, int]
+    """Per learner, its registrations at this process (the status's own counter)."""
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any]) -> ShardCounts:
+        return cls(instance_id=status["instance_id"], rejections=dict(status["rejections"]),
+                   registrations={lr["id"]: lr["registrations"] for lr in status["learners"]})
+
+
+@dataclass(frozen=True)
 class Sample:
     """One poll of the synchronizer's status."""
 
     t_s: float
     """Seconds after the first join (negative before it)."""
     instance_id: str
+    """Every shard's incarnation: a new one whenever any synchronizer process restarted."""
     phase: str
     versions: tuple[int, ...]
     alive: dict[str, bool]
     tokens: int
     grace_window_s: float
     longest_pause_s: float
-    rejections: dict[str, int]
-    registrations: dict[str, int]
-    """Per learner, its registrations at the first synchronizer shard (the one whose restarts
-    :func:`~ddiloco.chaos.report.explained_rejoins` counts): the status's own counter."""
+    shards: tuple[ShardCounts, ...]
+    """Each synchronizer process's counters, in shard order (one for an unsharded synchronizer)."""
 
     @classmethod
     def from_status(cls, t_s: float, status: dict[str, Any]) -> Sample:
         """One poll's sample from the (merged) status dict, as ``SyncClient.status_dict`` returns it."""
-        first = status.get("per_shard", [status])[0]
         return cls(t_s=t_s, instance_id=status["instance_id"], phase=status["phase"],
                    versions=tuple(f["version"] for f in status["fragments"]),
                    alive={lr["id"]: lr["alive"] for lr in status["learners"]}, tokens=status["tokens"],
                    grace_window_s=status["grace"]["window_s"], longest_pause_s=status["longest_pause_s"],
-                   rejections=dict(status["rejections"]),
-                   registrations={lr["id"]: lr["registrations"] for lr in first["learners"]})
+                   shards=tuple(ShardCounts.from_status(s) for s in status.get("per_shard", [status])))
 
 
 @dataclass
@@ -121,6 +135,8 @@ class ChaosOutcome:
     connections_reset: int = 0
     stopped: str | None = None
     """The signal (SIGINT, SIGTERM) that stopped the run early, if one did."""
+    batches: dict[str, list[ProcessBatches]] = field(default_factory=dict)
+    """Per learner, what each of its processes trained, from its batch log (``runtime/batch_log.py``)."""
 
     def sync_down_of(self, target: str | None = None) -> list[tuple[float, float]]:
         """(killed, answering again) of every kill of ``target`` (None: any synchronizer process);

@@ -5,11 +5,12 @@ from __future__ import annotations
 import collections
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from rich.table import Table
 
-from ddiloco.chaos.outcome import ChaosOutcome, Sample
+from ddiloco.chaos.batch_counts import count_batches
+from ddiloco.chaos.outcome import ChaosOutcome, Sample, ShardCounts
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
 from ddiloco.core.liveness import pause_bound_s
@@ -25,20 +26,23 @@ MAX_LABELS = 20
 """Faults named above the plot; beyond this many only their colours mark them."""
 KIND_COLORS = {kind: f"C{i % 10}" for i, kind in enumerate(FaultKind)}
 """A colour per fault kind, fixed by its place among all kinds (matplotlib's default cycle)."""
+Polled = TypeVar("Polled", Sample, ShardCounts)
 
 
-def by_incarnation(samples: list[Sample]) -> list[list[Sample]]:
-    """Consecutive samples of one synchronizer process each."""
-    groups: list[list[Sample]] = []
-    for s in samples:
-        if not groups or groups[-1][-1].instance_id != s.instance_id:
+def by_incarnation(polls: list[Polled]) -> list[list[Polled]]:
+    """Consecutive polls of one synchronizer process each (of one set of shard processes, for a
+    :class:`Sample` of them all)."""
+    groups: list[list[Polled]] = []
+    for p in polls:
+        if not groups or groups[-1][-1].instance_id != p.instance_id:
             groups.append([])
-        groups[-1].append(s)
+        groups[-1].append(p)
     return groups
 
 
-def across_incarnations(samples: list[Sample], counts: Callable[[Sample], dict[str, int]]) -> dict[str, int]:
-    """A counter the synchronizer keeps per key (and checkpoints), totalled over its incarnations.
+def across_incarnations(samples: list[Sample], counts: Callable[[ShardCounts], dict[str, int]]) -> list[dict[str, int]]:
+    """A counter each synchronizer process keeps per key (and checkpoints), totalled over its
+    incarnations: one total per shard. Each shard restarts on its own, so each is followed on its own.
 
     Within an incarnation a count only grows, so its peak is what it reached (a learner the
     registry forgot keeps its peak here). A resumed incarnation starts from its checkpoint's
@@ -46,7 +50,12 @@ def across_incarnations(samples: list[Sample], counts: Callable[[Sample], dict[s
     one's first sample (what happened between the last poll and a kill, or before the resumed
     one's first poll, is missed).
     """
-    groups = by_incarnation(samples)
+    shards = len(samples[0].shards) if samples else 0
+    return [_one_process([s.shards[i] for s in samples], counts) for i in range(shards)]
+
+
+def _one_process(polls: list[ShardCounts], counts: Callable[[ShardCounts], dict[str, int]]) -> dict[str, int]:
+    groups = by_incarnation(polls)
     peaks = [_peak(group, counts) for group in groups]
     total = collections.Counter(peaks[-1] if peaks else {})
     for killed, resumed in zip(peaks, groups[1:]):
@@ -56,36 +65,41 @@ def across_incarnations(samples: list[Sample], counts: Callable[[Sample], dict[s
     return dict(sorted(total.items()))
 
 
-def _peak(group: list[Sample], counts: Callable[[Sample], dict[str, int]]) -> dict[str, int]:
+def _peak(group: list[ShardCounts], counts: Callable[[ShardCounts], dict[str, int]]) -> dict[str, int]:
     peak: dict[str, int] = {}
-    for s in group:
-        for key, count in counts(s).items():
+    for c in group:
+        for key, count in counts(c).items():
             peak[key] = max(peak.get(key, 0), count)
     return peak
 
 
 def rejections(samples: list[Sample]) -> dict[str, int]:
-    """Rejections per reason over the run."""
-    return {reason: n for reason, n in across_incarnations(samples, lambda s: s.rejections).items() if n}
+    """Rejections per reason over the run, summed over the shards."""
+    total: collections.Counter[str] = collections.Counter()
+    for shard in across_incarnations(samples, lambda c: c.rejections):
+        total.update(shard)
+    return {reason: n for reason, n in sorted(total.items()) if n}
 
 
 def rejoins_by_learner(samples: list[Sample]) -> dict[str, int]:
-    """Registrations beyond each learner's first at the first synchronizer shard: after a kill, a
-    freeze, a partition or a new incarnation. Read from the status's per-learner count, not from a
-    log line, so rewording the synchronizer's log cannot change it."""
-    registered = across_incarnations(samples, lambda s: s.registrations)
-    return {name: max(0, n - 1) for name, n in registered.items()}
+    """Registrations beyond each learner's first, at every synchronizer shard, summed: after a kill,
+    a freeze, a partition (one at each shard) or a new incarnation of a shard (one at that shard).
+    Read from the status's per-learner count, not from a log line, so rewording the synchronizer's
+    log cannot change it."""
+    total: collections.Counter[str] = collections.Counter()
+    for registered in across_incarnations(samples, lambda c: c.registrations):
+        total.update({name: max(0, n - 1) for name, n in registered.items()})
+    return dict(sorted(total.items()))
 
 
 def explained_rejoins(outcome: ChaosOutcome, learners: int) -> dict[str, int]:
-    """Per learner, the rejoins its faults may cause at the first synchronizer shard: one per fault
-    on the learner, one per restart of that synchronizer process."""
-    first = outcome.sync_names[0]
-    restarts = sum(1 for r in outcome.sync_restarts if r.target in (first, "sync"))
-    explained = {learner_name(i): restarts for i in range(learners)}
+    """Per learner, the rejoins its faults may cause: one at each shard per fault on the learner,
+    one per restart of any synchronizer process (at that shard)."""
+    shards = len(outcome.sync_names)
+    explained = {learner_name(i): len(outcome.sync_restarts) for i in range(learners)}
     for r in outcome.records:
         if r.started_s is not None and not r.skipped and r.fault.target in explained:
-            explained[r.fault.target] += 1
+            explained[r.fault.target] += shards
     return explained
 
 
@@ -93,6 +107,20 @@ def rejoin_loops(rejoins: dict[str, int], explained: dict[str, int]) -> list[str
     """Learners that registered again more often than their faults explain: a rejoin loop."""
     return [f"{name} rejoined {n} times, {explained.get(name, 0)} explained by faults (a rejoin loop)"
             for name, n in rejoins.items() if n > explained.get(name, 0) + LOOP_SLACK]
+
+
+def batch_figures(outcome: ChaosOutcome, period: int) -> dict[str, Any]:
+    """Each learner's batches trained again and skipped across its restarts (``chaos/batch_counts.py``),
+    and their totals; the allowance is one period H per restart."""
+    positions = {lr["id"]: lr["data_position"] for lr in outcome.final_status.get("learners", [])}
+    counts = {name: count_batches(processes, period, positions.get(name, 0))
+              for name, processes in sorted(outcome.batches.items())}
+    return {"batch_period": period,
+            "batches_trained": sum(c.trained for c in counts.values()),
+            "batches_retrained": sum(c.retrained for c in counts.values()),
+            "batches_retrained_beyond_period": sum(c.retrained_beyond_period for c in counts.values()),
+            "batches_skipped": sum(c.skipped for c in counts.values()),
+            "batches_by_learner": {name: c.to_dict() for name, c in counts.items()}}
 
 
 def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed: int,
@@ -133,6 +161,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "tokens": status.get("tokens"),
         "baseline_tokens": baseline["tokens"] if baseline else None,
         "fragment_versions": [f["version"] for f in status.get("fragments", [])],
+        **batch_figures(outcome, config.protocol.period),
         "completed": outcome.completed,
         "seed": seed,
         "fault_window_s": window_s,
@@ -164,6 +193,8 @@ def violations(report: dict[str, Any], failure: str) -> list[str]:
         found.append(f"longest pause without a merge {report['longest_pause_s']:.2f}s exceeds the bound "
                      f"{report['pause_bound_s']:.2f}s (grace window + lease)")
     found += rejoin_loops(report.get("rejoins_by_learner", {}), report.get("rejoins_explained", {}))
+    found += [f"{name} skipped {c['skipped']} batches of its data (never trained, although its stream moved past "
+              "them)" for name, c in report.get("batches_by_learner", {}).items() if c["skipped"]]
     return found
 
 
@@ -197,6 +228,10 @@ def report_table(report: dict[str, Any], title: str) -> Table:
         ("pause bound (grace window + lease)", f"{report['pause_bound_s']:.2f} s"),
         ("synchronizer downtime", f"{report['sync_downtime_s']:.1f} s"),
         ("rejoins", str(report["rejoins"])),
+        ("batches trained again (beyond one period)",
+         f"{report['batches_retrained']:,} ({report['batches_retrained_beyond_period']:,} beyond "
+         f"H={report['batch_period']} per restart) of {report['batches_trained']:,}"),
+        ("batches skipped", f"{report['batches_skipped']:,}"),
         ("learners alive at the end", f"{report['learners_alive_at_end']} of {report['learners']}"),
         ("rejected", ", ".join(f"{k} {v}" for k, v in report["rejected"].items()) or "none"),
         ("goodput / model uptime", f"{num(report['goodput'], '.1%')} / {num(report['uptime'], '.1%')}"),

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddiloco.chaos.cluster import ChaosCluster
+from ddiloco.chaos.cluster import BATCH_LOGS, ChaosCluster
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.config import Config
 from ddiloco.core.run import RunPhase
 from ddiloco.fault_kinds import FaultKind
+from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
                                               learner_threads, prepare_files, wait_for_port)
@@ -115,6 +116,9 @@ class ChaosRun:
 
     def run(self) -> ChaosOutcome:
         files = prepare_files(self.config, self.out)
+        (self.out / BATCH_LOGS).mkdir(exist_ok=True)
+        for old in (self.out / BATCH_LOGS).glob("*.log"):  # a learner's processes append to its log
+            old.unlink()
         learners = [learner_name(i) for i in range(self.m)]
         with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
             shards = len(files.sync_names)
@@ -201,6 +205,7 @@ class ChaosRun:
             connections_reset=cluster.proxies.call(lambda: sum(p.connections_reset
                                                                for p in cluster.proxies.proxies.values())),
             stopped=stop.requested.name if stop.requested is not None else None,
+            batches={name: read_batch_log(cluster.batch_log(name)) for name in map(learner_name, range(self.m))},
         )
 
     def _wait_for_learners(self, procs: Processes) -> None:

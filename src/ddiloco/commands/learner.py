@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_log_level_option(parser)
     parser.add_argument("--progress-file", metavar="FILE",
                         help="keep this learner's own step count in FILE (JSON, rewritten about twice a second)")
+    parser.add_argument("--batch-log", metavar="FILE",
+                        help="append where this process's data resumed and each batch it trains, a line each (the "
+                        "evidence `ddiloco chaos` counts batches trained twice or skipped across restarts from)")
     parser.add_argument("--tensorboard-dir", metavar="DIR",
                         help="also write the progress lines as TensorBoard scalars into DIR (rank 0)")
     parser.set_defaults(func=run)

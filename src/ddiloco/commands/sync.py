@@ -25,6 +25,7 @@ from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import fewer_malloc_arenas, give_back_freed_memory
 from ddiloco.runtime.sync.server import serve
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+from ddiloco.runtime.sync.state_dir import Resume
 from ddiloco.runtime.sync.status_page import StatusPage
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
@@ -50,7 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                         help=f"address to serve on (default {DEFAULT_LISTEN}; port 0 picks a free one)")
     parser.add_argument("--state-dir", metavar="DIR", help="write checkpoints here (atomically)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --state-dir")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", dest="resume", action="store_const", const=Resume.REQUIRED,
+                        default=Resume.NEW_RUN,
+                        help="continue the run in --state-dir (its checkpoint and round log); none there is an error")
+    resume.add_argument("--resume-if-present", dest="resume", action="store_const", const=Resume.IF_PRESENT,
+                        help="continue the run in --state-dir if it holds one, else start a new one (for a deploy "
+                        "script's single command line: the first start and every restart)")
     parser.add_argument("--checkpoint-every-rounds", type=int, default=20, metavar="N",
                         help="checkpoint after N merged rounds (default 20) ...")
     parser.add_argument("--checkpoint-every", type=float, default=30.0, metavar="SECONDS",
@@ -79,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.resume is not Resume.NEW_RUN and not args.state_dir:
+        flag = "--resume" if args.resume is Resume.REQUIRED else "--resume-if-present"
+        raise ConfigError(f"{flag} needs --state-dir: without one there is no run's state to continue")
     config = config_from_args(args)
     shard = 0
     if args.shard is not None:

@@ -81,7 +81,7 @@ def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: 
 
 def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
                     min_step_s: float = 0.0, *, token_file: Path | None = None,
-                    progress_file: Path | None = None) -> list[str]:
+                    progress_file: Path | None = None, batch_log: Path | None = None) -> list[str]:
     """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
 
     ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
@@ -90,7 +90,8 @@ def learner_command(addresses: list[str], learner_id: str, threads: int, device:
     return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
             "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else []),
             *(["--token-file", str(token_file)] if token_file else []),
-            *(["--progress-file", str(progress_file)] if progress_file else [])]
+            *(["--progress-file", str(progress_file)] if progress_file else []),
+            *(["--batch-log", str(batch_log)] if batch_log else [])]
 
 
 def learner_names(learners: int) -> list[str]:

@@ -3,7 +3,7 @@
 Its environment (threads, device, ``torch.distributed`` under torchrun with DDP over the
 ranks of one learner), the probe for the run's configuration, the workload, and the training
 loop around :class:`~ddiloco.runtime.learner.runtime.LearnerRuntime`, with its progress file,
-TensorBoard lines and a clean stop on SIGTERM. The command line is ``commands/learner.py``'s.
+batch log, TensorBoard lines and a clean stop on SIGTERM. The command line is ``commands/learner.py``'s.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ddiloco.config import Config, apply_section, check_seed
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
+from ddiloco.runtime.batch_log import BatchLog
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.connect import probe_with_backoff
@@ -147,6 +148,7 @@ def train(args: argparse.Namespace, config: Config, place: Place, runtime: Learn
     steps = 0
     logged_at = time.perf_counter() - LOG_EVERY_S
     progress = ProgressFile(Path(args.progress_file) if place.rank == 0 and args.progress_file else None)
+    batches = BatchLog(Path(args.batch_log) if place.rank == 0 and args.batch_log else None, runtime.data_position)
     stop = threading.Event()  # SIGTERM (a launcher, Slurm, systemd): finish the step, flush, leave
     if place.world == 1:  # ranks of one torchrun job could stop at different steps and hang in their all-reduce
         signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
@@ -158,6 +160,7 @@ def train(args: argparse.Namespace, config: Config, place: Place, runtime: Learn
             step_started = time.perf_counter()
             x, y = sampler.next_batch()
             loss = trainer.step(x, y)
+            batches.trained(sampler.batches_drawn - 1)
             if args.min_step_s:
                 time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - step_started)))
             runtime.step(tokens=x.numel())
@@ -169,6 +172,7 @@ def train(args: argparse.Namespace, config: Config, place: Place, runtime: Learn
                 logged_at = time.perf_counter()
                 log_step(runtime, steps, loss, events)
     finally:
+        batches.close()
         runtime.close()
         progress.write(steps, steps * config.train.batch_size * config.model.seq_len)
         if events is not None:

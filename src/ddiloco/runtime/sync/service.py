@@ -56,7 +56,7 @@ from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_copies import SharedCopies
-from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.runtime.sync.state_dir import Resume, StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
 from ddiloco.runtime.sync.uploads import Uploads
@@ -73,7 +73,7 @@ class ServiceOptions:
     """How the synchronizer process runs (what ``ddiloco sync`` takes besides the workload)."""
 
     state_dir: Path | None = None
-    resume: bool = False
+    resume: Resume = Resume.NEW_RUN
     token: str | None = None
     credentials: dict[str, str] | None = None
     """Per-learner secrets (``--credentials``): each learner may speak only for itself."""
@@ -140,7 +140,7 @@ class SyncService:
         if self.writer.restore(self.layout_sha256, self._restore, self._replay):
             log.info("resumed from %s: fragment versions %s (%d rounds from the round log after the checkpoint)",
                      options.state_dir, list(self.core.versions()), self.writer.replayed)
-        elif options.resume:
+        elif options.resume is not Resume.NEW_RUN:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
         self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
         self.host: SyncHost | None = None

@@ -23,6 +23,7 @@ is a state the synchronizer served.
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import hashlib
 import json
@@ -48,9 +49,30 @@ _FOLDER = re.compile(r"checkpoint-(\d{6,})$")
 _TENSORS = ("value", "momentum", "residual", "residual_scales")
 
 
+class Resume(enum.Enum):
+    """What a synchronizer does with the run's state in its state directory.
+
+    A restart after a crash must resume, and a first start must not overwrite another run; a
+    ``--resume`` that found nothing used to start a new run quietly, so a wrong path (a typo, a
+    volume not mounted) began training from scratch beside the real state. Deploy scripts that
+    run one command line for both the first start and every restart say so:
+    :attr:`IF_PRESENT`."""
+
+    NEW_RUN = "new run"
+    """Start a run: a directory that holds one is refused (``ddiloco sync`` without ``--resume``)."""
+    REQUIRED = "required"
+    """Continue the run in the directory; none there is an error (``--resume``)."""
+    IF_PRESENT = "if present"
+    """Continue the run in the directory if it holds one, else start one (``--resume-if-present``)."""
+
+
 class StateDir:
-    def __init__(self, path: Path, *, resume: bool) -> None:
+    def __init__(self, path: Path, *, resume: Resume) -> None:
         self.path = path
+        if resume is Resume.REQUIRED and not has_checkpoint(path):  # before anything is created
+            raise ConfigError(f"--resume: --state-dir {str(path)!r} holds no run's state (no checkpoint, no round "
+                              "log): start without --resume for a new run, or pass --resume-if-present to resume "
+                              "only when there is one")
         try:
             path.mkdir(parents=True, exist_ok=True)
             fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -62,7 +84,7 @@ class StateDir:
             os.close(fd)
             raise ConfigError(f"--state-dir {str(path)!r} is in use by another synchronizer") from None
         self._fd: int | None = fd
-        if has_checkpoint(path) and not resume:
+        if has_checkpoint(path) and resume is Resume.NEW_RUN:
             self.close()
             raise ConfigError(
                 f"--state-dir {str(path)!r} already holds a run's state: pass --resume to continue that run, "
