@@ -7,7 +7,8 @@ turn, as fast as the synchronizer takes them. One run, measured side by side:
 
 - **the run** (one synchronizer with a state directory): the learners join, a merging window
   opens, checkpoints are written every P rounds or ``--checkpoint-every`` seconds, two more
-  learners join during the window (their state transfers go out while rounds merge), then
+  learners join at once a third into the window (their state transfers go out side by side
+  while rounds merge), then
   the synchronizer is killed with ``kill -9`` and restarted with ``--resume``, and one more
   learner joins it. Reported: ``steady_bytes_per_param`` (median resident memory in the
   window), ``peak_bytes_per_param`` (VmHWM of each synchronizer process over the whole run,
@@ -245,22 +246,23 @@ class Window:
     sync_cores: float
     generator_cores: float
     rss_median: int
-    status_ms: list[float]
+    status_ms: list[tuple[float, float]]
+    """(monotonic time, latency in ms) of each status call."""
     clean_params_per_s: float
     """Before the first late join (the whole window without them)."""
     clean_sync_cores: float
 
 
 def _poll_status(address: str, stop: multiprocessing.Event, out: multiprocessing.Queue) -> None:
-    """Ask the synchronizer for its status every 100 ms until ``stop``; put the latencies (ms) in
-    ``out``. A process of its own, so that what the parent does meanwhile (a late join's state
+    """Ask the synchronizer for its status every 100 ms until ``stop``; put (monotonic time, latency
+    in ms) of each call in ``out``. A process of its own, so that what the parent does meanwhile (a late join's state
     transfer) takes no GIL from the measurement."""
     latencies = []
     with SyncClient(address) as client:
         while not stop.wait(0.1):
             started = time.perf_counter()
             client.status_dict(timeout_s=60)
-            latencies.append(1e3 * (time.perf_counter() - started))
+            latencies.append((time.monotonic(), 1e3 * (time.perf_counter() - started)))
     out.put(latencies)
 
 
@@ -291,15 +293,23 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     poller.start()
 
     def late_joins() -> None:
-        for j in range(extra_joins):  # at half the window and later: the first half is clean
-            if stop.wait(seconds / 2 if j == 0 else seconds / (2 * extra_joins)):
-                return
-            if j == 0:
-                mark_clean()
+        """``extra_joins`` learners join at once, at a third of the window (the window before is
+        clean): their state transfers go out side by side while rounds merge."""
+        if extra_joins == 0 or stop.wait(seconds / 3):
+            return
+        mark_clean()
+
+        def join(j: int) -> None:
             timeline.mark(f"join of late-{j} (state transfer) begins")
             for address in addresses:
                 join_discarding(address, f"late-{j}")
             timeline.mark(f"join of late-{j} done")
+
+        joins = [threading.Thread(target=join, args=(j,)) for j in range(extra_joins)]
+        for th in joins:
+            th.start()
+        for th in joins:
+            th.join()
 
     helpers = [threading.Thread(target=late_joins, daemon=True)]
     for th in helpers:
@@ -532,7 +542,9 @@ def main() -> None:
         shards = None if args.no_shards else two_shards(init, sizes, seconds, tmp)
     downlink = float("nan") if args.no_downlink else downlink_vs_model(args.quick)
     window: Window = run["window"]
-    status = sorted(window.status_ms)
+    status = sorted(ms for _, ms in window.status_ms)
+    started = run["timeline"].started
+    slowest = [(round(t - started, 1), round(ms, 1)) for t, ms in sorted(window.status_ms, key=lambda c: c[1])[-10:]]
     p99 = status[min(len(status) - 1, int(0.99 * len(status)))] if status else float("nan")
     one = window.clean_params_per_s
     result = {
@@ -542,7 +554,7 @@ def main() -> None:
         "peak_bytes_per_param": round(max(run["peaks"].values()) / params, 2),
         "peak_bytes_per_process": sorted(run["peaks"].values()),
         "status_p99_ms": round(p99, 1), "status_median_ms": round(statistics.median(status), 1) if status else None,
-        "status_calls": len(status),
+        "status_calls": len(status), "status_slowest": slowest,
         "sustained_params_per_s": round(one),
         "sync_params_per_core_s": round(one / window.clean_sync_cores) if window.clean_sync_cores else None,
         "cores_used": {"sync": round(window.clean_sync_cores, 2), "generators": round(window.generator_cores, 2)},
