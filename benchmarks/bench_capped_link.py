@@ -299,13 +299,13 @@ window; MB: the link's bytes over the whole run (the join's download included); 
 average before and after the run."""
 
 
-def where_the_time_went(runs: list[dict[str, Run]]) -> dict[str, tuple[str, str]]:
+def where_the_time_went(runs: list[dict[str, Run]]) -> dict[str, tuple[float | None, float | None]]:
     """Medians over learners and pairs, capped and uncapped: the training thread's ms per step inside
     ``runtime.step`` (where it would wait for its link), its CPU ms per step and the cores it got."""
-    def median(kind: str, of: Any) -> str:
+    def median(kind: str, of: Any) -> float | None:
         values = [v for pair in runs for name, r in pair[kind].rates.items()
                   if (v := of(r, pair[kind].cpu[name])) is not None]
-        return f"{statistics.median(values):.2f}" if values else "-"
+        return round(statistics.median(values), 3) if values else None
 
     figures = {
         "ms/step inside runtime.step": lambda r, cpu: r.step_ms,
@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{over} (target >= {TARGET}: {'met' if s['median'] >= TARGET else 'not met'}); "
           f"load now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     waits = where_the_time_went(runs)
-    print("medians, capped vs uncapped: " + "; ".join(f"{what} {c} vs {u}" for what, (c, u) in waits.items()))
+    print("medians, capped vs uncapped: " + "; ".join(f"{what} {'-' if c is None else f'{c:.2f}'} vs "
+                                                     f"{'-' if u is None else f'{u:.2f}'}" for what, (c, u) in waits.items()))
     if args.json:
         result = {**stamp(sys.argv[1:] if argv is None else argv),
                   "command": "python benchmarks/bench_capped_link.py " + " ".join(sys.argv[1:] if argv is None else argv),
