@@ -166,8 +166,9 @@ def train(args: argparse.Namespace, config: Config, place: Place, runtime: Learn
             runtime.step(tokens=x.numel())
             steps += 1
             if progress.due(steps):
-                progress.write(steps, steps * x.numel(), contributions_sent=runtime.stats.contributions_sent,
-                               updates_applied=runtime.stats.updates_applied)
+                st = runtime.stats
+                progress.write(steps, steps * x.numel(), contributions_sent=st.contributions_sent,
+                               updates_applied=st.updates_applied, step_overhead_s=round(st.step_overhead_s, 6))
             if place.rank == 0 and steps % 50 == 0 and time.perf_counter() >= logged_at + LOG_EVERY_S:
                 logged_at = time.perf_counter()
                 log_step(runtime, steps, loss, events)
