@@ -8,6 +8,7 @@ read one while the core moves on.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,68 +17,110 @@ from ddiloco.core.rounds import RoundPhase
 from ddiloco.core.run import RunPhase
 
 
+class ShardMerge(enum.StrEnum):
+    """How the values of one status field at every shard of a sharded synchronizer make the run's
+    (``runtime/sharded.py``). A field's rule rides in its metadata (:func:`merged`); a field
+    without one has the same value at every shard, and the first shard's is the run's."""
+
+    FIRST = "first"
+    SUM = "sum"
+    """Each shard counts its own share."""
+    MIN = "min"
+    MAX = "max"
+    ALL = "all"
+    ANY = "any"
+    AGREED = "agreed"
+    """The shards' common value, ``"mixed"`` when they differ."""
+    OWNED = "owned"
+    """Each shard's own part (its fragments): the run's is all of them, by id."""
+    BY_LEARNER = "by_learner"
+    """Every shard lists the same learners: each learner's entries merged field by field."""
+
+
+def merged(rule: ShardMerge, **kwargs: Any) -> Any:
+    """A status field whose shards' values merge by ``rule`` (``kwargs`` as for :func:`dataclasses.field`)."""
+    return field(metadata={"shards": rule}, **kwargs)
+
+
+def merge_rule(f: Any) -> ShardMerge:
+    """The :class:`ShardMerge` of a :func:`dataclasses.fields` entry."""
+    return f.metadata.get("shards", ShardMerge.FIRST)
+
+
 @dataclass(frozen=True, slots=True)
 class LearnerStatus:
+    """One learner as the synchronizer sees it. Every field travels in the Status reply under its
+    own name (``runtime/status_wire.py`` names the two that do not)."""
+
     learner_id: str
-    alive: bool
+    alive: bool = merged(ShardMerge.ALL)
+    """Alive in the run: at every shard."""
     last_seen_s: float
-    accepted: int
-    rejected: int
+    accepted: int = merged(ShardMerge.SUM)
+    rejected: int = merged(ShardMerge.SUM)
     registrations: int
     step_time_s: float | None
     tokens: int
-    accepted_per_min: int = 0
+    accepted_per_min: int = merged(ShardMerge.SUM, default=0)
     """Contributions accepted in the last minute: a learner that trains but whose work does not
     reach the synchronizer shows 0 here."""
-    link_starved: bool = False
+    link_starved: bool = merged(ShardMerge.ANY, default=False)
     """Alive, but nothing of its work has been accepted for several periods (its link cannot carry it)."""
-    joining: bool = False
+    joining: bool = merged(ShardMerge.ANY, default=False)
     """Its global state is still on its way (its lease waits)."""
-    data_position: int = 0
-    """The batch at which its data resumes if it starts again (``core/data_position.py``)."""
+    data_position: int = merged(ShardMerge.MIN, default=0)
+    """The batch at which its data resumes if it starts again (``core/data_position.py``): in a
+    sharded run, the position every shard's fragments have reached."""
 
 
 @dataclass(frozen=True, slots=True)
 class SyncStatus:
-    """A snapshot of what the synchronizer knows, for status pages, metrics and tests."""
+    """A snapshot of what the synchronizer knows, for status pages, metrics and tests.
+
+    The Status reply carries every field under its own name (``runtime/status_wire.py``, which
+    names the exceptions), and a sharded run's status merges each by its :class:`ShardMerge`:
+    a new field here needs its field in ``StatusReply`` (``runtime/proto/ddiloco.proto``), and
+    nothing else."""
 
     incarnation: int
-    phase: RunPhase
-    fragments: tuple[int, ...]
+    phase: RunPhase = merged(ShardMerge.AGREED)
+    fragments: tuple[int, ...] = merged(ShardMerge.OWNED)
     """The fragments this synchronizer (shard) owns; ``versions`` and ``round_phases`` follow them."""
-    versions: tuple[int, ...]
-    round_phases: tuple[RoundPhase, ...]
-    learners: tuple[LearnerStatus, ...]
+    versions: tuple[int, ...] = merged(ShardMerge.OWNED)
+    round_phases: tuple[RoundPhase, ...] = merged(ShardMerge.OWNED)
+    learners: tuple[LearnerStatus, ...] = merged(ShardMerge.BY_LEARNER)
     quorum: int
     effective_quorum: int
     grace_window_s: float
     grace_quorum_s: float
     grace_sync_s: float
-    rounds_closed: dict[str, int]
-    rejections: dict[str, int]
-    tokens: int
+    rounds_closed: dict[str, int] = merged(ShardMerge.SUM)
+    rejections: dict[str, int] = merged(ShardMerge.SUM)
+    tokens: int = merged(ShardMerge.MIN)
+    """Every shard counts the same progress reports: the run's is the slowest shard to hear."""
     token_budget: int
     """0: no token budget."""
-    tokens_left: int
+    tokens_left: int = merged(ShardMerge.MAX)
     time_budget_s: float
     """0: no time budget."""
-    elapsed_s: float
-    """Seconds the run's clock has counted (from the first join, across restarts)."""
-    time_left_s: float
-    pending_tokens: int
-    longest_pause_s: float
+    elapsed_s: float = merged(ShardMerge.MIN)
+    """Seconds the run's clock has counted (from the first join, across restarts; each shard's
+    clock starts at its own first join)."""
+    time_left_s: float = merged(ShardMerge.MAX)
+    pending_tokens: int = merged(ShardMerge.SUM)
+    longest_pause_s: float = merged(ShardMerge.MAX)
     started_at_s: float | None
-    """When the run's first learner joined (this incarnation's clock), None before."""
+    """When the run's first learner joined (this incarnation's clock), None before. Not sent."""
     learners_forgotten: int = 0
     """Learners dropped from the registry after ``protocol.forget_after_s`` dead (not in ``learners``)."""
-    progress_clipped: int = 0
+    progress_clipped: int = merged(ShardMerge.SUM, default=0)
     """Progress reports that claimed more work than the run's configuration makes possible."""
-    weights_capped: int = 0
+    weights_capped: int = merged(ShardMerge.SUM, default=0)
     """Contributions whose merge weight was capped (``protocol.max_weight_ratio``)."""
-    claims_clipped: dict[str, int] = field(default_factory=dict)
+    claims_clipped: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
     """Contributions whose claimed times were clipped to what the clock allows, by
     :class:`~ddiloco.core.claims.ClipReason`."""
-    link_starved_episodes: int = 0
+    link_starved_episodes: int = merged(ShardMerge.SUM, default=0)
     """Times a live learner went several periods without an accepted contribution."""
 
 

@@ -1,20 +1,21 @@
 """Watching a synchronizer sharded by fragment as one: merged status and global state.
 
 ``ddiloco status A,B`` and the process launcher read every shard and put the run back
-together: each fragment's value and version come from the shard that owns it; counts are
-summed, the run is finished when every shard is.
+together: each fragment's value and version come from the shard that owns it; each status
+field merges by the rule its core dataclass gives it (counts summed, the run finished when
+every shard is, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from ddiloco.core.messages import GlobalState
+from ddiloco.core.sync_status import LearnerStatus, ShardMerge, SyncStatus, merge_rule
 from ddiloco.runtime.client import SyncClient
-
-_SUMMED = ("bytes_up", "bytes_down", "pending_tokens", "checkpoints", "checkpoint_failures", "progress_clipped",
-           "weights_capped", "link_starved_episodes")
+from ddiloco.runtime.status_wire import NOT_ON_WIRE, presented, wire_name
 
 
 class ShardedClient:
@@ -45,38 +46,67 @@ class ShardedClient:
 
 
 def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """One status for the whole run, and each shard's under ``per_shard``."""
-    first = shards[0]
-    merged = dict(first)
-    merged["per_shard"] = shards
-    merged["fragments"] = sorted((f for s in shards for f in s["fragments"]), key=lambda f: f["id"])
-    merged["finished"] = all(s["finished"] for s in shards)
-    merged["phase"] = first["phase"] if len({s["phase"] for s in shards}) == 1 else "mixed"
-    merged["instance_id"] = ",".join(s["instance_id"] for s in shards)
-    for key in _SUMMED:
-        merged[key] = sum(s[key] for s in shards)
-    merged["tokens"] = min(s["tokens"] for s in shards)  # every shard counts the same reports; the slowest to hear
-    merged["tokens_left"] = max(s["tokens_left"] for s in shards)
-    merged["elapsed_s"] = min(s["elapsed_s"] for s in shards)  # each shard's clock starts at its first join
-    merged["time_left_s"] = max(s["time_left_s"] for s in shards)
-    merged["longest_pause_s"] = max(s["longest_pause_s"] for s in shards)
-    merged["goodput"] = min(1.0, sum(s["goodput"] for s in shards))  # each shard credits its own fragments' share
-    merged["model_uptime"] = max(s["model_uptime"] for s in shards)
-    for key in ("rejections", "claims_clipped"):
-        merged[key] = dict(sum((Counter(s[key]) for s in shards), Counter()))
-    rounds = sum((Counter(s["quorum"]["rounds_closed"]) for s in shards), Counter())
-    merged["quorum"] = {**first["quorum"], "rounds_closed": dict(rounds)}
-    learners: dict[str, dict[str, Any]] = {}
-    for s in shards:
-        for lr in s["learners"]:
-            seen = learners.setdefault(lr["id"], {**lr, "alive": True, "accepted": 0, "rejected": 0,
-                                                  "bytes_up": 0, "bytes_down": 0, "accepted_per_min": 0,
-                                                  "link_starved": False, "joining": False})
-            seen["alive"] = seen["alive"] and lr["alive"]  # alive in the run: at every shard
-            for key in ("accepted", "rejected", "bytes_up", "bytes_down", "accepted_per_min"):
-                seen[key] += lr[key]
-            for key in ("link_starved", "joining"):  # at any shard
-                seen[key] = seen[key] or lr[key]
-            seen["data_position"] = min(seen["data_position"], lr["data_position"])  # reached every shard's fragments
-    merged["learners"] = [learners[name] for name in sorted(learners)]
-    return merged
+    """One status for the whole run, and each shard's under ``per_shard``: each core field merged
+    by its :class:`~ddiloco.core.sync_status.ShardMerge`, what the service measures by :data:`MEASURED`."""
+    return {**_merge(shards, _STATUS_RULES), "per_shard": shards}
+
+
+Rule = Callable[[list[Any]], Any]
+
+
+def _sum(values: list[Any]) -> Any:
+    """Numbers, or counts by key."""
+    if values and isinstance(values[0], dict):
+        return dict(sum((Counter(v) for v in values), Counter()))
+    return sum(values)
+
+
+def _by_learner(shards: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for learners in shards:
+        for learner in learners:
+            entries.setdefault(learner["id"], []).append(learner)
+    return [_merge(entries[name], _LEARNER_RULES) for name in sorted(entries)]
+
+
+_RULES: dict[ShardMerge, Rule] = {
+    ShardMerge.FIRST: lambda values: values[0],
+    ShardMerge.SUM: _sum,
+    ShardMerge.MIN: min,
+    ShardMerge.MAX: max,
+    ShardMerge.ALL: all,
+    ShardMerge.ANY: any,
+    ShardMerge.AGREED: lambda values: values[0] if len(set(values)) == 1 else "mixed",
+    ShardMerge.OWNED: lambda shards: sorted((f for fragments in shards for f in fragments), key=lambda f: f["id"]),
+    ShardMerge.BY_LEARNER: _by_learner,
+}
+MEASURED: dict[str, Rule] = {
+    "instance_id": ",".join,
+    "finished": all,
+    "bytes_up": _sum, "bytes_down": _sum, "checkpoints": _sum, "checkpoint_failures": _sum,
+    "goodput": lambda values: min(1.0, sum(values)),  # each shard credits its own fragments' share
+    "model_uptime": max,
+}
+"""How the shards' values merge for what the service measures (``runtime/sync/status_reply.py``)
+and the dict adds, where not the first shard's."""
+_LEARNER_MEASURED: dict[str, Rule] = {"bytes_up": _sum, "bytes_down": _sum}
+
+
+def _rules(cls: type, measured: dict[str, Rule]) -> dict[str, Any]:
+    """Dict key -> its rule (a dict of rules for a nested group), from ``cls``'s fields' ShardMerge."""
+    rules = {wire_name(f.name): _RULES[merge_rule(f)] for f in dataclasses.fields(cls) if f.name not in NOT_ON_WIRE}
+    return presented({**rules, **measured})
+
+
+def _merge(dicts: list[dict[str, Any]], rules: dict[str, Any]) -> dict[str, Any]:
+    """``dicts`` (one per shard, the first shard's first) as one, key by key in the first's order."""
+    out = {}
+    for key in dicts[0]:
+        values = [d[key] for d in dicts if key in d]
+        rule = rules.get(key, _RULES[ShardMerge.FIRST])
+        out[key] = _merge(values, rule) if isinstance(rule, dict) else rule(values)
+    return out
+
+
+_STATUS_RULES = _rules(SyncStatus, MEASURED)
+_LEARNER_RULES = _rules(LearnerStatus, _LEARNER_MEASURED)

@@ -1,6 +1,7 @@
 """The wire between learners and the synchronizer: every conversion between the core's
-messages (:mod:`ddiloco.core.messages`) and protobuf, the chunking of large payloads,
-message sizes and channel options. Client and server both import from here, so neither
+messages (:mod:`ddiloco.core.messages`) and protobuf (the Status call's is in
+:mod:`ddiloco.runtime.status_wire`), the chunking of large payloads, message sizes and
+channel options. Client and server both import from here, so neither
 depends on the other's module and no message is written by hand twice.
 """
 
@@ -23,6 +24,7 @@ from ddiloco.core.messages import (
     Session,
 )
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.runtime.status_wire import status_to_dict as status_to_dict  # the Status call's: runtime/status_wire.py
 
 CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed message: far below gRPC's 4 MiB default message limit."""
@@ -220,72 +222,3 @@ class StateAssembler:
             tensor = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
             values.append(FragmentValue(p, version, tensor))
         return GlobalState(tuple(values), incarnation=incarnation, session=session, data_position=data_position)
-
-
-# ---- status --------------------------------------------------------------------------------
-
-
-def status_to_dict(reply: pb.StatusReply) -> dict[str, Any]:
-    """The JSON of ``ddiloco status --json`` (and of the status page's ``/api/status``)."""
-    return {
-        "instance_id": f"{reply.incarnation:x}",
-        "incarnation": reply.incarnation,
-        "shard": reply.shard,
-        "shards": reply.shards or 1,
-        "protocol_version": reply.protocol_version,
-        "mode": reply.mode,
-        "phase": reply.phase,
-        "uptime": round(reply.uptime_s, 3),
-        "finished": reply.finished,
-        "tokens": reply.tokens,
-        "token_budget": reply.token_budget,
-        "tokens_left": reply.tokens_left,
-        "time_budget_s": round(reply.time_budget_s, 3),
-        "elapsed_s": round(reply.elapsed_s, 3),
-        "time_left_s": round(reply.time_left_s, 3),
-        "pending_tokens": reply.pending_tokens,
-        "learners": [
-            {
-                "id": lr.id,
-                "alive": lr.alive,
-                "last_seen_s_ago": round(lr.last_seen_s_ago, 3),
-                "accepted": lr.accepted,
-                "rejected": lr.rejected,
-                "registrations": lr.registrations,
-                "tokens": lr.tokens,
-                "step_time_s": round(lr.step_time_s, 6),
-                "bytes_up": lr.bytes_up,
-                "bytes_down": lr.bytes_down,
-                "accepted_per_min": lr.accepted_per_min,
-                "link_starved": lr.link_starved,
-                "joining": lr.joining,
-                "data_position": lr.data_position,
-            }
-            for lr in reply.learners
-        ],
-        "learners_total": reply.learners_total,
-        "learners_forgotten": reply.learners_forgotten,
-        "progress_clipped": reply.progress_clipped,
-        "weights_capped": reply.weights_capped,
-        "claims_clipped": {e.key: e.count for e in reply.claims_clipped},
-        "link_starved_episodes": reply.link_starved_episodes,
-        "fragments": [
-            {"id": f.id, "version": f.version, "numel": f.numel, "bytes_up": f.bytes_up, "bytes_down": f.bytes_down,
-             "round": reply.round_phases[i] if i < len(reply.round_phases) else ""}
-            for i, f in enumerate(reply.fragments)
-        ],
-        "quorum": {"required": reply.quorum, "effective": reply.effective_quorum,
-                   "rounds_closed": {e.key: e.count for e in reply.rounds_closed}},
-        "grace": {"window_s": round(reply.grace_window_s, 6), "quorum_s": round(reply.grace_quorum_s, 6),
-                  "sync_s": round(reply.grace_sync_s, 6)},
-        "rejections": {e.key: e.count for e in reply.rejections},
-        "bytes_up": reply.bytes_up,
-        "bytes_down": reply.bytes_down,
-        "longest_pause_s": round(reply.longest_pause_s, 3),
-        "goodput": round(reply.goodput, 6),
-        "model_uptime": round(reply.model_uptime, 6),
-        "checkpoints": reply.checkpoints,
-        "last_checkpoint_s_ago": round(reply.last_checkpoint_s_ago, 3),
-        "checkpoint_failures": reply.checkpoint_failures,
-        "last_checkpoint_error": reply.last_checkpoint_error,
-    }

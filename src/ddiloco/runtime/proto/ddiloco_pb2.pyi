@@ -235,7 +235,7 @@ class StatusRequest(_message.Message):
     def __init__(self, learner_offset: _Optional[int] = ..., learner_limit: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "bytes_up", "bytes_down", "step_time_s", "accepted_per_min", "link_starved", "joining", "data_position")
+    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "step_time_s", "bytes_up", "bytes_down", "accepted_per_min", "link_starved", "joining", "data_position")
     ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
@@ -243,9 +243,9 @@ class LearnerStatus(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
-    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_MIN_FIELD_NUMBER: _ClassVar[int]
     LINK_STARVED_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
@@ -257,14 +257,14 @@ class LearnerStatus(_message.Message):
     rejected: int
     registrations: int
     tokens: int
+    step_time_s: float
     bytes_up: int
     bytes_down: int
-    step_time_s: float
     accepted_per_min: int
     link_starved: bool
     joining: bool
     data_position: int
-    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., step_time_s: _Optional[float] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ..., data_position: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
     __slots__ = ("id", "version", "numel", "bytes_up", "bytes_down")
@@ -289,12 +289,31 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("incarnation", "protocol_version", "uptime_s", "learners", "fragments", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "tokens", "token_budget", "finished", "goodput", "model_uptime", "last_checkpoint_s_ago", "checkpoints", "mode", "longest_pause_s", "phase", "pending_tokens", "round_phases", "shard", "shards", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "link_starved_episodes", "checkpoint_failures", "last_checkpoint_error", "claims_clipped", "tokens_left", "time_budget_s", "elapsed_s", "time_left_s")
+    __slots__ = ("incarnation", "shard", "shards", "protocol_version", "mode", "phase", "uptime_s", "finished", "tokens", "token_budget", "tokens_left", "time_budget_s", "elapsed_s", "time_left_s", "pending_tokens", "learners", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "claims_clipped", "link_starved_episodes", "fragments", "round_phases", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "longest_pause_s", "goodput", "model_uptime", "checkpoints", "last_checkpoint_s_ago", "checkpoint_failures", "last_checkpoint_error")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CAPPED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    LINK_STARVED_EPISODES_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_QUORUM_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
@@ -304,37 +323,37 @@ class StatusReply(_message.Message):
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_UPTIME_FIELD_NUMBER: _ClassVar[int]
-    LAST_CHECKPOINT_S_AGO_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    LONGEST_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
-    PHASE_FIELD_NUMBER: _ClassVar[int]
-    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
-    SHARD_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    LEARNERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
-    LEARNERS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
-    PROGRESS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
-    WEIGHTS_CAPPED_FIELD_NUMBER: _ClassVar[int]
-    LINK_STARVED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_S_AGO_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_ERROR_FIELD_NUMBER: _ClassVar[int]
-    CLAIMS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
-    TIME_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
-    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
-    TIME_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
+    shard: int
+    shards: int
     protocol_version: int
+    mode: str
+    phase: str
     uptime_s: float
+    finished: bool
+    tokens: int
+    token_budget: int
+    tokens_left: int
+    time_budget_s: float
+    elapsed_s: float
+    time_left_s: float
+    pending_tokens: int
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
+    learners_total: int
+    learners_forgotten: int
+    progress_clipped: int
+    weights_capped: int
+    claims_clipped: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    link_starved_episodes: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
+    round_phases: _containers.RepeatedScalarFieldContainer[str]
     quorum: int
     effective_quorum: int
     rounds_closed: _containers.RepeatedCompositeFieldContainer[CountEntry]
@@ -344,30 +363,11 @@ class StatusReply(_message.Message):
     rejections: _containers.RepeatedCompositeFieldContainer[CountEntry]
     bytes_up: int
     bytes_down: int
-    tokens: int
-    token_budget: int
-    finished: bool
+    longest_pause_s: float
     goodput: float
     model_uptime: float
-    last_checkpoint_s_ago: float
     checkpoints: int
-    mode: str
-    longest_pause_s: float
-    phase: str
-    pending_tokens: int
-    round_phases: _containers.RepeatedScalarFieldContainer[str]
-    shard: int
-    shards: int
-    learners_total: int
-    learners_forgotten: int
-    progress_clipped: int
-    weights_capped: int
-    link_starved_episodes: int
+    last_checkpoint_s_ago: float
     checkpoint_failures: int
     last_checkpoint_error: str
-    claims_clipped: _containers.RepeatedCompositeFieldContainer[CountEntry]
-    tokens_left: int
-    time_budget_s: float
-    elapsed_s: float
-    time_left_s: float
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., finished: _Optional[bool] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoints: _Optional[int] = ..., mode: _Optional[str] = ..., longest_pause_s: _Optional[float] = ..., phase: _Optional[str] = ..., pending_tokens: _Optional[int] = ..., round_phases: _Optional[_Iterable[str]] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., link_starved_episodes: _Optional[int] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., tokens_left: _Optional[int] = ..., time_budget_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., time_left_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, incarnation: _Optional[int] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., protocol_version: _Optional[int] = ..., mode: _Optional[str] = ..., phase: _Optional[str] = ..., uptime_s: _Optional[float] = ..., finished: _Optional[bool] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tokens_left: _Optional[int] = ..., time_budget_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., time_left_s: _Optional[float] = ..., pending_tokens: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., link_starved_episodes: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., round_phases: _Optional[_Iterable[str]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., longest_pause_s: _Optional[float] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., checkpoints: _Optional[int] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...

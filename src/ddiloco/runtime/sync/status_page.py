@@ -1,6 +1,6 @@
 """``ddiloco sync --http-port PORT``: a live status page (``/``) and its JSON (``/api/status``).
 
-The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.wire.status_to_dict`),
+The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.status_wire.status_to_dict`),
 plus a short in-memory history of fragment versions so the page can chart progress. It is
 served by the standard library's threaded HTTP server in a daemon thread, off the
 synchronizer's event loop: a slow browser can never stall a merge. Reading the status hops
@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import Address, http_authorized
-from ddiloco.runtime.wire import status_to_dict
+from ddiloco.runtime.status_wire import status_to_dict
 
 log = logging.getLogger("ddiloco.sync")
 
