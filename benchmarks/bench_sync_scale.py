@@ -487,12 +487,20 @@ def plot(timeline: Timeline, params: int, path: Path) -> None:
     ax.plot(t, [r / params for _, r, _ in timeline.samples], label="resident (VmRSS)", color="tab:blue")
     ax.plot(t, [h / params for _, _, h in timeline.samples], label="peak so far (VmHWM)", color="tab:red", lw=0.8)
     colors = {"checkpoint": "tab:green", "join": "tab:purple", "kill": "black", "restor": "tab:orange"}
+    marks: list[tuple[float, str, str]] = []  # events within a second of each other share one label
     for when, what in timeline.events:
         color = next((c for k, c in colors.items() if k in what), None)
-        if color is None:
-            continue
+        if color is not None and marks and when - marks[-1][0] < 1.0 and marks[-1][2] == color:
+            marks[-1] = (marks[-1][0], f"{marks[-1][1]} + {what}", color)
+        elif color is not None:
+            marks.append((when, what, color))
+    for when, what, color in marks:
         ax.axvline(when, color=color, lw=0.8, ls="--")
         ax.text(when, 0.3, what, rotation=90, fontsize=7, va="bottom", ha="right", color=color)
+    opened = [when for when, what in timeline.events if what == "merging window opens"]
+    closed = [when for when, what in timeline.events if what == "merging window closes"]
+    for i, (start, end) in enumerate(zip(opened, closed)):
+        ax.axvspan(start, end, color="tab:gray", alpha=0.12, label="merging window" if i == 0 else None)
     ax.set_xlabel("seconds")
     ax.set_ylabel("bytes per parameter")
     ax.set_ylim(bottom=0)

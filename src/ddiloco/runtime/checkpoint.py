@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError
@@ -118,6 +118,19 @@ def _metadata(data: bytes) -> dict[str, str]:
     size = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + size])
     return dict(header.get("__metadata__") or {})
+
+
+def sync_and_uncache(f: BinaryIO) -> None:
+    """Flush and fsync ``f``, then drop its pages from the page cache.
+
+    A synchronizer writes its whole state at every checkpoint (7 bytes a parameter: 7 GB at
+    1B parameters) and reads it back only after a crash. Left in the cache, those pages push
+    the host into reclaiming memory while the synchronizer allocates, which stalled its RPCs
+    for up to a second at 1B parameters on a 24 GB host."""
+    f.flush()
+    os.fsync(f.fileno())
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir
+from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -219,8 +219,7 @@ class RoundLog:
 
     def _flush(self) -> None:
         assert self._file is not None
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        sync_and_uncache(self._file)  # read back only after a crash
 
     def _guard(self, work, futures: list[Future], result: object) -> None:
         try:

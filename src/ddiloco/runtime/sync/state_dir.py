@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir
+from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 
 FORMAT = "ddiloco-sync-checkpoint-2"
 CURRENT = "CURRENT"
@@ -235,8 +235,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, st
                      *(memoryview(t.view(_DTYPES[t.dtype][1]).numpy()).cast("B") for t in tensors.values())):
             f.write(part)
             digest.update(part)
-        f.flush()
-        os.fsync(f.fileno())
+        sync_and_uncache(f)
     return 8 + len(text) + offset, digest.hexdigest()
 
 
