@@ -302,7 +302,7 @@ class SyncService:
                 context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"))
 
         delivered = False
-        deadline = self.calls.deadline_s(self.core.state_bytes)
+        deadline = self.calls.transfer_deadline_s(self.core.state_bytes)
         try:
             await asyncio.wait_for(send(), deadline)
             delivered = True
