@@ -18,6 +18,7 @@ every deadline must come out the same in both drivers:
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -228,6 +229,12 @@ def merged_update_real(stream_deadlines: list) -> tuple[list[int], list[tuple[in
         result = client.join(join)
         core.on_admitted(result.state, 0.0)
         held = list(core.versions)
+        # The service tells its core that the state arrived after the join returns: the session
+        # starts then, so the clock moves on only once it has (else the steps come in 0 s).
+        deadline = time.monotonic() + 30
+        while real.call(lambda: real.service.host.query(lambda c: c.status().learners[0].joining)):
+            assert time.monotonic() < deadline, "the service never heard that the state arrived"
+            time.sleep(0.01)
         sends, clock[0] = first_sends(core, TOKENS_PER_STEP)
         send = sends[0]
         client.contribute(send.encode())
