@@ -169,7 +169,7 @@ class SimDriver:
     def process_up(self, m: int, boot: int) -> bool:
         return True  # the script's learners die only by its say, and it drops what was meant for them
 
-    def rpc_deadline_s(self, payload_bytes: int) -> float:
+    def call_deadline_s(self, nbytes: int) -> float:
         return 5.0
 
     # what the script needs

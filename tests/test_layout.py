@@ -155,3 +155,44 @@ def test_no_module_is_over_450_lines():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+DEADLINES = SRC / "ddiloco" / "core" / "deadlines.py"
+"""Every deadline of a call or a stream, for both drivers (issue 28: one upload had three)."""
+
+
+def module_level_names(tree: ast.Module) -> set[str]:
+    """What a module defines at its top level: constants, functions, classes."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def divides_by(tree: ast.AST, attribute: str) -> bool:
+    return any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Attribute)
+               and n.right.attr == attribute for n in ast.walk(tree))
+
+
+def test_every_deadline_is_defined_once():
+    """No other module defines a constant or a function of ``core/deadlines.py`` again (the
+    drivers import them), and none computes with the run's slowest link, the floor every
+    synchronizer-side deadline allows (``bytes / protocol.min_link_bytes_per_s``)."""
+    defined = module_level_names(ast.parse(DEADLINES.read_text()))
+    assert {"call_deadline_s", "stream_deadline_s", "upload_pace_s", "admission_window_s",
+            "CLIENT_ANSWER_S", "CLIENT_UPLOAD_BYTES_PER_S", "STREAM_SLACK_LEASES"} <= defined
+    again, floor = [], []
+    for path in hand_written():
+        if path == DEADLINES:
+            continue
+        tree = ast.parse(path.read_text())
+        if twice := sorted(module_level_names(tree) & defined):
+            again.append(f"{path.relative_to(SRC)}: {', '.join(twice)}")
+        if divides_by(tree, "min_link_bytes_per_s"):
+            floor.append(str(path.relative_to(SRC)))
+    assert again == [] and floor == []

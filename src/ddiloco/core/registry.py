@@ -127,7 +127,8 @@ class Registry:
     # ---- registration --------------------------------------------------------------------
 
     def register(self, join: Join, now: float, *, admission_s: float, tokens_per_step: int) -> LearnerRecord:
-        """Open a new session for ``join`` (its lease waits ``admission_s`` for the state to arrive).
+        """Open a new session for ``join`` (its lease waits ``admission_s`` for the state to arrive,
+        then runs: the session lives ``deadlines.admission_window_s`` without its state).
 
         :class:`Rejected` when its boot was replaced by a later one, or the registry is full.
         """

@@ -46,6 +46,7 @@ from ddiloco.core.actions import (
 from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core import deadlines
 from ddiloco.core.data_position import DataPositions
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
@@ -109,7 +110,7 @@ class Synchronizer(SyncState):
                                                  merge_rule(MergeRuleName.MEAN if i in embeds else config.merge),
                                                  self._buffers),
                 )
-        self.state_bytes = 4 * sum(f.value.numel() for f in self._fragments.values())
+        self.state_bytes = deadlines.state_bytes_of(f.value.numel() for f in self._fragments.values())
         """The fp32 size of the fragments this synchronizer owns (what a join transfers)."""
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
                                   max_learners=limits.max_learners, data_shards=limits.learners,
@@ -154,9 +155,9 @@ class Synchronizer(SyncState):
         return self._grace.length_s(self._registry.fastest_step_s())
 
     def admission_s(self) -> float:
-        """How long a joining learner's lease waits for its global state: the transfer at
-        ``protocol.min_link_bytes_per_s`` (drivers give the transfer the same deadline)."""
-        return self.state_bytes / self.config.min_link_bytes_per_s
+        """How long a joining learner's lease waits for its global state before it runs
+        (:func:`~ddiloco.core.deadlines.admission_window_s` is how long the drivers let the transfer take)."""
+        return deadlines.admission_s(self.state_bytes, self.config)
 
     def data_shard(self, learner_id: str) -> int:
         """The data shard ``learner_id`` has, or would get if it joined now (assigns nothing)."""

@@ -1,6 +1,7 @@
 """A blocking client of the synchronizer service (learners, ``ddiloco status``, the launcher).
 
-Every call has a deadline. Failures come back as three kinds of exception, because a
+Every call has a deadline (``core/deadlines.py``: the answer within ``CLIENT_ANSWER_S``, plus
+what the call carries at the rate a learner expects of its link). Failures come back as three kinds of exception, because a
 learner reacts to each differently:
 
 - :class:`CallRefused`: the synchronizer answered and rejected the message, with the core's
@@ -25,6 +26,7 @@ import grpc
 from ddiloco import __version__
 from ddiloco.config import unknown_keys
 from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.deadlines import CLIENT_ANSWER_S, CLIENT_FETCH_S, CLIENT_UPLOAD_LINK, call_deadline_s
 from ddiloco.core.messages import (
     Contribution,
     FragmentUpdate,
@@ -56,9 +58,6 @@ CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-CALL_TIMEOUT_S = 10.0
-UPLOAD_MIN_BYTES_PER_S = 1e6
-"""Upload deadlines allow at least this throughput (plus CALL_TIMEOUT_S)."""
 
 
 class Unreachable(Exception):
@@ -151,7 +150,7 @@ class SyncClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    def _call(self, method: Any, request: Any, timeout_s: float = CLIENT_ANSWER_S) -> Any:
         try:
             return method(request, timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as err:
@@ -163,8 +162,11 @@ class SyncClient:
 
     # ---- calls -----------------------------------------------------------------------------
 
-    def join(self, join: Join, timeout_s: float = 300.0, *, probe: bool = False) -> JoinResult:
-        """Register and download the full global state (``probe``: only the header, no registration)."""
+    def join(self, join: Join, timeout_s: float = CLIENT_ANSWER_S, *, probe: bool = False) -> JoinResult:
+        """Register and download the full global state (``probe``: only the header, no registration).
+
+        ``timeout_s``: a learner gives its join the deadline of the state it brings back
+        (``core/deadlines.py``, ``client_join_link``); the default is a call that carries nothing."""
         header: pb.JoinHeader | None = None
         assembler: wire.StateAssembler | None = None
         try:
@@ -198,7 +200,7 @@ class SyncClient:
 
     def contribute(self, c: Contribution) -> pb.ContributeReply:
         """Upload one contribution in chunks."""
-        timeout = CALL_TIMEOUT_S + len(c.payload) / UPLOAD_MIN_BYTES_PER_S
+        timeout = call_deadline_s(len(c.payload), CLIENT_UPLOAD_LINK)
         return self._call(self.stub.Contribute, iter(wire.contribution_chunks(c)), timeout)
 
     def contribute_chunks(self, chunks: list[pb.ContributionChunk]) -> pb.ContributeReply:
@@ -210,7 +212,7 @@ class SyncClient:
                                     session=wire.session_to_pb(session))
         return UpdateStream(self.stub.Updates(request, metadata=self.metadata), self.address)
 
-    def fetch_state(self, timeout_s: float = 300.0) -> GlobalState:
+    def fetch_state(self, timeout_s: float = CLIENT_FETCH_S) -> GlobalState:
         assembler = wire.StateAssembler()
         try:
             for chunk in self.stub.FetchState(pb.FetchStateRequest(), timeout=timeout_s, metadata=self.metadata):
@@ -224,13 +226,13 @@ class SyncClient:
     def leave(self, leave: Leave) -> None:
         self._call(self.stub.Leave, wire.leave_to_pb(leave))
 
-    def status(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+    def status(self, timeout_s: float = CLIENT_ANSWER_S, *, learner_offset: int = 0,
                learner_limit: int = 0) -> pb.StatusReply:
         """The synchronizer's status, with one page of its learners (in id order)."""
         request = pb.StatusRequest(learner_offset=learner_offset, learner_limit=learner_limit)
         return self._call(self.stub.Status, request, timeout_s)
 
-    def status_dict(self, timeout_s: float = CALL_TIMEOUT_S, *, learner_offset: int = 0,
+    def status_dict(self, timeout_s: float = CLIENT_ANSWER_S, *, learner_offset: int = 0,
                     learner_limit: int = 0) -> dict[str, Any]:
         return status_to_dict(self.status(timeout_s, learner_offset=learner_offset, learner_limit=learner_limit))
 

@@ -25,8 +25,9 @@ class NodeHost(Protocol):
 
     def new_call_id(self) -> int: ...
 
-    def rpc_deadline_s(self, payload_bytes: int) -> float:
-        """How long a caller waits for an answer carrying ``payload_bytes`` (gRPC's deadline)."""
+    def call_deadline_s(self, nbytes: int) -> float:
+        """How long a caller waits for a call that carries ``nbytes`` both ways
+        (:func:`~ddiloco.core.deadlines.call_deadline_s` on this cluster's link)."""
 
     def send_up(self, learner: str, fragment: int, payload_bytes: int) -> list[float]:
         """A learner's message to the synchronizer: when (and how often) it arrives."""
@@ -36,7 +37,8 @@ class NodeHost(Protocol):
 
     def push_to(self, learner: str, fragment: int, payload_bytes: int,
                 message: FragmentUpdate | StopNotice) -> float | None:
-        """A message on ``learner``'s update stream (its current process)."""
+        """A message on ``learner``'s update stream (its current process); None: lost, or cut
+        because its transfer outlasts :func:`~ddiloco.core.deadlines.stream_deadline_s`."""
 
     def process_up(self, m: int, boot: int) -> bool:
         """Is learner ``m``'s process ``boot`` still running?"""

@@ -27,6 +27,7 @@ from ddiloco.core.actions import (
     SendJoin,
     SendLeave,
 )
+from ddiloco.core.deadlines import join_state_bytes
 from ddiloco.core.learner import Learner, LearnerPhase
 from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
@@ -72,20 +73,26 @@ class LearnerNode:
                 if host.checker:
                     host.checker.on_sent(self.core, contribution)
                 self.call(host, contribution, action.fragment, len(contribution.payload), action.shard)
-            elif isinstance(action, (SendJoin, SendHeartbeat, SendLeave)):
+            elif isinstance(action, SendJoin):  # the reply brings the shard's state back
+                self.call(host, action.message, -1, 0, action.shard,
+                          reply_bytes=join_state_bytes(self.core.plan, self.core.config, action.shard))
+            elif isinstance(action, (SendHeartbeat, SendLeave)):
                 self.call(host, action.message, -1, 0, action.shard)
             elif isinstance(action, Fail):
                 self.failure = action
         self.schedule_tick(host)
 
-    def call(self, host: NodeHost, request: Request, fragment: int, payload_bytes: int, shard: int) -> None:
-        """One RPC to a synchronizer shard: the request travels up; the reply (or the deadline) comes back."""
+    def call(self, host: NodeHost, request: Request, fragment: int, payload_bytes: int, shard: int, *,
+             reply_bytes: int = 0) -> None:
+        """One RPC to a synchronizer shard: the request travels up; the reply (or the deadline) comes back.
+        Its deadline counts what it carries both ways (``core/deadlines.py``)."""
         now = host.queue.now
         call_id = host.new_call_id()
         self.calls[call_id] = (request, shard)
         for arrival in host.send_up(self.name, fragment, payload_bytes):
             host.queue.at(arrival, RequestArrives(self.index, self.boot, call_id, request, shard))
-        host.queue.at(now + host.rpc_deadline_s(payload_bytes), CallTimeout(self.index, self.boot, call_id))
+        deadline_s = host.call_deadline_s(payload_bytes + reply_bytes)
+        host.queue.at(now + deadline_s, CallTimeout(self.index, self.boot, call_id))
 
     def schedule_tick(self, host: NodeHost) -> None:
         deadline = self.core.next_deadline()

@@ -30,6 +30,7 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
+from ddiloco.core.deadlines import state_bytes_of
 from ddiloco.core.messages import Contribution, FragmentUpdate, Request, StopNotice
 from ddiloco.core.replay import ReplayLog, replay_budget
 from ddiloco.core.synchronizer import Synchronizer
@@ -107,11 +108,14 @@ class SyncNode:
                 if isinstance(action, Admitted):  # the whole state leaves at once over the virtual network
                     action = replace(action, state=self.core.state_for(action.state))
                 m, boot, call_id = reply_to
-                size = sum(4 * f.values.numel() for f in action.state.fragments) if isinstance(action, Admitted) else 0
+                size = (state_bytes_of(f.values.numel() for f in action.state.fragments)
+                        if isinstance(action, Admitted) else 0)
                 arrival = host.push(ReplyArrives(m, boot, call_id, action, self.shard), -1, size)
                 if isinstance(action, Admitted):
-                    # The transfer ends when the state arrives, or fails when the caller gives up.
-                    at = arrival if arrival is not None else now + host.rpc_deadline_s(size)
+                    # The transfer ends when the state arrives, or fails when the caller gives up
+                    # (its join's deadline counts the state: the learner node's). Past the core's
+                    # admission window the session has expired and the report changes nothing.
+                    at = arrival if arrival is not None else now + host.call_deadline_s(size)
                     host.queue.at(at, StateArrives(self.shard, self.incarnation, m, boot, action, arrival is not None))
                 if isinstance(action, Accepted) and isinstance(action.request, Contribution) and host.checker:
                     host.checker.on_accepted(action.request, self.incarnation)

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from ddiloco.core import deadlines
 from ddiloco.core.actions import RoundClosed
+from ddiloco.core.deadlines import LinkExpectation, call_deadline_s
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
 from ddiloco.core.synchronizer import Synchronizer
@@ -50,7 +52,7 @@ from ddiloco.sim.fate import Fate, window_event
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantChecker
 from ddiloco.sim.learner_node import LearnerNode
-from ddiloco.sim.network import NetFaults, Network
+from ddiloco.sim.network import HEADER_BYTES, NetFaults, Network
 from ddiloco.sim.snapshot import ClusterSnapshot, SnapshotFn, take_snapshot
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.timeline import Happening, RunEvents, Timeline
@@ -84,6 +86,8 @@ class VirtualCluster:
         initial = [flatten([params[n] for n in f.param_names]).cpu() for f in self.plan.fragments]  # the synchronizer's
         embeds = [f.index for f in self.plan.fragments if f.is_embedding]
         run, cluster = config.run, config.cluster
+        self.link = LinkExpectation(answer_s=cluster.rpc_timeout_s, bytes_per_s=cluster.bandwidth_bps / 8.0)
+        """Every learner's virtual link, as its calls' deadlines see it (``core/deadlines.py``)."""
         limits = config.run_limits(checkpoint_every_rounds=cluster.checkpoint_every_rounds,
                                    checkpoint_every_s=cluster.checkpoint_every_s)
         self.syncs = [
@@ -144,9 +148,10 @@ class VirtualCluster:
         node = self.learners[m]
         return node.up and node.boot == boot
 
-    def rpc_deadline_s(self, payload_bytes: int) -> float:
-        """How long a caller waits for an answer carrying ``payload_bytes`` (gRPC's deadline)."""
-        return self.config.cluster.rpc_timeout_s + 8.0 * payload_bytes / self.config.cluster.bandwidth_bps
+    def call_deadline_s(self, nbytes: int) -> float:
+        """How long a caller waits for a call that carries ``nbytes`` both ways (gRPC's deadline):
+        the rule of ``core/deadlines.py`` on the virtual link, which the simulator knows exactly."""
+        return call_deadline_s(nbytes, self.link)
 
     # ---- the run -------------------------------------------------------------------------
 
@@ -235,6 +240,9 @@ class VirtualCluster:
 
     def push_to(self, learner: str, fragment: int, payload_bytes: int, message: Any) -> float | None:
         node = self._by_name[learner]
+        size = payload_bytes + HEADER_BYTES  # the real synchronizer cuts a stream whose message
+        if size / self.link.bytes_per_s > deadlines.stream_deadline_s(size, self.protocol):  # cannot leave in time
+            return None
         return self.push(PushArrives(node.index, node.boot, message), fragment, payload_bytes)
 
     def step_time_s(self, m: int) -> float:

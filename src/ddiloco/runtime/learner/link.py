@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ddiloco.core.actions import (Behind, Fail, LearnerAction, Outage, OutagePhase, Send, SendHeartbeat, SendJoin,
                                   SendLeave, Stale, Starved)
+from ddiloco.core.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.learner import Learner
 from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
 from ddiloco.core.messages import Request, Session, StopNotice
@@ -314,7 +315,9 @@ class ShardChannel:
                                                                  shard=self.shard))
 
     def _join(self, action: SendJoin) -> None:
-        result: JoinResult | None = self._outcome(action.message, lambda: self.client.join(action.message))
+        config = self.link.core.config  # the state it brings back, at the slowest link the run admits
+        timeout_s = call_deadline_s(join_state_bytes(self.link.core.plan, config, self.shard), client_join_link(config))
+        result: JoinResult | None = self._outcome(action.message, lambda: self.client.join(action.message, timeout_s))
         if result is None:
             return
         self.link.stats.joins += 1

@@ -17,10 +17,12 @@ accounted per learner.
 - An update stream is one per learner (a new one replaces the old: ``streams.py``).
 - Joins and state fetches hold one of ``transfers`` (each holds a copy of one fragment at a time).
 
-Every stream is held to the slowest link the run is configured for (``min_bytes_per_s``,
-``protocol.min_link_bytes_per_s``): an upload's header must arrive within a lease, and every
-later message by when a sender at that rate, one lease late, would have delivered it; every
-message sent must leave within three leases plus its bytes at that rate. A stream that falls
+Every stream is held to the slowest link the run is configured for
+(``protocol.min_link_bytes_per_s``), by the rules of ``core/deadlines.py``: an upload's header
+must arrive within a lease, and every later message by when a sender at that rate, one lease
+late, would have delivered it (``upload_pace_s``); every message sent must leave within three
+leases plus its bytes at that rate (``stream_deadline_s``); a join's whole state within the
+core's admission window (``admission_window_s``). A stream that falls
 behind is closed as ``timed_out`` (``DEADLINE_EXCEEDED``), counted per learner. So no client,
 no burst of clients and no member holding the shared token can hold the synchronizer's memory
 or the slots honest learners need for longer than that.
@@ -36,12 +38,12 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from ddiloco.core import deadlines
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import RejectReason, Session
 from ddiloco.runtime.sync.boundary import Abort
 from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 
-LEASES_ALLOWED = 3.0
-"""What every stream is allowed on top of its bytes at the slowest configured rate, in leases."""
 STATE_TRANSFERS = 8
 """Joins and state fetches sent at once (each holds a copy of one fragment at a time)."""
 PER_PEER_CALLS = 64
@@ -186,9 +188,8 @@ _anonymous: contextvars.ContextVar[tuple[Slot, ...]] = contextvars.ContextVar("a
 
 
 class CallLimits:
-    def __init__(self, min_bytes_per_s: float, max_learners: int, lease_s: float) -> None:
-        self.min_bytes_per_s = min_bytes_per_s
-        self.lease_s = lease_s
+    def __init__(self, protocol: ProtocolConfig, max_learners: int) -> None:
+        self.protocol = protocol
         self.per_peer = Pool(PER_PEER_CALLS, "calls")
         self.awaiting = Pool(AWAITING_PER_PEER, "uploads waiting for their header", evict_oldest=True)
         self.calls = Pool(max(256, 8 * max_learners), "calls")
@@ -199,8 +200,13 @@ class CallLimits:
         """A join's or a fetch's: each holds a copy of the global state."""
 
     def deadline_s(self, nbytes: int) -> float:
-        """How long a stream of ``nbytes`` may take."""
-        return LEASES_ALLOWED * self.lease_s + nbytes / self.min_bytes_per_s
+        """How long a message of ``nbytes`` (or a state fetch of that size) may take to leave."""
+        return deadlines.stream_deadline_s(nbytes, self.protocol)
+
+    def transfer_deadline_s(self, state_bytes: int) -> float:
+        """How long a join's state transfer may take: the core's admission window (its session lives
+        no longer without the state)."""
+        return deadlines.admission_window_s(state_bytes, self.protocol)
 
     @contextlib.asynccontextmanager
     async def call(self, context: grpc.aio.ServicerContext, *, upload: bool = False) -> AsyncIterator[None]:
@@ -241,7 +247,7 @@ class CallLimits:
 
 class Paced:
     """An upload's messages: the first (its header) within a lease, every later one by when a
-    sender at ``min_bytes_per_s`` that started a lease late would have delivered it whole. A
+    sender at ``protocol.min_link_bytes_per_s`` that started a lease late would have delivered it whole. A
     message later than that, or an evicted :attr:`slot`, ends the upload with :class:`Abort`."""
 
     def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: Slot | None) -> None:
@@ -258,9 +264,7 @@ class Paced:
 
     async def __anext__(self) -> bytes:
         limits = self._limits
-        allowed = limits.lease_s
-        if self._received:
-            allowed += (self._received + MAX_MESSAGE_BYTES) / limits.min_bytes_per_s
+        allowed = deadlines.upload_pace_s(self._received, MAX_MESSAGE_BYTES, limits.protocol)
         wait_s = max(0.0, self._start + allowed - asyncio.get_running_loop().time())
         if self._messages is None:
             self._messages = self._requests.__aiter__()
@@ -278,7 +282,8 @@ class Paced:
             if self.slot is not None and self.slot.reason is not None:
                 raise self.slot.reason
             raise Abort(RejectReason.TIMED_OUT, f"the upload sent {self._received} bytes in {allowed:.1f}s, "
-                                                 f"less than {limits.min_bytes_per_s:g} bytes/s after a lease")
+                                                 f"less than {limits.protocol.min_link_bytes_per_s:g} bytes/s "
+                                                 "after a lease")
         raw = read.result()  # StopAsyncIteration ends the upload
         self._received += len(raw)
         return raw

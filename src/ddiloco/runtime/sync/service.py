@@ -125,7 +125,7 @@ class SyncService:
         largest = max(self.layout.plan.fragments[p].numel for p in self.core.owned)
         self.boundary = Boundary(Authenticator(options.token, options.credentials), uplink.encoded_size(largest),
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
-        self.calls = CallLimits(self.protocol.min_link_bytes_per_s, limits.max_learners, self.protocol.lease_s)
+        self.calls = CallLimits(self.protocol, limits.max_learners)
         self.uploads = Uploads(self.boundary, self.calls, lambda: self._host)
         self.goodput = GoodputMeter(learners=config.run.learners)
         self.port: int | None = None
@@ -302,7 +302,7 @@ class SyncService:
                 context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"))
 
         delivered = False
-        deadline = self.calls.deadline_s(self.core.state_bytes)
+        deadline = self.calls.transfer_deadline_s(self.core.state_bytes)
         try:
             await asyncio.wait_for(send(), deadline)
             delivered = True
