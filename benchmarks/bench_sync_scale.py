@@ -494,9 +494,12 @@ def plot(timeline: Timeline, params: int, path: Path) -> None:
             marks[-1] = (marks[-1][0], f"{marks[-1][1]} + {what}", color)
         elif color is not None:
             marks.append((when, what, color))
+    previous, y = -1e9, 0.3
     for when, what, color in marks:
+        y = y + 3.0 if when - previous < 4.0 else 0.3  # labels of nearby events stacked, not overprinted
+        previous = when
         ax.axvline(when, color=color, lw=0.8, ls="--")
-        ax.text(when, 0.3, what, rotation=90, fontsize=7, va="bottom", ha="right", color=color)
+        ax.text(when, y, what, rotation=90, fontsize=7, va="bottom", ha="right", color=color)
     opened = [when for when, what in timeline.events if what == "merging window opens"]
     closed = [when for when, what in timeline.events if what == "merging window closes"]
     for i, (start, end) in enumerate(zip(opened, closed)):
