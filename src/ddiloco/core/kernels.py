@@ -3,8 +3,8 @@
 The int4 wire layout (``core/codecs.py``): one float32 scale per block, then 4-bit codes
 packed two per byte, low nibble first; a value is ``(code - 7) * scale``. Working on that
 layout directly, a contribution costs one pass over its payload to check and measure
-(``int4_stats``: every scale finite, ‖Δ‖² = Σ_blocks scale² · Σ (code − 7)²) and one pass
-to add α·Δ into the round's float32 accumulator (``int4_axpy``) — no decoded copy. The
+(``int4_stats``: every scale finite, ‖Δ‖² = Σ_blocks scale² · Σ (code − 7)²) on arrival and
+one pass at the round's close to add α·Δ into a float32 buffer (``int4_axpy``) — no decoded copy. The
 close of a round is one pass too (``outer_step_int4``): merged Δ, Nesterov momentum, error
 feedback, int4 encoding of the update, and Θ += decoded update, block by block, keeping the
 outer state lean (momentum in bf16, the downlink residual in int8: 3 bytes per parameter

@@ -8,8 +8,8 @@ magnitudes and directions separately, so the merged step keeps the learners' typ
 
 A rule is one object in this file: the synchronizer's accumulator
 (:class:`~ddiloco.core.accumulate.RoundAccumulator`) adds ``scale(w, ‖Δ‖)·Δ`` of every
-contribution as it arrives (on int4 payloads through the compiled kernels, without decoding)
-and, at the close, multiplies the sum by ``factor(...)``; ``reference`` is the rule's
+contribution at the round's close (on int4 payloads through the compiled kernels, without
+decoding) and multiplies the sum by ``factor(...)``; ``reference`` is the rule's
 specification in float64, which the accumulator must match (``tests/core/test_accumulate.py``).
 To add a rule: subclass :class:`MergeRule` here, name it in :class:`MergeRuleName`, and test
 it against its reference; ``protocol.merge`` then accepts its name. A rule that is not a
@@ -86,7 +86,7 @@ class MergeRule(ABC):
 
     @abstractmethod
     def scale(self, weight: float, norm: float) -> float:
-        """α_m: the round accumulates Σ α_m·Δ_m as contributions arrive (0: this one adds no vector)."""
+        """α_m: the round sums Σ α_m·Δ_m at its close (0: this one adds no vector)."""
 
     @abstractmethod
     def factor(self, summands: Sequence[Summand], length: float) -> float:

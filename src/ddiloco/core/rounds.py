@@ -6,8 +6,8 @@ quantization residual, the version V_p, and the round that will produce V_p + 1.
 
 With the int4 downlink (the default) the outer state is lean: momentum in bf16 and the
 residual in int8 relative to its block's last scale (``core/kernels.py``), so a fragment
-holds 4 + 2 + 1 bytes per parameter (and 4 more only while a round is open: the round's
-accumulator comes from a pool). ``tests/core/test_lean_state.py`` bounds how far 200 rounds
+holds 4 + 2 + 1 bytes per parameter, plus its pending payloads while a round is open (the
+close sums them into a buffer that all fragments share). ``tests/core/test_lean_state.py`` bounds how far 200 rounds
 of it drift from an fp32 outer state; other downlink codecs keep fp32 momentum and residual.
 """
 
@@ -132,7 +132,7 @@ class GlobalFragment:
     value: torch.Tensor
     is_embedding: bool
     accumulator: RoundAccumulator
-    """The pending round's merge, accumulated as contributions arrive."""
+    """The pending round's contributions (payload, weight, norm), summed at its close."""
     version: int = 0
     momentum: torch.Tensor | None = None
     """Outer momentum: bf16 with the fused int4 downlink, fp32 otherwise (None before the first step)."""
