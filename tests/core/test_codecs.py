@@ -43,6 +43,37 @@ def test_encoded_length_is_exactly_encoded_size(name: str, n: int, block_size: i
     assert y.dtype == torch.float32 and y.shape == (n,)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (a learner's codec runs on its device)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(CODEC_NAMES),
+    n=st.one_of(st.sampled_from([0, 1, BLOCK - 1, BLOCK, BLOCK + 1]), st.integers(0, 300)),
+    block_size=st.sampled_from([1, 3, BLOCK, 128]),
+)
+def test_the_tensor_forms_on_a_device_are_the_wire_bytes(device: str, name: str, n: int, block_size: int) -> None:
+    codec = get_codec(name, block_size=block_size)
+    x = _gauss(n, seed=n)
+    payload = codec.encode_tensor(x.to(device))
+    assert payload.device.type == device and payload.dtype == torch.uint8
+    assert payload.cpu().numpy().tobytes() == codec.encode(x)
+    decoded = codec.decode_tensor(payload, n)
+    assert decoded.device.type == device and torch.equal(decoded.cpu(), codec.decode(codec.encode(x), n))
+
+
+def test_a_payload_tells_whether_its_input_was_finite() -> None:
+    x = _gauss(40)
+    x[17] = float("inf")
+    for name in CODEC_NAMES:
+        codec = get_codec(name, block_size=BLOCK)
+        quantizing = name not in ("fp32", "bf16")
+        assert codec.non_finite(codec.encode_tensor(x).numpy(), 40) is quantizing
+        assert not codec.non_finite(codec.encode_tensor(_gauss(40)).numpy(), 40)
+
+
 def test_fp32_is_exact_and_bf16_within_half_an_ulp() -> None:
     x = _gauss(1000) * 10.0 ** torch.linspace(-8, 8, 1000)
     assert torch.equal(_round_trip("fp32", x), x)

@@ -79,14 +79,20 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLIN
         time.sleep(poll_s)
 
 
-def train_steps(runtime: Any, workload: Any, model: Any, index: int, steps: int) -> Any:
-    """``steps`` inner steps of ``model`` on learner ``index``'s shard, each handed to ``runtime``;
-    returns the trainer (its optimizer state is the learner's)."""
+def train_steps(runtime: Any, workload: Any, model: Any, index: int, steps: int,
+                until: Callable[[], bool] | None = None, deadline_s: float = 60.0) -> Any:
+    """``steps`` inner steps of ``model`` on learner ``index``'s shard, each handed to ``runtime``,
+    then, with ``until``, more steps until it holds (an update lands on the training thread, inside
+    ``runtime.step``, so waiting for one means training on) or ``deadline_s`` passes; returns the
+    trainer (its optimizer state is the learner's)."""
     trainer, sampler = workload.new_trainer(model), workload.sampler(index)
-    for _ in range(steps):
+    deadline = time.monotonic() + deadline_s
+    done = 0
+    while done < steps or (until is not None and not until() and time.monotonic() < deadline):
         x, y = sampler.next_batch()
         trainer.step(x, y)
         runtime.step(tokens=x.numel())
+        done += 1
     return trainer
 
 

@@ -24,7 +24,7 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.learner.runtime import LearnerRuntime
-from ddiloco.runtime.learner.staging import HostStaging
+from ddiloco.runtime.learner.staging import HostStaging, checked_after
 from ddiloco.workload.workload import Workload
 from runtime_helpers import train_steps
 
@@ -111,6 +111,30 @@ def test_an_update_that_does_not_fit_is_left_to_the_core_to_refuse():
         core.on_update(update, 2.0, values=torch.zeros(3))
 
 
+def test_a_payload_compressed_on_a_device_is_refused_after_the_wait_if_delta_was_not_finite():
+    codec, waited = get_codec("int4"), []
+    for x, refused in ((torch.ones(300), False), (torch.tensor([1.0, float("nan"), 2.0] * 100), True)):
+        payload = codec.encode_tensor(x).numpy()
+        ready = checked_after(lambda: waited.append(True), codec, payload, x.numel())
+        if refused:
+            with pytest.raises(ValueError, match="non-finite"):
+                ready()
+        else:
+            ready()
+    assert waited == [True, True]  # the copy is waited for before the payload is read
+
+
+@cuda
+def test_int4_on_a_gpu_sends_the_bytes_the_host_codec_would():
+    codec, delta = get_codec("int4"), torch.randn(1000, device="cuda")
+    staging = HostStaging(torch.device("cuda"), codec, [1000], [False])
+    (staged,) = staging.stage([Send(header=None, delta=delta, codec=codec)])  # type: ignore[arg-type]
+    staged.ready()
+    assert staged.delta is None and staged.encoded.tobytes() == codec.encode(delta.cpu())
+    update = FragmentUpdate(fragment=0, version=1, codec="int4", payload=codec.encode(delta.cpu()))
+    assert torch.equal(staging.decode(update).cpu(), codec.decode(update.payload, 1000))
+
+
 @cuda
 def test_on_a_gpu_the_training_thread_never_synchronizes():
     core, params, sync = joined_learner("cuda")
@@ -125,11 +149,12 @@ def test_on_a_gpu_the_training_thread_never_synchronizes():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     for send, reference in zip(sends, expected, strict=True):
-        assert send.delta.device.type == "cpu" and send.delta.is_pinned() and send.ready is not None
-        assert torch.allclose(get_codec("fp32").decode(send.encode().payload, send.delta.numel()), reference.delta)
+        assert send.delta is None and send.encoded is not None and send.ready is not None  # compressed on the GPU
+        assert torch.allclose(get_codec("fp32").decode(send.encode().payload, reference.delta.numel()),
+                              reference.delta)
     update = first_update(sync, sends[0])
     values = staging.decode(update)
-    assert values is not None and values.is_pinned()
+    assert values is not None and values.device.type == "cuda"  # decoded on the GPU
     torch.cuda.set_sync_debug_mode("error")
     try:
         core.on_update(update, 2.0, values=values)
@@ -146,7 +171,10 @@ def test_a_learner_runtime_on_a_gpu_trains_sends_and_merges(inproc_sync):
     workload = Workload.build(config, torch.device("cuda"))
     model = workload.new_model()
     runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "gpu-0")
-    trainer = train_steps(runtime, workload, model, 0, 4 * config.protocol.period)
+    # The first update comes back while training goes on (one learner: its own round closes at
+    # its quorum); on a fast GPU the steps can outrun it, so train until it has landed.
+    trainer = train_steps(runtime, workload, model, 0, 4 * config.protocol.period,
+                          until=lambda: runtime.stats.updates_applied >= 1)
     runtime.close()
     stats = runtime.stats
     assert stats.contributions_sent >= 4 and stats.updates_applied >= 1

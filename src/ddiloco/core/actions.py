@@ -220,9 +220,10 @@ SyncAction = (Reply | Broadcast | LogRound | RoundClosed | LeaseExpired | LinkSt
 @dataclass(frozen=True, slots=True)
 class Send:
     """Upload a contribution whose Δ is taken at the step boundary (the parameters move on with
-    the next step): either already encoded (``encoded``: the core's one fused pass, on the
-    CPU with int4) or as a tensor that ``encode()`` compresses — on another thread, so a real
-    learner never runs the codec inside its training loop.
+    the next step): either already encoded (``encoded``: the core's one fused pass on the
+    CPU with int4, or the codec on a GPU, run by a driver) or as a tensor that ``encode()``
+    compresses — on another thread, so a real learner never runs the codec inside its
+    training loop.
     """
 
     header: Contribution
@@ -233,10 +234,12 @@ class Send:
     shard: int = 0
     """The synchronizer shard that owns the fragment."""
     ready: Callable[[], object] | None = None
-    """Waits until ``delta`` holds its values, when a driver copies it from an accelerator
-    asynchronously (``runtime/learner/staging.py``); None: it already does."""
+    """Waits until ``delta`` or ``encoded`` holds its values, when a driver compresses and
+    copies Δ on an accelerator asynchronously (``runtime/learner/staging.py``); None: it
+    already does."""
     encoded: np.ndarray | None = None
-    """The payload's bytes, written by the core (``core/flat.py``); None: ``delta`` is to encode."""
+    """The payload's bytes, written by the core (``core/flat.py``) or by a driver's device
+    staging; None: ``delta`` is to encode."""
 
     @property
     def fragment(self) -> int:
@@ -245,11 +248,11 @@ class Send:
     def encode(self) -> Contribution:
         """The contribution with its payload: compressed on the host (a Δ still on an accelerator
         is copied here, by the thread that encodes: a real learner's sender thread)."""
+        if self.ready is not None:
+            self.ready()
         if self.encoded is not None:
             return dataclasses.replace(self.header, payload=self.encoded.tobytes())
         assert self.delta is not None
-        if self.ready is not None:
-            self.ready()
         return dataclasses.replace(self.header, payload=self.codec.encode(self.delta.cpu()))
 
 

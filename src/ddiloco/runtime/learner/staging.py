@@ -6,20 +6,26 @@ on the training stream and holds the next ones back while the bytes cross PCIe; 
 stream has drained, so the GPU idles while the CPU queues the next step. Here instead:
 
 - **Δ out.** At the step boundary the core takes Δ on the device (one kernel). A side
-  stream waits for that kernel (an event, not a host wait), copies Δ into pinned host
-  memory and records an event; the ``Send`` carries ``ready`` = that event's
-  ``synchronize``, which the sender thread calls before compressing. The training thread
-  never waits; the copy overlaps the next step's compute (a copy engine, not the SMs).
-- **Updates in.** The receiver thread decodes each update's payload as it arrives, into
-  pinned memory; the core adds it to the anchor with a ``non_blocking`` copy, queued on the
-  training stream between two steps like any kernel. Where the core applies an update
-  straight from its payload (the CPU with int4: one fused pass, ``core/flat.py``) nothing is
-  decoded ahead: that would only add passes.
+  stream waits for that kernel (an event, not a host wait), compresses Δ there with the
+  uplink codec (``Codec.encode_tensor``: int4 is 0.53 B/param, so an eighth of fp32's bytes
+  cross PCIe), copies the payload into pinned host memory and records an event; the ``Send``
+  carries the payload and ``ready``, which the sender thread calls before it uploads: it
+  waits for that event and refuses a payload whose scales say Δ was not finite. The
+  training thread never waits; the copy overlaps the next step's compute.
+- **Updates in.** The receiver thread copies each update's payload into pinned memory, and
+  on the side stream to the device, where it is decoded (``Codec.decode_tensor``); the
+  receiver then waits for that stream and hands the values on. The core adds them to the
+  anchor on the training stream between two steps, like any kernel, without a copy. On the
+  CPU the receiver decodes into host memory; where the core applies an update straight from
+  its payload (the CPU with int4: one fused pass, ``core/flat.py``) nothing is decoded
+  ahead: that would only add passes.
 
 Memory is safe by construction: pinned buffers come from PyTorch's caching host
 allocator, which records an event on the stream of every asynchronous copy and does not
 hand a block out again before it has passed; Δ's device memory is marked as used by the
-side stream (``record_stream``) so the training stream cannot reuse it under the copy.
+side stream (``record_stream``) so the training stream cannot reuse it under the codec, and
+decoded values as used by the training stream, so the side stream cannot reuse them under
+the merge.
 On the CPU (and MPS) staging changes nothing: Δ is already a host copy (or its payload), and
 updates are at most decoded ahead, off the training thread.
 """
@@ -27,7 +33,9 @@ updates are at most decoded ahead, off the training thread.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ddiloco.core.actions import LearnerAction, Send
@@ -46,6 +54,8 @@ class HostStaging:
         self.core_decodes = core_decodes
         """Per fragment: the core applies updates from their payload (``Learner.decodes_updates``)."""
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.training = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        """The stream the runtime is built on, which trains and applies updates."""
 
     @property
     def asynchronous(self) -> bool:
@@ -65,12 +75,15 @@ class HostStaging:
             return send
         side.wait_stream(torch.cuda.current_stream(delta.device))  # after the kernel that took Δ
         with torch.cuda.stream(side):
-            host = torch.empty(delta.shape, dtype=delta.dtype, pin_memory=True)
-            host.copy_(delta, non_blocking=True)
+            payload = send.codec.encode_tensor(delta)
+            host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(payload, non_blocking=True)
             copied = torch.cuda.Event(blocking=True)  # the sender thread sleeps while it waits
             copied.record(side)
         delta.record_stream(side)
-        return dataclasses.replace(send, delta=host, ready=copied.synchronize)
+        encoded = host.numpy()
+        return dataclasses.replace(send, delta=None, encoded=encoded,
+                                   ready=checked_after(copied.synchronize, send.codec, encoded, delta.numel()))
 
     def decode(self, update: FragmentUpdate) -> torch.Tensor | None:
         """The update's values, decoded now (on the receiving thread) into memory the device
@@ -79,8 +92,30 @@ class HostStaging:
         if (update.codec != self.downlink.name or not 0 <= update.fragment < len(self.numels)
                 or self.core_decodes[update.fragment]):
             return None
-        try:
-            values = self.downlink.decode(update.payload, self.numels[update.fragment])
-        except ValueError:
+        numel = self.numels[update.fragment]
+        if len(update.payload) != self.downlink.encoded_size(numel):
             return None
-        return values.pin_memory() if self.side is not None else values
+        if self.side is None:
+            return self.downlink.decode(update.payload, numel)
+        host = torch.empty(len(update.payload), dtype=torch.uint8, pin_memory=True)
+        host.numpy()[:] = np.frombuffer(update.payload, dtype=np.uint8)
+        with torch.cuda.stream(self.side):
+            values = self.downlink.decode_tensor(host.to(self.device, non_blocking=True), numel)
+            decoded = torch.cuda.Event(blocking=True)
+            decoded.record(self.side)
+        decoded.synchronize()  # the receiver thread waits, so the values are whole when the core reads them
+        assert self.training is not None
+        values.record_stream(self.training)
+        return values
+
+
+def checked_after(wait: Callable[[], object], codec: Codec, payload: np.ndarray, numel: int) -> Callable[[], None]:
+    """What the sender calls before it uploads a payload compressed on the device: ``wait`` for
+    its copy, then refuse it, as the host's codec would have, if Δ was not finite."""
+
+    def ready() -> None:
+        wait()
+        if codec.non_finite(payload, numel):
+            raise ValueError(f"{codec.name} cannot encode non-finite values")
+
+    return ready
