@@ -179,7 +179,7 @@ def make_config(size: Size, mode: str, lr: float, tokens: int, variant: Variant,
     overrides = (*size.overrides(), f"run.mode={mode}", f"run.learners={LEARNERS}", f"run.tokens={tokens}",
                  f"run.seed={args.seed}", f"train.lr={lr}", f"train.batch_size={batch}",
                  f"train.warmup_steps={max(5, steps // 50)}", "train.schedule=cosine", "train.lr_min_ratio=0.1",
-                 f"train.precision={args.precision}", f"train.eval_batches={eval_batches}", "train.evals=4",
+                 f"train.precision={args.precision}", f"train.eval_batches={eval_batches}", "train.evals=8",
                  f"train.corpus_max_bytes={args.corpus_max_bytes or plan.corpus_max_bytes}",
                  f"protocol.codec={args.codec or plan.codec}", f"protocol.downlink_codec={args.codec or plan.codec}",
                  "cluster.jitter=0.05",
@@ -265,14 +265,16 @@ def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
-def run_one(config: Config, variant: Variant, workload: Workload) -> tuple[float, float]:
-    """(final eval loss, wall seconds) of one run."""
+def run_one(config: Config, variant: Variant, workload: Workload) -> tuple[float, float, list[list[float]]]:
+    """(final eval loss, wall seconds, [tokens, eval loss] at each evaluation) of one run: the
+    curve shows where a run that ends badly went wrong."""
     started = time.perf_counter()
     if variant.warm_fraction and config.run.mode != "dp":
-        summary, _ = run_warm_started(config, variant.warm_fraction, workload=workload)
+        summary, rows = run_warm_started(config, variant.warm_fraction, workload=workload)
     else:
-        summary, _ = run_virtual(config, workload=workload, check_invariants=False)
-    return summary["eval_loss"], time.perf_counter() - started
+        summary, rows = run_virtual(config, workload=workload, check_invariants=False)
+    curve = [[r["tokens"], round(r["eval_loss"], 4)] for r in rows if r.get("eval_loss") is not None]
+    return summary["eval_loss"], time.perf_counter() - started, curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,7 +336,7 @@ def _main(args: argparse.Namespace) -> int:
                     if args.estimate:
                         short = make_config(size, mode, lr, max(tokens // 50, 1), variant, args, plan)
                         workload = workload or Workload.build(short, device, data=data)
-                        _, wall = run_one(short, variant, workload)
+                        _, wall, _ = run_one(short, variant, workload)
                         projected += 50 * wall
                         print(f"{size.name:>6} {mode:<9} {variant_name:<13} lr {lr:g}: ~{50 * wall / 60:5.1f} min",
                               flush=True)
@@ -347,11 +349,11 @@ def _main(args: argparse.Namespace) -> int:
                         continue
                     workload = workload or Workload.build(config, device, data=data)
                     try:
-                        loss, wall = run_one(config, variant, workload)
+                        loss, wall, curve = run_one(config, variant, workload)
                     except torch.cuda.OutOfMemoryError:
                         raise ConfigError(f"size {size.name!r} ({size.params / 1e6:.1f}M parameters) ran out of "
                                           f"memory on {device} ({mode}, batch {config.train.batch_size})") from None
-                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1)})
+                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1), "curve": curve})
                     print(f"{size.name:>6} {size.params / 1e6:7.3f}M {tpp:g} tok/param {mode:<9} {variant_name:<13} "
                           f"lr {lr:g}: eval loss {loss:.4f} ({wall:.0f} s, {where})", flush=True)
     if args.estimate:
