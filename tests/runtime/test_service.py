@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 from dataclasses import replace
 
 import grpc
@@ -272,6 +273,28 @@ def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync
         with pytest.raises(CallRefused) as info:
             list(client.updates("learner-0", [0, 0, 0], Session(session.incarnation + 1, session.number)))
         assert info.value.reason == "unknown_learner"
+
+
+def test_sync_time_is_observed_once_a_listening_stream_has_written_the_update(inproc_sync):
+    """ξ_sync (core/grace.py) runs from the event that closes a round until the last recipient's
+    stream has written its update; with nobody listening there is nothing to observe."""
+    s = inproc_sync(tiny())
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        session = client.join(Join("learner-0", "boot")).state.session
+        client.contribute(make_contribution(s.service, "learner-0", session, 0, 0))
+        assert client.status_dict()["grace"]["sync_s"] == 0  # merged, but no stream to write it
+        stream = client.updates("learner-0", [0, 0, 0], session)
+        updates = iter(stream)
+        first = next(updates)  # replayed: the stream is live
+        assert (first.fragment, first.version) == (0, 1)
+        client.contribute(make_contribution(s.service, "learner-0", session, 0, 1, base_version=1))
+        second = next(updates)
+        assert (second.fragment, second.version) == (0, 2)
+        deadline = time.monotonic() + 30
+        while client.status_dict()["grace"]["sync_s"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stream.cancel()
+        assert client.status_dict()["grace"]["sync_s"] > 0
 
 
 def test_status_command_prints_the_documented_json(inproc_sync, capsys):

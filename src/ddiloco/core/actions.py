@@ -38,7 +38,7 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class SyncTimeObserved:
-    """The driver measured how long merging a round and handing it out took (grace window input)."""
+    """ξ_sync of one update, measured by the driver as ``core/grace.py`` defines it (grace window input)."""
 
     seconds: float
 

@@ -4,6 +4,18 @@ Once K learners have contributed to a round, the synchronizer waits a little lon
 stragglers — but only as long as the fast learners would not notice: a fragment is in
 flight for τ inner steps before a learner misses its new value, so the slack is
 τ·ξ_step − (ξ_quorum + ξ_sync) and the window is g = min(γ·max(0, slack), g_max).
+
+ξ_sync, one definition for both drivers: from the event that closes a round until its update
+has left for the last of its recipients — the merge, the round log's wait where there is
+one, and the send. A driver reports it per update (``SyncTimeObserved``); no observation
+when no recipient listens. Where the drivers' worlds differ:
+
+- the gRPC runtime (``runtime/sync/core_host.py``) stops the clock when the last
+  recipient's stream has written the update (gRPC's flow control holds a write while the
+  learner's link is behind, so a slow link shows); the core's compute is wall time;
+- the virtual cluster (``sim/sync_node.py``) stops it when the update arrives at the last
+  recipient over its virtual link; a merge takes no virtual time there, and no round log is
+  waited for.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ class GraceWindow:
         self.quorum_s.add(max(0.0, seconds))
 
     def observe_sync(self, seconds: float) -> None:
-        """Time to merge a round and send its result (measured by the driver)."""
+        """ξ_sync of one update, as the module's docstring defines it (measured by the driver)."""
         self.sync_s.add(max(0.0, seconds))
 
     def length_s(self, step_time_s: float) -> float:

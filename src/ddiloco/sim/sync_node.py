@@ -125,7 +125,7 @@ class SyncNode:
                 arrivals = [host.push_to(name, action.update.fragment, len(action.update.payload), action.update)
                             for name in action.recipients]
                 arrivals = [t for t in arrivals if t is not None]
-                if arrivals:
+                if arrivals:  # ξ_sync (core/grace.py): until the update reaches its last recipient
                     self.core.handle(SyncTimeObserved(max(arrivals) - now), now)
             elif isinstance(action, StopLearners):
                 for name in action.recipients:

@@ -164,7 +164,8 @@ class SyncHost:
                 u = action.update
                 durable = self.round_log.append(u.fragment, u.version, action.plain, u.payload)
             elif isinstance(action, Broadcast):
-                self._stream(lambda a=action: self.streams.publish(a.update, a.recipients), durable)
+                sent = self._observe_sync(compute_s, started)
+                self._stream(lambda a=action, s=sent: self.streams.publish(a.update, a.recipients, s), durable)
             elif isinstance(action, StopLearners):
                 self._stream(lambda a=action: self.streams.stop(a.recipients), durable)
             elif isinstance(action, LeaseExpired):
@@ -182,10 +183,19 @@ class SyncHost:
             elapsed = compute_s + time.perf_counter() - started
             for record in merged:
                 self.observer.on_round(record, elapsed)
-            if not self._stopped:
-                self._pool.submit(self.core.handle, SyncTimeObserved(elapsed), self.clock())
         self.observer.on_event(actions)
         self._wake.set()  # deadlines may have moved
+
+    def _observe_sync(self, compute_s: float, started: float) -> Callable[[], None]:
+        """ξ_sync of one update (core/grace.py): the core's time on the event that closed its
+        round, then until the last recipient's stream has written it, the round log's wait included."""
+
+        def sent() -> None:
+            if not self._stopped:
+                self._pool.submit(self.core.handle, SyncTimeObserved(compute_s + time.perf_counter() - started),
+                                  self.clock())
+
+        return sent
 
     def _stream(self, operation: Callable[[], None], durable: Future | None) -> None:
         """Carry out a stream operation now, or — with a round log — after the records before it are durable."""

@@ -369,10 +369,14 @@ class SyncService:
                                                "the update stream")
                         continue
                     sub.backlog -= 1
-                    p, chunks = item
-                    for data in chunks:
-                        self.boundary.count_out(name, p, len(data))
-                        await self.calls.write(context, data, "the update stream")
+                    p, chunks, delivery = item
+                    try:
+                        for data in chunks:
+                            self.boundary.count_out(name, p, len(data))
+                            await self.calls.write(context, data, "the update stream")
+                    finally:
+                        if delivery is not None:
+                            delivery.done()
             finally:
                 self.streams.unsubscribe(name, sub)
 

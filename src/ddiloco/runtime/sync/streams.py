@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ddiloco.core.messages import FragmentUpdate, StopNotice
 from ddiloco.core.replay import ReplayLog, too_slow
@@ -20,7 +20,21 @@ from ddiloco.runtime.wire import update_chunks
 log = logging.getLogger("ddiloco.sync")
 
 CLOSE = object()
-"""What a stream's queue carries, besides (fragment, chunks) and stop notices, to end it."""
+"""What a stream's queue carries, besides (fragment, chunks, delivery) and stop notices, to end it."""
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One update on its way into its recipients' streams: ``on_sent`` runs once the last of
+    them has written it, or dropped it with its stream (ξ_sync ends there: core/grace.py)."""
+
+    on_sent: Callable[[], None]
+    pending: int = 0
+
+    def done(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.on_sent()
 
 
 @dataclass(slots=True)
@@ -43,16 +57,25 @@ class UpdateStreams:
         return sub
 
     def unsubscribe(self, learner: str, sub: Subscriber) -> None:
+        """``sub``'s stream has ended: what it had not written is dropped."""
         if self._subscribers.get(learner) is sub:
             del self._subscribers[learner]
+        while not sub.queue.empty():
+            item = sub.queue.get_nowait()
+            if isinstance(item, tuple) and item[2] is not None:
+                item[2].done()
 
     def replay(self, have_versions: list[int]) -> Iterator[tuple[int, list[bytes]]]:
         """Recent updates newer than what a resubscribing learner holds, per fragment in order."""
         return self._replay.since(have_versions)
 
-    def publish(self, update: FragmentUpdate, recipients: tuple[str, ...]) -> None:
+    def publish(self, update: FragmentUpdate, recipients: tuple[str, ...],
+                on_sent: Callable[[], None] | None = None) -> None:
+        """Queue ``update`` to each recipient's stream; ``on_sent`` runs once every stream it
+        was queued to has written it (never, if no recipient listens)."""
         chunks = update_chunks(update)
         self._replay.record(update.fragment, update.version, chunks, sum(map(len, chunks)))
+        delivery = Delivery(on_sent) if on_sent is not None else None
         for name in recipients:
             sub = self._subscribers.get(name)
             if sub is None:
@@ -62,7 +85,9 @@ class UpdateStreams:
                 self.close(name)
                 continue
             sub.backlog += 1
-            sub.queue.put_nowait((update.fragment, chunks))
+            sub.queue.put_nowait((update.fragment, chunks, delivery))
+            if delivery is not None:
+                delivery.pending += 1
 
     def stop(self, recipients: tuple[str, ...] | None = None) -> None:
         """Tell learners (all subscribed ones by default) that the run's budget is spent."""
