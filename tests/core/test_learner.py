@@ -187,6 +187,18 @@ def test_replaced_by_a_later_process_of_the_same_id_the_learner_stops_for_good()
     assert core.phase is LearnerPhase.FAILED and core.should_stop and core.tick(100.0) == []
 
 
+def test_once_the_learner_has_failed_what_was_queued_is_dropped_and_counted():
+    """The driver used to skip queued uploads after a fatal error without telling the core,
+    so ``contributions_dropped`` missed them."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    local_step(params, seed=1)
+    sends = step(core, 10, 1.0)
+    assert sends and core.still_to_send(sends[0])
+    (fail,) = core.on_refused(sends[0], RejectReason.REPLACED, 1.0)
+    assert isinstance(fail, Fail)
+    assert [core.still_to_send(s) for s in sends] == [False] * len(sends) and core.dropped == len(sends)
+
+
 def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
     plan, sync, (core,), _ = make_cluster(BASE, learners=1)
     (fail,) = core.on_refused(Join("l0", "b0"), RejectReason.UNAUTHENTICATED, 1.0)

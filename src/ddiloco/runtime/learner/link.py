@@ -277,8 +277,6 @@ class ShardChannel:
             send = self.outbox.get()
             if send is None:
                 return
-            if link.fatal is not None:
-                continue
             with link.lock:
                 deliver = link.core.still_to_send(send)
             if not deliver:
