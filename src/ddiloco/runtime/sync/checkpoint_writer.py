@@ -25,7 +25,6 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
-from ddiloco.runtime.sync.priority import drop_off_loop
 from ddiloco.runtime.sync.round_log import LoggedRound, RoundLog, read_rounds
 from ddiloco.runtime.sync.state_dir import StateDir
 
@@ -126,9 +125,9 @@ class CheckpointWriter:
         try:
             draft = await asyncio.to_thread(self.state_dir.begin, number)
             for p in self.fragments:
-                fragment = [await self._fetch(p)]  # one fragment's copy at a time
-                await asyncio.to_thread(draft.add_fragment, p, fragment[0])
-                await drop_off_loop(fragment)
+                fragment = await self._fetch(p)
+                await asyncio.to_thread(draft.add_fragment, p, fragment)
+                del fragment  # one fragment's copy at a time
             size = await asyncio.to_thread(draft.commit, state)
         except OSError as err:
             if draft is not None:

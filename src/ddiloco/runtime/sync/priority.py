@@ -12,20 +12,13 @@ thread both want a core, the loop gets about ten times the bulk thread's share. 
 works in short bursts and is mostly idle, so the bulk work still gets nearly all of the
 CPU. Linux sets a nice value per thread (``setpriority`` on the thread's id); elsewhere it
 would apply to the whole process, so there the threads are left as they are.
-
-The loop must not free large buffers either. A fragment's copy for a checkpoint or a state
-transfer is hundreds of MB at 1B parameters. Freeing it unmaps that memory, which takes tens
-of milliseconds, and the thread that drops the last reference does the work. Such copies
-are therefore handed to a bulk thread to be dropped (``drop_off_loop``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import threading
-from typing import Any
 
 BACKGROUND_NICE = 10
 """How much lower than the loop's the bulk threads' priority is (nice is -20..19)."""
@@ -41,8 +34,3 @@ def as_background() -> None:
     except OSError:  # a sandbox that forbids it: the thread keeps the loop's priority
         pass
 
-
-async def drop_off_loop(holder: list[Any]) -> None:
-    """Empty ``holder`` on a bulk thread: if it held the last reference to a large buffer, the
-    buffer is freed there, not on the event loop. The caller must keep no other reference."""
-    await asyncio.to_thread(holder.clear)

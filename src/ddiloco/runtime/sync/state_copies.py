@@ -18,7 +18,6 @@ from ddiloco.core.messages import FragmentValue
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.sync.priority import drop_off_loop
 
 
 class _Shared:
@@ -55,8 +54,8 @@ class SharedCopies:
     async def send(self, fragments: Sequence[int], write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
         """Send these fragments' values in chunks, one fragment's copy held at a time."""
         for p in fragments:
-            shared = [await self.get(p)]
+            shared = await self.get(p)
             await self._durable()
-            for chunk in wire.fragment_chunks(shared[0].value):
+            for chunk in wire.fragment_chunks(shared.value):
                 await write(chunk)
-            await drop_off_loop(shared)  # the next fragment's copy replaces this one
+            del shared  # the next fragment's copy replaces this one
