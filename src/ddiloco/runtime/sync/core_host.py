@@ -61,7 +61,6 @@ from ddiloco.core.actions import (
 )
 from ddiloco.core.sync_status import CoreView, SyncStatus
 from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.runtime.sync.priority import as_background
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.streams import UpdateStreams
 
@@ -100,7 +99,7 @@ class SyncHost:
         self.clock = clock
         self.finished = asyncio.Event()
         self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core", initializer=as_background)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-core")
         self.view: CoreView = core.view()  # before the thread starts: nobody else holds the core yet
         self._status: tuple[float, SyncStatus] = (time.monotonic(), core.status(clock()))
         self._events = 0

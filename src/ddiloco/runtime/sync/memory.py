@@ -35,7 +35,6 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.replay import replay_budget
 from ddiloco.runtime.sync.call_limits import STATE_TRANSFERS
-from ddiloco.runtime.sync.priority import as_background
 from ddiloco.errors import ConfigError
 
 log = logging.getLogger("ddiloco.sync")
@@ -131,7 +130,6 @@ def give_back_freed_memory(every_s: float) -> None:
         return
 
     def loop() -> None:
-        as_background()
         while True:
             time.sleep(every_s)
             trim(0)

@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,7 +14,6 @@ import grpc
 from ddiloco.core.kernels import compile_kernels
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import Address
-from ddiloco.runtime.sync.priority import as_background
 from ddiloco.runtime.sync.service import SERVICE_NAME, SyncService
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
@@ -49,9 +47,6 @@ class SyncServer:
         if port == 0:
             raise ConfigError(f"cannot listen on {target} (address in use?)")
         compile_kernels()  # before the first contribution, not during it
-        # Checkpoint writes and state copies (asyncio.to_thread) give way to the loop (priority.py).
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(thread_name_prefix="ddiloco-bulk", initializer=as_background))
         self.service.start_host()
         await server.start()
         self._server = server
