@@ -540,6 +540,7 @@ def main() -> None:
     if params < P or seconds <= 0 or checkpoint_s <= 0:
         raise SystemExit("bench_sync_scale: error: --params must be at least 24, --seconds and --checkpoint-every "
                          "positive")
+    stamped = stamp(sys.argv[1:])  # the commit and load when the synchronizer under test starts
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -586,7 +587,7 @@ def main() -> None:
             "peak_bytes_per_shard": shards["peaks"],
             "peak_bytes_per_param_of_its_fragments": [round(peak / (params / 2), 2) for peak in shards["peaks"]],
             "cores_used": {"sync": round(two.sync_cores, 2), "generators": round(two.generator_cores, 2)}}
-    result.update(stamp(sys.argv[1:]))
+    result.update(stamped, load_after=os.getloadavg())
     print(f"model {params / 1e6:.0f}M params in {P} fragments, M={M} synthetic learners")
     print(f"memory: steady {result['steady_bytes_per_param']} B/param (median resident while merging), peak "
           f"{result['peak_bytes_per_param']} B/param (VmHWM over the run: checkpoints, 2 joins, kill -9, --resume)")

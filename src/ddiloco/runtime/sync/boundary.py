@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
@@ -59,6 +60,18 @@ def _check_learner(learner_id: str) -> None:
         check_id(learner_id, "learner id")
     except ValueError as err:
         raise Abort(RejectReason.MALFORMED, str(err)) from None
+
+
+def payload_buffer(size: int) -> memoryview | bytearray:
+    """An upload's payload, exactly the announced size and allocated once: the chunks are copied
+    into it as they arrive, and it is the payload the core sees (no joined or converted copy).
+
+    Fresh anonymous memory, not a ``bytearray``: ``bytearray(n)`` zero-fills all of it at once,
+    on the event loop with the GIL held. At 1B parameters an upload is 22 MB, and that fill
+    took 0.17–0.3 s while a checkpoint was written beside it. No status or stream was answered
+    in that time. Here the kernel hands out zeroed pages as each chunk is copied in, one MiB at
+    a time between two awaits."""
+    return memoryview(mmap.mmap(-1, size)) if size else bytearray()
 
 
 class Abort(Exception):
@@ -185,9 +198,7 @@ class Boundary:
                                                              f"{self.max_payload} accepted")
                     self.count_in(learner, fragment, len(raw))
                     await on_header(header)
-                    # Exactly the announced size, allocated once: the chunks are copied into it and
-                    # it is the payload the core sees (no joined or converted copy of it).
-                    payload = bytearray(header.payload_bytes)
+                    payload = payload_buffer(header.payload_bytes)
                 else:
                     if chunk.HasField("header"):
                         raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
