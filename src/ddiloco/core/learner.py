@@ -158,10 +158,9 @@ class Learner:
 
     def still_to_send(self, send: Send) -> bool:
         """A queued contribution is about to go out: is it still of the current session? If not
-        (the learner joined again meanwhile) it is dropped, and counted: it was measured from a
-        state the learner no longer holds. Nor once the learner has failed (``Fail``): what was
-        queued is lost, and counted. Nothing goes out once the synchronizer said the run is
-        over: on a slow link a queue of uploads would otherwise each be refused in turn."""
+        (the learner joined again meanwhile, or it failed) it is dropped, and counted: it was
+        measured from a state the learner no longer holds, or cannot go. Nothing goes out once the
+        run is over: on a slow link a queue of uploads would otherwise each be refused in turn."""
         if self.run_over and self.phase is not LearnerPhase.FAILED:
             return False
         if self.phase is not LearnerPhase.FAILED and self.is_current(send):
