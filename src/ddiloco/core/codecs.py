@@ -88,9 +88,9 @@ class Codec(ABC):
         return payload.tobytes()
 
     def encode_tensor(self, x: Tensor) -> Tensor:
-        """``encode``'s bytes as a new uint8 tensor on ``x``'s device. It does not check that
-        ``x`` is finite (on a GPU that would make the caller wait for the device): check the
-        payload with ``non_finite`` once it is on the host."""
+        """``encode``'s bytes as a uint8 tensor on ``x``'s device (fp32's shares ``x``'s memory).
+        It does not check that ``x`` is finite (on a GPU that would make the caller wait for the
+        device): check the payload with ``non_finite`` once it is on the host."""
         if x.dim() != 1 or x.dtype != torch.float32:
             raise ValueError(f"{self.name} encodes 1-D float32, got {x.dtype} {tuple(x.shape)}")
         return self._encode_tensor(x.detach().contiguous())
@@ -130,7 +130,7 @@ class Fp32Codec(Codec):
         return 4 * numel
 
     def _encode_tensor(self, x: Tensor) -> Tensor:
-        return x.clone().view(torch.uint8)
+        return x.view(torch.uint8)
 
     def _decode_tensor(self, data: Tensor, numel: int) -> Tensor:
         return data.view(torch.float32)

@@ -86,9 +86,9 @@ class HostStaging:
                                    ready=checked_after(copied.synchronize, send.codec, encoded, delta.numel()))
 
     def decode(self, update: FragmentUpdate) -> torch.Tensor | None:
-        """The update's values, decoded now (on the receiving thread) into memory the device
-        copies from without waiting; None when they do not fit this learner (the core then
-        decodes, and refuses, on its own) or where the core decodes in its merge."""
+        """The update's values, decoded now by the receiving thread (on the GPU, ready before
+        they are handed on); None when they do not fit this learner (the core then decodes, and
+        refuses, on its own) or where the core decodes in its merge."""
         if (update.codec != self.downlink.name or not 0 <= update.fragment < len(self.numels)
                 or self.core_decodes[update.fragment]):
             return None
