@@ -44,6 +44,7 @@ from ddiloco.errors import ConfigError
 if sys.byteorder != "little":  # pragma: no cover - no such platform ships PyTorch wheels
     raise ImportError("ddiloco's wire codecs view float32 as little-endian bytes: this host is big-endian")
 
+
 class CodecName(enum.StrEnum):
     """The codecs by the names the configuration and the wire use (``Codec.name`` is the plain string)."""
 
