@@ -59,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import MODELS  # noqa: E402
-from bench_sync_scale import stamp  # noqa: E402
+from stamp import stamp  # noqa: E402
 
 from ddiloco.config import build_config  # noqa: E402
 from ddiloco.errors import ConfigError  # noqa: E402
@@ -401,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     print("medians, capped vs uncapped: " + "; ".join(f"{what} {'-' if c is None else f'{c:.2f}'} vs "
                                                      f"{'-' if u is None else f'{u:.2f}'}" for what, (c, u) in waits.items()))
     if args.json:
-        result = {**stamp(sys.argv[1:] if argv is None else argv),
-                  "command": "python benchmarks/bench_capped_link.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        result = {**stamp(__file__, argv),
                   "rate": args.rate, "rate_bps": rate_bps, "uncapped": "the same netns links without a tc cap",
                   "model": args.model, "overrides": list(MODELS[args.model]) + ["train.evals=1", *args.set],
                   "learners": args.learners, "seed": args.seed, "time_s": args.time, "warmup_s": args.warmup,

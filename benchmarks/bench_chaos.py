@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sync_scale import stamp  # noqa: E402
+from stamp import stamp  # noqa: E402
 
 LEASE_S = 3.0
 MIN_STEP_S = 0.2
@@ -230,7 +230,7 @@ def main() -> int:
     extra = tuple(arg for kv in args.set for arg in ("--set", kv))
     results = {name: scenarios[name](counts[name], work, name in with_baseline, args.seed, extra) for name in chosen}
     if args.json:
-        stamped = {**stamp(sys.argv[1:]), "command": "python benchmarks/bench_chaos.py " + " ".join(sys.argv[1:]),
+        stamped = {**stamp(__file__),
                    "load_at_end": os.getloadavg(), **results}
         Path(args.json).write_text(json.dumps(stamped, indent=2) + "\n")
     print(f"runs kept in {work}")

@@ -6,12 +6,12 @@ Three measurements, each printed as a table with ratios and written to JSON:
    parallel, on the default preset;
 2. failures: a failure rate at which non-elastic data parallel's goodput falls below 50% —
    goodput, uptime and eval loss of all four modes at equal virtual time through the same
-   failure trace, averaged over seeds (a short run sees few failures, so one seed is a
-   lottery); on the `small` preset so that several seeds fit;
+   failure trace, over five seeds with medians and spread (a short run sees few failures, so
+   one seed is a lottery); on the `small` preset so that several seeds fit;
 3. determinism: the same seed twice gives the same weights hash; another seed does not.
 
     python benchmarks/bench_modes.py                         # everything (~40 min on 2 cores)
-    python benchmarks/bench_modes.py --part failures --seeds 0 1 2
+    python benchmarks/bench_modes.py --part failures         # seeds 0-4 (~25 min)
     python benchmarks/bench_modes.py --quick                 # tiny preset, a minute
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +33,9 @@ from ddiloco.config import MODES, Config, build_config
 from ddiloco.experiment import run_virtual
 from ddiloco.run_plot import plot_runs
 from ddiloco.workload.workload import Workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
 
 FAILURES = dict(faults__mtbf_s=150.0, faults__downtime_s=12.0, run__time_s=600.0)
 
@@ -71,16 +76,24 @@ def failures(quick: bool, seeds: list[int], out: Path) -> dict[str, Any]:
         per_seed.append(summaries)
         plot_runs(out / f"failures_seed{seed}.png", curves, title=f"Same failure trace (seed {seed}): MTBF "
                   f"{settings['faults__mtbf_s']:g}s, downtime {settings['faults__downtime_s']:g}s per learner")
-    mean = {mode: {key: statistics.fmean(s[mode][key] for s in per_seed) for key in ("goodput", "uptime", "eval_loss")}
-            for mode in MODES}
-    print("  mean over seeds:")
-    for mode, m in mean.items():
-        print(f"  {mode:<10} goodput {m['goodput']:6.1%}  uptime {m['uptime']:6.1%}  eval_loss {m['eval_loss']:.4f}")
-    d, dp = mean["decoupled"], mean["dp"]
-    print(f"  goodput decoupled {d['goodput']:.1%} (target >= 85%) vs dp {dp['goodput']:.1%} (< 50%); "
-          f"uptime decoupled {d['uptime']:.1%} (>= 99%); eval loss decoupled / dp = "
-          f"{d['eval_loss'] / dp['eval_loss']:.4f} (< 1)")
-    return {"settings": settings, "overrides": list(overrides), "seeds": seeds, "per_seed": per_seed, "mean": mean}
+    keys = ("goodput", "uptime", "eval_loss")
+    spread = {mode: {key: {"median": statistics.median(s[mode][key] for s in per_seed),
+                           "min": min(s[mode][key] for s in per_seed), "max": max(s[mode][key] for s in per_seed),
+                           "mean": statistics.fmean(s[mode][key] for s in per_seed)} for key in keys}
+              for mode in MODES}
+    print(f"  over {len(seeds)} seeds, median (min-max):")
+    for mode, m in spread.items():
+        print(f"  {mode:<10} " + "  ".join(
+            f"{key} {m[key]['median']:.4f} ({m[key]['min']:.4f}-{m[key]['max']:.4f})" for key in keys))
+    d = spread["decoupled"]
+    for other in ("dp", "dp-elastic"):
+        o = spread[other]
+        print(f"  decoupled vs {other}: median goodput {d['goodput']['median']:.1%} vs {o['goodput']['median']:.1%}, "
+              f"median eval loss {d['eval_loss']['median']:.4f} vs {o['eval_loss']['median']:.4f} "
+              f"(ratio {d['eval_loss']['median'] / o['eval_loss']['median']:.4f}); decoupled's loss lower in "
+              f"{sum(s['decoupled']['eval_loss'] < s[other]['eval_loss'] for s in per_seed)} of {len(seeds)} seeds")
+    return {"settings": settings, "overrides": list(overrides), "seeds": seeds, "per_seed": per_seed,
+            "spread": spread}
 
 
 def determinism(seed: int) -> dict[str, Any]:
@@ -96,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset: a smoke run of the benchmark")
     parser.add_argument("--part", choices=("all", "parity", "failures", "determinism"), default="all")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the failure runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds of the failure runs")
     parser.add_argument("--out", default="docs/results", help="where the JSON and plots go")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -104,7 +117,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     preset = "tiny" if args.quick else "default"
     started = time.perf_counter()
-    results: dict[str, Any] = {"preset": preset}
+    results: dict[str, Any] = {**stamp(__file__), "preset": preset}
     if args.part in ("all", "parity"):
         results["parity"] = parity(preset, args.seeds[0], out)
     if args.part in ("all", "failures"):
@@ -112,6 +125,7 @@ def main() -> None:
     if args.part in ("all", "determinism"):
         results["determinism"] = determinism(args.seeds[0])
     results["wall_time_s"] = round(time.perf_counter() - started, 1)
+    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
     name = f"bench_modes_{args.part}_{preset}{'_seeds' + '-'.join(map(str, args.seeds)) if args.part == 'failures' else ''}.json"
     (out / name).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}/{name} in {results['wall_time_s']:.0f}s")

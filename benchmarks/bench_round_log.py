@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sync_scale import stamp  # noqa: E402
+from stamp import stamp  # noqa: E402
 
 from ddiloco.core.accumulate import BufferPool, RoundAccumulator  # noqa: E402
 from ddiloco.core.codecs import get_codec  # noqa: E402
@@ -102,7 +102,7 @@ def main() -> None:
     ratios = [lg / al for al, lg in zip(rates["alone"], rates["logged"])]
     wall_ratios = [lg / al for al, lg in zip(walls["alone"], walls["logged"])]
     result = {
-        **stamp(sys.argv[1:]), "command": "python benchmarks/bench_round_log.py " + " ".join(sys.argv[1:]),
+        **stamp(__file__),
         "params": params, "fragments": args.fragments, "learners": args.learners, "pairs": args.pairs,
         "params_per_cpu_s": {k: round(statistics.median(v)) for k, v in rates.items()},
         "logged_vs_alone_cpu": round(statistics.median(ratios), 4),

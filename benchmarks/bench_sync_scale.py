@@ -49,10 +49,12 @@ from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
+
 M = 8
 P = 24
 INT4 = get_codec("int4")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_init(path: Path, params: int, fragments: int) -> list[int]:
@@ -460,7 +462,6 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
 
 
 def downlink_vs_model(quick: bool) -> float:
-    sys.path.insert(0, str(Path(__file__).parent))
     import bench_crosscheck as xc
 
     from ddiloco.config import build_config
@@ -515,14 +516,6 @@ def plot(timeline: Timeline, params: int, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def stamp(argv: list[str]) -> dict:
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"commit": commit, "command": "python benchmarks/bench_sync_scale.py " + " ".join(argv),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": f"{os.cpu_count()} cores, "
-            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB", "load": os.getloadavg()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20M parameters, short windows (CI-sized)")
@@ -540,7 +533,7 @@ def main() -> None:
     if params < P or seconds <= 0 or checkpoint_s <= 0:
         raise SystemExit("bench_sync_scale: error: --params must be at least 24, --seconds and --checkpoint-every "
                          "positive")
-    stamped = stamp(sys.argv[1:])  # the commit and load when the synchronizer under test starts
+    stamped = stamp(__file__)  # the commit and load when the synchronizer under test starts
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -42,7 +42,8 @@ from ddiloco.core.actions import (
     Tick,
 )
 from ddiloco.core.fragments import flatten, plan_fragments
-from ddiloco.core.learner import Learner, LearnerPhase
+from ddiloco.core.learner import Learner
+from ddiloco.core.learner_phase import LoopMove
 from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Session, StopNotice
 from ddiloco.core.registry import SESSION_TAG_BITS
 from ddiloco.core.run import RunLimits
@@ -380,10 +381,10 @@ class Script:
     def steps(self, name: str, count: int) -> None:
         for _ in range(count):
             core = self.cores[name]
-            if core.phase is LearnerPhase.STOPPING:
+            move = core.between_steps(self.driver.now())
+            if move is LoopMove.CLOSE:
                 self.carry(name, core.close(self.driver.now()))
-                return
-            if not core.can_step(self.driver.now()):
+            if move is not LoopMove.STEP:
                 return
             with torch.no_grad():
                 for p in self.params[name].values():

@@ -11,7 +11,8 @@ from ddiloco.core.actions import Refused, Behind, Fail, Outage, OutagePhase, Sen
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten
-from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.learner import Learner
+from ddiloco.core.learner_phase import LearnerPhase, LoopMove, UpdateResult
 from ddiloco.core.messages import FragmentUpdate, GlobalState, Join, RejectReason, Session
 from protocol_helpers import deliver, local_step, make_cluster, step
 
@@ -74,6 +75,15 @@ def test_duplicate_updates_are_ignored_and_a_missed_version_asks_for_full_state(
     assert core.on_update(update(core, 0, 5, payload), 1.0) == []  # already rejoining: one join
 
 
+def test_a_stream_made_again_announces_the_versions_held_and_none_without_a_state():
+    plan, sync, (core,), params = make_cluster(dataclasses.replace(BASE, downlink_codec="fp32"), learners=1)
+    payload = torch.zeros(plan.fragments[0].numel).numpy().tobytes()
+    core.on_update(update(core, 0, 1, payload), 1.0)
+    assert core.stream_versions(0) == core.versions == [1, 0, 0]  # replay what came after these
+    fresh = Learner("x", BASE, plan, params[0])
+    assert fresh.stream_versions(0) is None  # nothing held: its join brings the state
+
+
 def test_updates_of_another_synchronizer_incarnation_are_ignored():
     plan, sync, (core,), _ = make_cluster(dataclasses.replace(BASE, downlink_codec="fp32"), learners=1)
     payload = torch.ones(plan.fragments[0].numel).numpy().tobytes()
@@ -127,7 +137,7 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
     (join,) = core.on_refused(sent[0], RejectReason(reason), 3.0)
     assert isinstance(join, SendJoin) and core.rejoining()
     assert core.on_refused(sent[1], RejectReason(reason), 3.0) == []  # one join is enough
-    assert core.can_step(3.0)  # it holds a state: it trains on while it rejoins
+    assert core.between_steps(3.0) is LoopMove.STEP  # it holds a state: it trains on while it rejoins
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
 
 
@@ -147,7 +157,7 @@ def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_jo
     (said,) = core.on_refused(c, RejectReason.STALE, 3.0)
     assert said == Stale(c.fragment, c.base_version, c.base_version + 1) and not core.rejoining()
     assert core.on_refused(c, RejectReason.STALE, 3.5) == []  # said once
-    assert core.phase is LearnerPhase.TRAINING and core.can_step(3.5)
+    assert core.phase is LearnerPhase.TRAINING and core.between_steps(3.5) is LoopMove.STEP
     core.on_accepted(sent[1], 4.0)  # work accepted again: a later episode is said again
     assert core.on_refused(c, RejectReason.STALE, 4.5) != []
 
@@ -161,7 +171,7 @@ def test_refusals_of_one_contribution_drop_it_and_training_goes_on(reason):
     while not any(c.fragment == sent[0].fragment for c in step(core, 10, 1.0)):
         pass  # the fragment's next contribution went out: ``sent[0]`` is no longer the newest
     assert core.on_refused(sent[0], RejectReason(reason), 1.0) == []
-    assert core.phase is LearnerPhase.TRAINING and core.can_step(1.0)
+    assert core.phase is LearnerPhase.TRAINING and core.between_steps(1.0) is LoopMove.STEP
 
 
 def test_a_duplicate_of_the_newest_contribution_means_someone_spoke_for_us_and_the_learner_joins_again():
@@ -173,7 +183,7 @@ def test_a_duplicate_of_the_newest_contribution_means_someone_spoke_for_us_and_t
     local_step(params, seed=1)
     (newest, *_) = step(core, 10, 1.0)
     (join,) = core.on_refused(newest, RejectReason.DUPLICATE, 1.0)
-    assert isinstance(join, SendJoin) and core.rejoining() and core.can_step(1.0)
+    assert isinstance(join, SendJoin) and core.rejoining() and core.between_steps(1.0) is LoopMove.STEP
 
 
 def test_replaced_by_a_later_process_of_the_same_id_the_learner_stops_for_good():
@@ -202,7 +212,7 @@ def test_once_the_learner_has_failed_what_was_queued_is_dropped_and_counted():
 def test_a_wrong_token_is_fatal_and_a_finished_run_stops_the_learner():
     plan, sync, (core,), _ = make_cluster(BASE, learners=1)
     (fail,) = core.on_refused(Join("l0", "b0"), RejectReason.UNAUTHENTICATED, 1.0)
-    assert isinstance(fail, Fail) and core.phase is LearnerPhase.FAILED and not core.can_step(1.0)
+    assert isinstance(fail, Fail) and core.phase is LearnerPhase.FAILED and core.between_steps(1.0) is LoopMove.END
     plan, sync, (other,), _ = make_cluster(BASE, learners=1)
     assert other.on_refused(Join("l0", "b0"), RejectReason.FINISHED, 1.0) == []
     assert other.phase is LearnerPhase.STOPPED and other.should_stop
@@ -261,12 +271,12 @@ def test_blocking_learner_waits_for_the_fragment_it_sent():
     config = dataclasses.replace(BASE, fragments=1, period=2, blocking=True, alpha=0.0)
     plan, sync, (core,), (params,) = make_cluster(config, learners=1)
     local_step(params, seed=1)
-    assert step(core, 10, 1.0) == [] and core.can_step(1.0)
+    assert step(core, 10, 1.0) == [] and core.between_steps(1.0) is LoopMove.STEP
     local_step(params, seed=2)
     (c,) = step(core, 10, 1.0, now=2.0)
-    assert not core.can_step(2.0) and not core.can_step(1e9)
+    assert core.between_steps(2.0) is LoopMove.WAIT and core.between_steps(1e9) is LoopMove.WAIT
     deliver(sync.handle(c, 2.0), [core])
-    assert core.can_step(2.0) and core.versions[0] == 1
+    assert core.between_steps(2.0) is LoopMove.STEP and core.versions[0] == 1
 
 
 def test_max_wait_holds_a_learner_tau_steps_after_sending_then_lets_it_train_on():
@@ -274,13 +284,14 @@ def test_max_wait_holds_a_learner_tau_steps_after_sending_then_lets_it_train_on(
     plan, sync, (core,), (params,) = make_cluster(config, learners=1)
     sends = []
     for s in range(1, 7):
-        assert core.can_step(float(s))
+        assert core.between_steps(float(s)) is LoopMove.STEP
         local_step(params, seed=s)
         sends += core.record_step(10, 1.0, float(s))
     assert [x.header.first_step for x in sends] == [1]  # sent at step 4 (offset 0 → step 4)
-    assert not core.can_step(6.0)  # step 6 = 4 + τ without the update: wait
+    assert core.between_steps(6.0) is LoopMove.WAIT  # step 6 = 4 + τ without the update: wait
     assert core.next_deadline() == pytest.approx(11.0)
-    assert not core.can_step(10.9) and core.can_step(11.0)  # waited max_wait_s: train on
+    assert core.between_steps(10.9) is LoopMove.WAIT
+    assert core.between_steps(11.0) is LoopMove.STEP  # waited max_wait_s: train on
     core.tick(11.0)
     assert core.next_deadline() is None or core.next_deadline() > 11.0  # nothing left due at 11 s
 
@@ -290,12 +301,14 @@ def test_stop_then_close_flushes_everything_unsent_and_leaves():
     local_step(params, seed=1)
     step(core, 10, 1.0)
     core.on_stop(1.5)
-    assert core.should_stop and not core.can_step(1.5)
+    assert core.should_stop and core.between_steps(1.5) is LoopMove.CLOSE
     actions = core.close(2.0)
     assert isinstance(actions[-1], SendLeave)
     flushed = [a.header for a in actions[:-1]]
     assert sorted(c.fragment for c in flushed) == [p for p in range(3) if p not in plan.due(1)]
     assert all(c.steps == 1 for c in flushed) and core.phase is LearnerPhase.STOPPED
+    # a step the loop finishes after the close counts for nothing, and the loop is over
+    assert core.record_step(16, 1.0, 2.5) == [] and core.step == 1 and core.between_steps(2.5) is LoopMove.END
 
 
 def test_an_admission_older_than_the_session_held_is_ignored():
@@ -310,7 +323,7 @@ def test_stepping_before_joining_is_an_error():
     fresh = Learner("x", BASE, plan, params[0])
     with pytest.raises(RuntimeError):
         fresh.record_step(1, 1.0, 0.0)
-    assert not fresh.can_step(0.0)
+    assert fresh.between_steps(0.0) is LoopMove.WAIT
 
 
 def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():

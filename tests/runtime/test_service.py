@@ -344,7 +344,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
                       credentials=server_credentials(str(cert), str(key)))
     try:
         with SyncClient(f"127.0.0.1:{s.port}", tls_ca=str(cert)) as client:
-            assert client.join(Join("learner-0", "boot")).header.learner_index == 0
+            assert client.join(Join("learner-0", "boot")).header.data_shard == 0
         with SyncClient(f"127.0.0.1:{s.port}") as plaintext, pytest.raises(Exception):
             plaintext.status(timeout_s=3)
     finally:

@@ -20,7 +20,6 @@ and keeps exchanging the fragments of the others.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from typing import Mapping
 
@@ -32,44 +31,12 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import FlatFragment
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.grace import MovingAverage
+from ddiloco.core.learner_phase import FATAL, REJOIN_ON, LearnerPhase, LoopMove, UpdateResult
 from ddiloco.core.link_watch import LinkWatch
 from ddiloco.core.send_schedule import SendSchedule
 from ddiloco.core.shard_link import ShardLink
 from ddiloco.core.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
                                    Leave, Progress, RejectReason, Request, Session)
-
-
-class LearnerPhase(enum.StrEnum):
-    IDLE = "idle"
-    """Created; ``start`` sends the first join."""
-    JOINING = "joining"
-    """The first joins are on their way (or will be retried): no state to train from yet."""
-    TRAINING = "training"
-    STOPPING = "stopping"
-    """The run's budget is spent: the driver calls ``close`` at the next step boundary."""
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-class UpdateResult(enum.StrEnum):
-    APPLIED = "applied"
-    IGNORED = "ignored"
-    """Already held (duplicate or older), or from another synchronizer incarnation."""
-    GAP = "gap"
-    """A version was missed: the learner registers again to get the full state."""
-
-
-REJOIN_ON = frozenset({
-    RejectReason.UNKNOWN_LEARNER,  # lease expired, or the synchronizer restarted
-    RejectReason.SUPERSEDED,       # the synchronizer holds a newer session of ours than we do
-    RejectReason.STALE,            # our anchors are too far behind and no update came since (``_stale_on_its_link``)
-    RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
-})
-"""Refusals of the current session that call for the full state again."""
-FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
-                   RejectReason.REPLACED})
-"""Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes
-taking it back from each other would fight for ever, so the earlier one stops)."""
 
 
 class Learner:
@@ -141,15 +108,27 @@ class Learner:
         """Some shard is being joined again (its fragments are not sent meanwhile)."""
         return any(link.joining for link in self.links)
 
-    def can_step(self, now: float) -> bool:
-        """May the training loop take its next inner step now?
+    def between_steps(self, now: float) -> LoopMove:
+        """What the training loop does before its next inner step (both drivers ask this).
 
-        Not before the first global state, not after the end, and not while it waits for
-        the update of a fragment it sent (synchronous DiLoCo; ``protocol.max_wait_s``).
+        It waits before the first global state and while synchronous DiLoCo waits for the update
+        of a fragment it sent (``protocol.max_wait_s``); it trains on while it rejoins a shard.
         """
-        if self.phase not in (LearnerPhase.TRAINING, LearnerPhase.JOINING) or not self.joined:
-            return False
-        return not self.schedule.waiting(now)
+        if self.phase is LearnerPhase.STOPPING:
+            return LoopMove.CLOSE
+        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
+            return LoopMove.END
+        if self.phase is LearnerPhase.IDLE or not self.joined or self.schedule.waiting(now):
+            return LoopMove.WAIT
+        return LoopMove.STEP
+
+    def stream_versions(self, shard: int) -> list[int] | None:
+        """What the learner announces when its update stream from ``shard`` is made again, so that
+        the synchronizer replays what it missed (``core/replay.py``): the versions it holds. None
+        while it has no state or no session there: its join brings the state, nothing to replay."""
+        if self.links[shard].session is None or not self.joined:
+            return None
+        return list(self.versions)
 
     def is_current(self, request: Request | Send) -> bool:
         """Was this request made in the current session of its shard? (Older work is dropped.)"""
@@ -257,7 +236,9 @@ class Learner:
 
     def record_step(self, tokens: int, duration_s: float, now: float) -> list[Send]:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
-        if not self.joined or self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED, LearnerPhase.IDLE):
+        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED) or self.should_stop and not self.joined:
+            return []  # a step the loop finished after the run ended for this learner: nothing to send
+        if not self.joined or self.phase is LearnerPhase.IDLE:
             raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")
         if not 1 <= tokens <= (self.tokens_per_step or MAX_TOKENS_PER_STEP):
             raise ValueError(f"a step trains 1..{self.tokens_per_step or MAX_TOKENS_PER_STEP} tokens, got {tokens}"

@@ -4,10 +4,15 @@ A learner whose stream broke for a moment (a network blip, a partition) comes ba
 older versions than the synchronizer's. Rather than send it the whole state again, the
 synchronizer keeps each fragment's last few updates and replays those newer than what the
 learner says it holds; a learner that missed more than that finds a gap at the next update
-and joins again (``Learner.on_update``). Both drivers follow this rule: the gRPC service
-when a learner resubscribes, the virtual cluster when a partition ends. A stream that falls
-``STREAM_BACKLOG`` updates behind is closed as too slow (its learner resubscribes, and
-replays or rejoins).
+and joins again (``Learner.on_update``). A stream that falls ``STREAM_BACKLOG`` updates
+behind is closed as too slow (its learner resubscribes, and replays or rejoins).
+
+Both drivers follow this rule: what the learner announces is
+:meth:`~ddiloco.core.learner.Learner.stream_versions`, what comes back is
+:meth:`ReplayLog.since`. Only when differs, because their streams break differently: a gRPC
+learner makes its stream again whenever it breaks, after the core's backoff
+(``core/shard_link.py``, with jitter), while a virtual cluster's stream loses messages only in
+a partition and is made again the moment the partition ends.
 """
 
 from __future__ import annotations

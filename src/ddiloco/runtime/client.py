@@ -223,8 +223,8 @@ class SyncClient:
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
 
-    def leave(self, leave: Leave) -> None:
-        self._call(self.stub.Leave, wire.leave_to_pb(leave))
+    def leave(self, leave: Leave) -> pb.LeaveReply:
+        return self._call(self.stub.Leave, wire.leave_to_pb(leave))
 
     def status(self, timeout_s: float = CLIENT_ANSWER_S, *, learner_offset: int = 0,
                learner_limit: int = 0) -> pb.StatusReply:

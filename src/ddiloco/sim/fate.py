@@ -93,8 +93,9 @@ class Fate:
         elif isinstance(event, PartitionEnd):
             node = self.learners[event.m]
             if node.up and not self.network.partitioned(node.name, now):
-                for sync in self.syncs:
-                    sync.replay_to(host, node.name, list(node.core.versions))
+                for shard, sync in enumerate(self.syncs):
+                    if (held := node.core.stream_versions(shard)) is not None:
+                        sync.replay_to(host, node.name, held)
         elif isinstance(event, SyncCrash):
             sync = self.syncs[event.shard]
             if sync.up and not sync.finished:

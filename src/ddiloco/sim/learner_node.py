@@ -28,7 +28,8 @@ from ddiloco.core.actions import (
     SendLeave,
 )
 from ddiloco.core.deadlines import join_state_bytes
-from ddiloco.core.learner import Learner, LearnerPhase
+from ddiloco.core.learner import Learner
+from ddiloco.core.learner_phase import LoopMove
 from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
 from ddiloco.sim.host import NodeHost
@@ -161,9 +162,10 @@ class LearnerNode:
         if not self.up or self.stepping or self.failure is not None:
             return
         now = host.queue.now
-        if self.core.phase is LearnerPhase.STOPPING:
+        move = self.core.between_steps(now)
+        if move is LoopMove.CLOSE:
             self.execute(host, self.core.close(now))
-        elif self.core.can_step(now):
+        elif move is LoopMove.STEP:
             self.stepping = True
             host.queue.at(now + host.step_time_s(self.index), StepEnd(self.index, self.boot, now))
 

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ddiloco.core.learner import LearnerPhase
+from ddiloco.core.learner_phase import LearnerPhase, LoopMove
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.learner_node import LearnerNode
 from ddiloco.sim.timeline import Happening, Timeline
@@ -83,7 +83,7 @@ def learner_state(node: LearnerNode, now: float) -> LearnerState:
         return LearnerState.FAILED
     if not core.joined or core.rejoining():
         return LearnerState.REJOINING if node.boot or core.joined else LearnerState.JOINING
-    if not node.stepping and not core.can_step(now):
+    if not node.stepping and core.between_steps(now) is LoopMove.WAIT:
         return LearnerState.WAITING
     return LearnerState.TRAINING
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ddiloco.config import Config, apply_override, apply_section, check_seed
-from ddiloco.core.learner import LearnerPhase
+from ddiloco.core.learner_phase import LearnerPhase
 from ddiloco.core.liveness import catch_up_bound_s
 from ddiloco.core.merge import MERGE_RULES
 from ddiloco.errors import ConfigError

@@ -333,10 +333,11 @@ class ShardChannel:
             stream.cancel()  # subscribe again for the new session
 
     def leave(self, action: SendLeave) -> None:
-        try:
-            self.client.leave(action.message)
-        except (Unreachable, CallRefused) as err:
-            log.info("leave of shard %d failed: %s", self.shard, err)
+        """Leave the shard; the core hears how the call ended, like any other's (a leave that got no
+        answer, or a refusal, leaves this learner registered there until its lease runs out)."""
+        if self._outcome(action.message, lambda: self.client.leave(action.message)) is None:
+            log.info("leave of shard %d not confirmed: the synchronizer forgets this learner when its lease ends",
+                     self.shard)
 
     # ---- receiver --------------------------------------------------------------------------
 
@@ -350,7 +351,10 @@ class ShardChannel:
                 self._session_changed.wait(BACKOFF_START_S)
                 continue
             with link.lock:
-                held = [max(v, 0) for v in link.core.versions]
+                held = link.core.stream_versions(self.shard)
+            if held is None:  # the state this session's join brought is not adopted yet
+                self._session_changed.wait(BACKOFF_START_S)
+                continue
             try:
                 stream = self.client.updates(link.core.learner_id, held, session)
                 self._stream = stream

@@ -118,7 +118,7 @@ def probe_run(args: argparse.Namespace, place: Place) -> tuple[list[SyncClient],
         clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
                    for a in addresses]
         probe = probe_with_backoff(clients[0], args.id, timeout_s=args.join_timeout)
-        box = [probe.run_config, args.index if args.index is not None else probe.header.learner_index]
+        box = [probe.run_config, args.index if args.index is not None else probe.header.data_shard]
     else:
         box = [None, None]
     if place.world > 1:

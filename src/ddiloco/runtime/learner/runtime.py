@@ -24,8 +24,7 @@ Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runti
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
 fragments a merge changed, and their new values, to the other ranks. Gradients are the
 user's to all-reduce (``DistributedDataParallel``), so all ranks keep identical weights.
-Those per-step flags travel over a CPU (gloo) group: read from a GPU tensor they would be a
-device synchronization per step, and the training thread would wait for the GPU to drain.
+What rank 0 tells the others after every step is :mod:`ddiloco.runtime.learner.ranks`.
 """
 
 from __future__ import annotations
@@ -48,13 +47,15 @@ from torch import nn
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import ModelHold
-from ddiloco.core.learner import Learner, LearnerPhase, UpdateResult
+from ddiloco.core.learner import Learner
+from ddiloco.core.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.learner_kernels import compile_learner_kernels
 from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
+from ddiloco.runtime.learner.ranks import StepFlags, cpu_group, distributed, share_step
 from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
@@ -128,7 +129,7 @@ class LearnerRuntime:
         if not self._params:
             raise ParameterError(f"the model ({type(model).__name__}) has no parameters: nothing to train or synchronize")
         self._hold = ModelHold(model)
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
         self.tokens_per_step = tokens_per_step * self.world
         self.is_leader = self.rank == 0
         self._lock = threading.RLock()
@@ -147,7 +148,7 @@ class LearnerRuntime:
             self._setup(join_timeout_s)
         self._data_position = self.core.next_batch if self.core is not None else 0
         if self.world > 1:
-            self._flags_group = _cpu_group()
+            self._flags_group = cpu_group()
             self._share_layout()
         if on_data_position is not None:
             on_data_position(self._data_position)
@@ -180,7 +181,7 @@ class LearnerRuntime:
         # end of a run that is already finished.
         link.tell_core(lambda c: c.start(time.monotonic()))
         deadline = None if not join_timeout_s else time.monotonic() + join_timeout_s
-        while not (core.joined or core.should_stop or link.fatal is not None):
+        while self._between_steps() is LoopMove.WAIT:  # no global state yet
             if deadline is not None and time.monotonic() > deadline:
                 raise DdilocoError(f"{self.learner_id!r} could not join the synchronizer in {join_timeout_s:g}s")
             self._drain_inbox(block=True)
@@ -266,12 +267,11 @@ class LearnerRuntime:
             self._raise_if_failed()
             self._hold.check()  # the core's flat buffers are still the model's parameters
             self._steps += 1
-            if core.joined and core.phase not in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
-                with self._lock:
-                    actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
-                link.dispatch(actions)
+            with self._lock:
+                actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
+            link.dispatch(actions)
             changed = self._drain_inbox(block=False)
-            while not self._may_step():
+            while self._between_steps() is LoopMove.WAIT:
                 changed |= self._drain_inbox(block=True)  # the core says: wait for the synchronizer
             self._raise_if_failed()
         if self.world > 1:
@@ -280,12 +280,10 @@ class LearnerRuntime:
         self._overhead_s += now - entered
         self._last_step_end = now
 
-    def _may_step(self) -> bool:
-        assert self.core is not None and self.link is not None
-        if self.core.should_stop or self.link.fatal is not None:
-            return True
+    def _between_steps(self) -> LoopMove:
+        assert self.core is not None
         with self._lock:
-            return self.core.can_step(time.monotonic())
+            return self.core.between_steps(time.monotonic())
 
     def _raise_if_failed(self) -> None:
         if self.link is not None and self.link.fatal is not None:
@@ -352,31 +350,12 @@ class LearnerRuntime:
                 link.dispatch(actions)
 
     def _sync_ranks(self, changed: set[int]) -> set[int]:
-        """Every rank takes rank 0's merged fragments (and stop / error flags)."""
-        names = self._fragment_names
-        flags = torch.zeros(len(names) + 2, dtype=torch.int64)  # on the CPU: reading it waits for no device
-        if self.is_leader:
-            flags[0] = int(self._leader_should_stop())
-            flags[1] = int(self.link is not None and self.link.fatal is not None)
-            for p in changed:
-                flags[2 + p] = 1
-        dist.broadcast(flags, src=0, group=self._flags_group)
-        self._stop_agreed = bool(flags[0])
-        if flags[1] and not self.is_leader:
+        """Every rank takes rank 0's merged fragments (and stop / failed flags)."""
+        mine = StepFlags(self._leader_should_stop(), self.link is not None and self.link.fatal is not None,
+                         frozenset(changed)) if self.is_leader else None
+        agreed = share_step(mine, [[self._params[n] for n in names] for names in self._fragment_names],
+                            self._flags_group)
+        self._stop_agreed = agreed.stop
+        if agreed.failed and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")
-        changed = {p for p in range(len(names)) if flags[2 + p]}
-        with torch.no_grad():
-            for p in sorted(changed):
-                for name in names[p]:
-                    dist.broadcast(self._params[name].data, src=0)
-        return changed
-
-
-def _cpu_group() -> Any:
-    """A process group that carries CPU tensors: the default one if its backend does (gloo), else
-    a gloo group over the same ranks (made by every rank, at the same point: it is collective)."""
-    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return set(agreed.changed)

@@ -59,13 +59,13 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
-    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "learner_index", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256", "data_position")
+    __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "data_shard", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256", "data_position")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_JSON_FIELD_NUMBER: _ClassVar[int]
     PERIOD_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
-    LEARNER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHARD_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SHA256_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -80,7 +80,7 @@ class JoinHeader(_message.Message):
     period: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    learner_index: int
+    data_shard: int
     finished: bool
     layout_sha256: str
     session: Session
@@ -90,7 +90,7 @@ class JoinHeader(_message.Message):
     shards: int
     run_sha256: str
     data_position: int
-    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., learner_index: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., run_sha256: _Optional[str] = ..., data_position: _Optional[int] = ...) -> None: ...
+    def __init__(self, incarnation: _Optional[int] = ..., protocol_json: _Optional[str] = ..., period: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., versions: _Optional[_Iterable[int]] = ..., data_shard: _Optional[int] = ..., finished: _Optional[bool] = ..., layout_sha256: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., run_json: _Optional[str] = ..., stop: _Optional[bool] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., run_sha256: _Optional[str] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("fragment", "version", "offset", "total_bytes", "data")

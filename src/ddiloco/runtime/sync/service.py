@@ -245,7 +245,7 @@ class SyncService:
             shard=self.shard,
             shards=self.protocol.shards,
             run_sha256=self.run_sha256,
-            learner_index=data_shard,
+            data_shard=data_shard,
         )
 
     # ---- RPC handlers ----------------------------------------------------------------------
@@ -293,7 +293,7 @@ class SyncService:
         header.data_position = reply.state.data_position
         header.versions.extend(reply.state.versions())
         log.info("learner %s %s (index %d, session %s) at versions %s", learner,
-                 "rejoined" if learner in self._joined else "joined", header.learner_index, session, list(header.versions))
+                 "rejoined" if learner in self._joined else "joined", header.data_shard, session, list(header.versions))
         self._joined.add(learner)
 
         async def send() -> None:

@@ -1,0 +1,31 @@
+"""Where a results file under docs/results/ comes from: commit, command, date, machine, load.
+
+Every benchmark that writes a results file starts it with :func:`stamp`, taken when the
+measurement starts (a commit made while a long run was under way is not the code it ran).
+The load average is written again at the end by the benchmarks that run for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stamp(script: str, argv: list[str] | None = None) -> dict:
+    """``script``: the benchmark's ``__file__``; ``argv``: its arguments (default: the command line's)."""
+    args = sys.argv[1:] if argv is None else argv
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "src"],
+                           capture_output=True, text=True).stdout.strip()
+    return {"commit": commit + ("+uncommitted changes in src/" if dirty else ""),
+            "command": " ".join(["python", f"benchmarks/{Path(script).name}", *args]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": f"{os.cpu_count()} cores, "
+                       f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
+            "load": [round(x, 2) for x in os.getloadavg()]}

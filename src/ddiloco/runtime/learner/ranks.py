@@ -1,0 +1,63 @@
+"""What rank 0 tells the other ranks of a learner under ``torchrun``, after every step.
+
+Rank 0 alone runs the protocol (the core and the link). The other ranks train the same model
+on their own batches, and must end every step with rank 0's weights and leave the loop after
+the same step. So after every step rank 0 broadcasts :class:`StepFlags` (stop, failed, which
+fragments a merge changed), then the parameters of each changed fragment. The flags travel
+over a CPU (gloo) group: read from a GPU tensor they would be a device synchronization per
+step, and the training thread would wait for the GPU to drain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class StepFlags:
+    stop: bool
+    """The run's budget is spent (or the run failed): every rank leaves its loop after this step."""
+    failed: bool
+    """Rank 0 lost the synchronizer; the other ranks raise."""
+    changed: frozenset[int]
+    """The fragments a merge changed during this step."""
+
+    def encode(self, fragments: int) -> torch.Tensor:
+        flags = torch.zeros(fragments + 2, dtype=torch.int64)
+        flags[0], flags[1] = int(self.stop), int(self.failed)
+        for p in self.changed:
+            flags[2 + p] = 1
+        return flags
+
+    @classmethod
+    def decode(cls, flags: torch.Tensor) -> StepFlags:
+        values = flags.tolist()
+        return cls(bool(values[0]), bool(values[1]), frozenset(p for p, on in enumerate(values[2:]) if on))
+
+
+def share_step(flags: StepFlags | None, fragment_params: Sequence[Sequence[torch.Tensor]], group: Any) -> StepFlags:
+    """Every rank gets rank 0's ``flags`` (rank 0 passes them, the others None), then the values of
+    the fragments they name, from rank 0 (``fragment_params``: each fragment's parameters)."""
+    encoded = flags.encode(len(fragment_params)) if flags is not None else torch.zeros(len(fragment_params) + 2,
+                                                                                        dtype=torch.int64)
+    dist.broadcast(encoded, src=0, group=group)
+    agreed = StepFlags.decode(encoded)
+    with torch.no_grad():
+        for p in sorted(agreed.changed):
+            for param in fragment_params[p]:
+                dist.broadcast(param.data, src=0)
+    return agreed
+
+
+def cpu_group() -> Any:
+    """A process group that carries CPU tensors: the default one if its backend does (gloo), else
+    a gloo group over the same ranks (made by every rank, at the same point: it is collective)."""
+    return None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
