@@ -22,7 +22,7 @@ from ddiloco.scale.goodput_model import (
     simulate_table,
     smallest_learners,
 )
-from ddiloco.scale.goodput_fit import fit_recovery_constants
+from ddiloco.scale.goodput_fit import fit_recovery_constants, held_out_goodput
 
 MODEL = ClusterModel()
 SHORT_S = 6 * 3600.0
@@ -152,6 +152,13 @@ def test_fit_recovers_known_constants_from_their_own_column():
     rows = simulate_table(DEFAULT_CONFIGS, [CALIBRATION_CHIPS], fitted, seeds=1, horizon_s=SHORT_S)
     for row in rows:
         assert row.goodput == pytest.approx(targets[row.config], abs=0.01)
+
+
+def test_each_elastic_cell_is_predicted_within_a_few_points_by_a_fit_that_did_not_see_it():
+    predicted = held_out_goodput(MODEL, seeds=1, horizon_s=SHORT_S)
+    assert set(predicted) == set(PUBLISHED_GOODPUT_1_2M) - {"dp"}
+    for config, goodput in predicted.items():
+        assert goodput == pytest.approx(PUBLISHED_GOODPUT_1_2M[config], abs=0.05), config
 
 
 @pytest.mark.parametrize(
