@@ -50,3 +50,17 @@ def test_a_fragment_whose_call_is_unanswered_is_not_sent_again_even_after_update
     schedule.count(tokens=10, duration_s=0.1)
     schedule.answered(0, seq=0)  # accepted, refused or undelivered
     assert schedule.due(100) == [0] and schedule.counters[0].steps == 1
+
+
+def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others_wait_on() -> None:
+    """Four fragments at steps 12, 3, 6, 9 of a period. Fragments 1 and 2 are merged and the
+    others wait on fragment 3 (step 9): a restarted learner at step 0 sends 3 at once, then 0,
+    1, 2 at the others' spacing, not 1 first (its own step 3) as the plan would have it."""
+    plan = plan_fragments([(f"w{p}", (64,)) for p in range(4)], num_fragments=4, period=12)
+    schedule = SendSchedule(plan)
+    assert schedule.next_due == [12, 3, 6, 9]
+    schedule.in_phase_with([31, 32, 32, 31], step=0)
+    assert schedule.next_due == [4, 7, 10, 1]
+    unchanged = SendSchedule(plan)
+    unchanged.in_phase_with([5, 5, 5, 5], step=0)  # every version equal: the plan is in phase
+    assert unchanged.next_due == [12, 3, 6, 9]

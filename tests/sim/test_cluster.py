@@ -59,6 +59,17 @@ def test_nonelastic_data_parallel_stalls_on_the_same_failures_where_decoupled_do
     assert results["dp"]["uptime"] < results["decoupled"]["uptime"]
 
 
+def test_synchronous_diloco_goes_on_after_a_restart_and_waits_only_for_the_restarted_learner():
+    """Blocking learners and a quorum of all: a restarted learner must send, first, the fragment
+    the others wait on, and nobody may re-send out of phase after a round that waited for it.
+    Either mistake left the global model standing still for hundreds of virtual seconds."""
+    config = tiny(run__mode="diloco", run__learners=4, faults__mtbf_s=60.0, faults__downtime_s=6.0,
+                  run__time_s=240.0)
+    summary, _ = run_virtual(config)
+    assert summary["events"]["failures"] >= 2 and summary["events"]["rejoins"] >= 2
+    assert summary["events"]["longest_pause_s"] < 3 * config.faults.downtime_s
+
+
 def test_slow_hardware_learners_still_count_through_token_weights():
     config = tiny("cluster.slow_fraction=0.5", "cluster.slow_factor=1.5", "protocol.quorum=1")
     summary, _ = run_virtual(config)

@@ -203,6 +203,8 @@ class Learner:
             return []  # an answer to an older (duplicated or retried) join
         first = not self.joined
         self._adopt(state, shard)
+        if self.config.blocking and self.joined:  # everyone waits on everyone: send in their phase
+            self.schedule.in_phase_with(self.versions, self.step)
         link.admitted(state.session, now, state.data_position)
         if first and self.joined:  # this process's first state: its data resumes where it reached the model
             self.schedule.resume_at(min(lk.data_position for lk in self.links))

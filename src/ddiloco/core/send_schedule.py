@@ -14,6 +14,7 @@ instead: ``first_batch`` (where this process's data resumed) plus the step (``co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.messages import Contribution
@@ -49,7 +50,9 @@ class SendSchedule:
         self.period = plan.period
         self.counters = [Counters() for _ in plan.fragments]
         self.seq = [0] * len(plan.fragments)
-        self.next_due = [_first_due(f.offset, plan.period) for f in plan.fragments]
+        self._position = [_first_due(f.offset, plan.period) for f in plan.fragments]
+        """Each fragment's step in a period (1..H): the order in which every learner sends them."""
+        self.next_due = list(self._position)
         self._in_flight: dict[int, _InFlight] = {}
         self._unanswered: dict[int, int] = {}
         """Per fragment, the sequence number of a contribution whose call has not ended yet."""
@@ -127,6 +130,23 @@ class SendSchedule:
     def landed(self, p: int) -> None:
         """Fragment p's contribution was answered (an update came, or a refusal): no longer in flight."""
         self._in_flight.pop(p, None)
+
+    def in_phase_with(self, versions: Sequence[int], step: int) -> None:
+        """A learner that waits for each fragment it sends (synchronous DiLoCo) adopted a state in
+        the middle of a period (after a restart or a rejoin): send in the order everyone else does,
+        starting with the fragment the others wait on.
+
+        Every learner sends the fragments in the order of their steps in a period and blocks until
+        the one it sent is merged, and every round needs everyone (a strict quorum). So the
+        fragment the others wait on is the first, in that order, of those with the lowest version.
+        Counting from its own step 0, a restarted learner would send another fragment first and
+        wait on that one: each side would wait for the other for good. With every version equal
+        (the start, or between two periods) the plan's own schedule is already in phase."""
+        if len(set(versions)) <= 1:
+            return
+        first = min(range(len(versions)), key=lambda p: (versions[p], self._position[p]))
+        for p in range(len(versions)):
+            self.next_due[p] = step + 1 + (self._position[p] - self._position[first]) % self.period
 
     def align(self, p: int, step: int, steps_since_round_began: int) -> None:
         """The next contribution of p is due H steps after its round began. A learner that missed
