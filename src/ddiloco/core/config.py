@@ -76,7 +76,8 @@ class ProtocolConfig:
     """Learners keep their sends of a fragment in phase with its rounds: after applying an update,
     the next contribution of that fragment is due H steps after the round's first contribution
     arrived (``FragmentUpdate.round_age_s``), instead of on the learner's own fixed schedule,
-    which drifts with jitter, slow hardware and restarts."""
+    which drifts with jitter, slow hardware and restarts. Synchronous DiLoCo runs without it
+    (``for_mode``)."""
     space_rounds: bool = True
     """A fragment's next round may not reach its quorum sooner than (H − τ)·ξ_step after the
     previous one closed (ξ_step: the fastest live learner's step time). Learners drift out of
