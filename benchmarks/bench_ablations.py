@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
 
 
 EXPERIMENTS: dict[str, list[tuple[str, tuple[str, ...], dict[str, Any]]]] = {
@@ -49,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
+    stamped = stamp(__file__)
     torch.set_num_threads(1)
     rows = []
     for title, runs in EXPERIMENTS.items():
@@ -65,7 +72,7 @@ def main() -> None:
                   f"{row['rounds']:7d} {row['bytes_up'] / 1e6:7.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({**stamped, "rows": rows, "load_after": [round(x, 2) for x in os.getloadavg()]}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 
 import torch
 
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
 
 
 GRID = (
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("settings", nargs="*", help="comma-separated --set overrides per run (default: the grid)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
+    stamped = stamp(__file__)
     torch.set_num_threads(1)
     rows = []
     reference = None
@@ -62,7 +69,7 @@ def main() -> None:
               f"{row['rounds']:7d}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({**stamped, "rows": rows, "load_after": [round(x, 2) for x in os.getloadavg()]}, f, indent=2)
 
 
 if __name__ == "__main__":
