@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddiloco.commands.options import add_device_option
@@ -234,35 +235,73 @@ def gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+DID_NOT_TRAIN_PCT = 100.0
+"""A gap above this is a run that did not train (docs/results.md section 7), not a point on a curve."""
+
+
+def published_fit() -> tuple[float, float]:
+    """(a, b) of gap% = a · N^b fit by least squares in log-log space to the published M = 4 points."""
+    logs = np.log([n for n, _ in PUBLISHED_M4]), np.log([g for _, g in PUBLISHED_M4])
+    b, log_a = np.polyfit(*logs, 1)
+    return float(np.exp(log_a)), float(b)
+
+
 def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
+    """Our gaps (mean over seeds, each with its tokens per parameter) beside the published M = 4
+    points and their power-law fit, extended down to the sizes we train."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
     by_point: dict[tuple, list[float]] = {}
+    budget: dict[tuple, set[float]] = {}
     for g in table:  # seeds: their mean
-        by_point.setdefault((g["mode"], g["variant"], g["params"]), []).append(g["gap_pct"])
+        key = (g["mode"], g["variant"], g["params"])
+        by_point.setdefault(key, []).append(g["gap_pct"])
+        budget.setdefault(key, set()).add(g["tokens_per_param"])
     mean = {k: sum(v) / len(v) for k, v in by_point.items()}
+    trained = {k: v for k, v in mean.items() if v <= DID_NOT_TRAIN_PCT}
     for mode, style, label in (("decoupled", "o-", "ours: Decoupled DiLoCo M=4, K=1"),
                                ("diloco", "s--", "ours: synchronous DiLoCo M=4")):
-        pts = sorted((params, gap) for (m, v, params), gap in mean.items() if m == mode and v == "base")
+        pts = sorted((params, gap) for (m, v, params), gap in trained.items() if m == mode and v == "base")
         if pts:
             ax.plot(*zip(*pts), style, label=label)
-    for (mode, variant, params), gap in mean.items():
+    for (mode, variant, params), gap in trained.items():
+        tpp = "/".join(f"{t:g}" for t in sorted(budget[(mode, variant, params)]))
         if variant != "base":
             ax.plot(params, gap, "x", color="gray")
             ax.annotate(variant, (params, gap), fontsize=7, color="gray", xytext=(4, 2), textcoords="offset points")
-    ax.plot(*zip(*PUBLISHED_M4), "k^:", label="published: DiLoCo M=4 (Charles et al. 2025, C4, Chinchilla)")
+        elif mode == "decoupled":
+            ax.annotate(f"{tpp} tok/param", (params, gap), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    for (mode, variant, params), gap in mean.items():
+        if gap > DID_NOT_TRAIN_PCT and variant == "base":
+            ax.annotate(f"{mode} at {params / 1e6:.1f}M: did not train (+{gap:.0f}%)", (params, 0), fontsize=7,
+                        color="red", xytext=(0, 12), textcoords="offset points", ha="center",
+                        arrowprops={"arrowstyle": "-", "color": "red", "lw": 0.6})
+    ax.plot(*zip(*PUBLISHED_M4), "k^", label="published: DiLoCo M=4 (Charles et al. 2025, C4, Chinchilla-optimal tokens)")
+    a, b = published_fit()
+    low = min([params for (_, _, params) in mean] + [PUBLISHED_M4[0][0]]) / 2
+    xs = np.geomspace(low, PUBLISHED_M4[-1][0], 50)
+    ax.plot(xs, a * xs ** b, ":", color="black", lw=0.9, label=f"its power-law fit, extended: {a:.3g}·N^{b:.3f} %")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xscale="log", xlabel="parameters", ylabel="eval-loss gap to data parallel (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_tables(files: list[str], path: Path) -> int:
+    """One plot from the gaps of several results tables (CPU and GPU runs on one curve)."""
+    table = [g for f in files for g in json.loads(Path(f).read_text())["gaps"]]
+    where = "; ".join(sorted({f"{g['device']}, {g['precision']}" for g in table}))
+    plot(path, table, f"Gap to data parallel at equal tokens, beside the published curve\n({where}; mean over seeds)")
+    print(f"wrote {path} from {len(table)} gaps of {', '.join(files)}")
+    return 0
 
 
 def run_one(config: Config, variant: Variant, workload: Workload) -> tuple[float, float, list[list[float]]]:
@@ -294,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimate", action="store_true",
                         help="time 2%% of each run of the plan and print the projected minutes; train nothing else")
     parser.add_argument("--out", default="build/scale", help="directory of table.json and gap.png")
+    parser.add_argument("--plot-from", nargs="+", metavar="TABLE",
+                        help="train nothing: draw the gaps of these results tables on one plot (--plot)")
+    parser.add_argument("--plot", default="gap.png", help="with --plot-from: the PNG to write")
     add_device_option(parser)
     args = parser.parse_args(argv)
+    if args.plot_from:
+        return plot_tables(args.plot_from, Path(args.plot))
     try:
         return _main(args)
     except ConfigError as err:
