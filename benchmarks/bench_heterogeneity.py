@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ from rich.table import Table
 from ddiloco.config import PRESETS, build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
 
 SETTINGS = {
     "K=8": ("protocol.quorum=8",),
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="protocol.max_wait_s when learners wait (virtual seconds, default 30)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = parser.parse_args(argv)
+    stamped = stamp(__file__, argv)
     if args.preset not in PRESETS:
         raise SystemExit(f"bench_heterogeneity: error: --preset {args.preset!r}: choose from {', '.join(PRESETS)}")
     for flag, value, ok in (("--seeds", args.seeds, args.seeds >= 1), ("--time-s", args.time_s, args.time_s > 0),
@@ -90,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['tokens_mean']:,}")
     console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "seeds": args.seeds, "time_s": args.time_s,
-                                               "wait_s": args.wait_s, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**stamped, "preset": args.preset, "seeds": args.seeds,
+                                               "time_s": args.time_s, "wait_s": args.wait_s, "rows": rows,
+                                               "load_after": [round(x, 2) for x in os.getloadavg()]}, indent=2) + "\n")
     return 0
 
 

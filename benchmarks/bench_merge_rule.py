@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +28,9 @@ from rich.table import Table
 
 from ddiloco.config import PRESETS, build_config
 from ddiloco.experiment import run_virtual
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
 
 RULES = ("rda", "mean")
 
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default 3)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = parser.parse_args(argv)
+    stamped = stamp(__file__, argv)
     if args.preset not in PRESETS:
         raise SystemExit(f"bench_merge_rule: error: --preset {args.preset!r}: choose from {', '.join(PRESETS)}")
     try:
@@ -94,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in ms:
         console.print(f"M={m}: mean/RDA eval-loss ratio {by[(m, 'mean')] / by[(m, 'rda')]:.4f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "seeds": args.seeds, "rows": rows},
-                                              indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**stamped, "preset": args.preset, "seeds": args.seeds, "rows": rows,
+                                               "load_after": [round(x, 2) for x in os.getloadavg()]}, indent=2) + "\n")
     return 0
 
 

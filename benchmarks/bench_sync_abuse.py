@@ -34,6 +34,9 @@ import grpc
 from ddiloco.core.messages import Join
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
+
 PACE = ("--min-step-s", "0.05")
 """Honest learners pace their steps, so the measurement is the synchronizer's, not the cores' contention."""
 
@@ -71,6 +74,7 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=30.0, help="seconds to measure merges before and after")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    stamped = stamp(__file__)
 
     work = Path(tempfile.mkdtemp(prefix="bench-abuse-"))
     port_file = work / "port"
@@ -156,7 +160,7 @@ def main() -> int:
           f"(worst {result['status_latency_max_s']} s); synchronizer RSS {rss_before:.0f} -> peak {rss_peak:.0f} MB")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps({**stamped, **result}, indent=2) + "\n")
     return 0
 
 
