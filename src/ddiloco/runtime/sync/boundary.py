@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from ddiloco.core.actions import Refused
-from ddiloco.core.buffers import fresh_buffer
 from ddiloco.core.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
@@ -60,6 +60,18 @@ def _check_learner(learner_id: str) -> None:
         check_id(learner_id, "learner id")
     except ValueError as err:
         raise Abort(RejectReason.MALFORMED, str(err)) from None
+
+
+def payload_buffer(size: int) -> memoryview | bytearray:
+    """An upload's payload, exactly the announced size and allocated once: the chunks are copied
+    into it as they arrive, and it is the payload the core sees (no joined or converted copy).
+
+    Fresh anonymous memory, not a ``bytearray``: ``bytearray(n)`` zero-fills all of it at once,
+    on the event loop with the GIL held. At 1B parameters an upload is 22 MB, and that fill
+    took 0.17–0.3 s while a checkpoint was written beside it. No status or stream was answered
+    in that time. Here the kernel hands out zeroed pages as each chunk is copied in, one MiB at
+    a time between two awaits."""
+    return memoryview(mmap.mmap(-1, size)) if size else bytearray()
 
 
 class Abort(Exception):
@@ -168,7 +180,7 @@ class Boundary:
         the header once it passed the wire's checks, before any payload is read (and may refuse it)."""
         learner, fragment = "", -1
         header: pb.ContributionHeader | None = None
-        payload = fresh_buffer(0)
+        payload = bytearray()
         received = 0
         try:
             identity = self.admit(context)
@@ -186,7 +198,7 @@ class Boundary:
                                                              f"{self.max_payload} accepted")
                     self.count_in(learner, fragment, len(raw))
                     await on_header(header)
-                    payload = fresh_buffer(header.payload_bytes)  # filled chunk by chunk (core/buffers.py)
+                    payload = payload_buffer(header.payload_bytes)
                 else:
                     if chunk.HasField("header"):
                         raise Abort(RejectReason.CHUNK_ASSEMBLY, "a header in a chunk after the first")
