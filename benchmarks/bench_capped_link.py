@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stamped = stamp(__file__, argv)  # the commit and load when the measurement starts
     try:
         if args.pairs < 1 or args.learners < 1 or args.warmup < 0 or args.window <= 0:
             raise ConfigError("--pairs and --learners must be at least 1, --warmup >= 0 and --window > 0")
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     print("medians, capped vs uncapped: " + "; ".join(f"{what} {'-' if c is None else f'{c:.2f}'} vs "
                                                      f"{'-' if u is None else f'{u:.2f}'}" for what, (c, u) in waits.items()))
     if args.json:
-        result = {**stamp(__file__, argv),
+        result = {**stamped,
                   "rate": args.rate, "rate_bps": rate_bps, "uncapped": "the same netns links without a tc cap",
                   "model": args.model, "overrides": list(MODELS[args.model]) + ["train.evals=1", *args.set],
                   "learners": args.learners, "seed": args.seed, "time_s": args.time, "warmup_s": args.warmup,
