@@ -214,6 +214,7 @@ def main() -> int:
     parser.add_argument("--out", help="keep every run's directory here (default: a temporary directory)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     args = parser.parse_args()
+    started = stamp(__file__)  # the commit and load when the measurement starts
     counts = {"kills": args.kills or (20 if args.quick else 100),
               "sync_kills": args.sync_kills or (3 if args.quick else 10),
               "mixed": args.mixed or (10 if args.quick else 30)}
@@ -230,7 +231,7 @@ def main() -> int:
     extra = tuple(arg for kv in args.set for arg in ("--set", kv))
     results = {name: scenarios[name](counts[name], work, name in with_baseline, args.seed, extra) for name in chosen}
     if args.json:
-        stamped = {**stamp(__file__),
+        stamped = {**started,
                    "load_at_end": os.getloadavg(), **results}
         Path(args.json).write_text(json.dumps(stamped, indent=2) + "\n")
     print(f"runs kept in {work}")

@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--sweeps", type=int, default=3, help="rounds of every fragment per sample")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    stamped = stamp(__file__)  # the commit and load when the measurement starts
     compile_kernels()
     params = int(args.params)
     frags, payloads = build(params, args.fragments, args.learners)
@@ -102,7 +103,7 @@ def main() -> None:
     ratios = [lg / al for al, lg in zip(rates["alone"], rates["logged"])]
     wall_ratios = [lg / al for al, lg in zip(walls["alone"], walls["logged"])]
     result = {
-        **stamp(__file__),
+        **stamped,
         "params": params, "fragments": args.fragments, "learners": args.learners, "pairs": args.pairs,
         "params_per_cpu_s": {k: round(statistics.median(v)) for k, v in rates.items()},
         "logged_vs_alone_cpu": round(statistics.median(ratios), 4),
