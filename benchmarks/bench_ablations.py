@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import load_now, stamp  # noqa: E402
 
 
 EXPERIMENTS: dict[str, list[tuple[str, tuple[str, ...], dict[str, Any]]]] = {
@@ -72,7 +71,7 @@ def main() -> None:
                   f"{row['rounds']:7d} {row['bytes_up'] / 1e6:7.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**stamped, "rows": rows, "load_after": [round(x, 2) for x in os.getloadavg()]}, f, indent=2)
+            json.dump({**stamped, "rows": rows, "load_after": load_now()}, f, indent=2)
 
 
 if __name__ == "__main__":

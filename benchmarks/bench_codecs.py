@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import load_now, stamp  # noqa: E402
 
 CODECS = ("fp32", "bf16", "int4")
 TOKENS = 4 * 400 * 16 * 64  # as bench_ablations' codec rows
@@ -64,7 +63,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "preset": "small", "tokens": TOKENS, "seeds": args.seeds,
                                                "runs": runs, "summary": summary, "fp32_seed_range": noise,
-                                               "load_after": [round(x, 2) for x in os.getloadavg()]}, indent=2) + "\n")
+                                               "load_after": load_now()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import load_now, stamp  # noqa: E402
 
 SETTINGS = {
     "K=8": ("protocol.quorum=8",),
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "preset": args.preset, "seeds": args.seeds,
                                                "time_s": args.time_s, "wait_s": args.wait_s, "rows": rows,
-                                               "load_after": [round(x, 2) for x in os.getloadavg()]}, indent=2) + "\n")
+                                               "load_after": load_now()}, indent=2) + "\n")
     return 0
 
 

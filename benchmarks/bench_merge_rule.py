@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from ddiloco.config import PRESETS, build_config
 from ddiloco.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import load_now, stamp  # noqa: E402
 
 RULES = ("rda", "mean")
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"M={m}: mean/RDA eval-loss ratio {by[(m, 'mean')] / by[(m, 'rda')]:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "preset": args.preset, "seeds": args.seeds, "rows": rows,
-                                               "load_after": [round(x, 2) for x in os.getloadavg()]}, indent=2) + "\n")
+                                               "load_after": load_now()}, indent=2) + "\n")
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from ddiloco.run_plot import plot_runs
 from ddiloco.workload.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import load_now, stamp  # noqa: E402
 
 FAILURES = dict(faults__mtbf_s=150.0, faults__downtime_s=12.0, run__time_s=600.0)
 
@@ -125,7 +124,7 @@ def main() -> None:
     if args.part in ("all", "determinism"):
         results["determinism"] = determinism(args.seeds[0])
     results["wall_time_s"] = round(time.perf_counter() - started, 1)
-    results["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    results["load_after"] = load_now()
     name = f"bench_modes_{args.part}_{preset}{'_seeds' + '-'.join(map(str, args.seeds)) if args.part == 'failures' else ''}.json"
     (out / name).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}/{name} in {results['wall_time_s']:.0f}s")

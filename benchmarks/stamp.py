@@ -28,4 +28,9 @@ def stamp(script: str, argv: list[str] | None = None) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": f"{os.cpu_count()} cores, "
                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
-            "load": [round(x, 2) for x in os.getloadavg()]}
+            "load": load_now()}
+
+
+def load_now() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, as every results file writes them."""
+    return [round(x, 2) for x in os.getloadavg()]

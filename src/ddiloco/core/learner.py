@@ -238,7 +238,8 @@ class Learner:
 
     def record_step(self, tokens: int, duration_s: float, now: float) -> list[Send]:
         """Account one finished inner step; return the contributions now due (in fragment order)."""
-        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED) or self.should_stop and not self.joined:
+        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED) or (self.phase is LearnerPhase.STOPPING
+                                                                          and not self.joined):
             return []  # a step the loop finished after the run ended for this learner: nothing to send
         if not self.joined or self.phase is LearnerPhase.IDLE:
             raise RuntimeError(f"learner stepped while {self.phase} (joined: {self.joined})")

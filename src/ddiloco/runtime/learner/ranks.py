@@ -42,8 +42,7 @@ class StepFlags:
 def share_step(flags: StepFlags | None, fragment_params: Sequence[Sequence[torch.Tensor]], group: Any) -> StepFlags:
     """Every rank gets rank 0's ``flags`` (rank 0 passes them, the others None), then the values of
     the fragments they name, from rank 0 (``fragment_params``: each fragment's parameters)."""
-    encoded = flags.encode(len(fragment_params)) if flags is not None else torch.zeros(len(fragment_params) + 2,
-                                                                                        dtype=torch.int64)
+    encoded = (flags or StepFlags(False, False, frozenset())).encode(len(fragment_params))  # others: overwritten
     dist.broadcast(encoded, src=0, group=group)
     agreed = StepFlags.decode(encoded)
     with torch.no_grad():

@@ -192,13 +192,13 @@ class LearnerRuntime:
         box = [[f.param_names for f in self.plan.fragments] if self.plan is not None else None,
                self._leader_should_stop(), self._data_position]
         dist.broadcast_object_list(box, src=0)
-        self._fragment_names = box[0] or []
+        self._fragment_params = [[self._params[name] for name in names] for names in box[0] or []]
         self._stop_agreed = bool(box[1])
         self._data_position = int(box[2])
         with torch.no_grad():
-            for names in self._fragment_names:
-                for name in names:
-                    dist.broadcast(self._params[name].data, src=0)
+            for params in self._fragment_params:
+                for param in params:
+                    dist.broadcast(param.data, src=0)
 
     # ---- the training thread's API ---------------------------------------------------------
 
@@ -353,8 +353,7 @@ class LearnerRuntime:
         """Every rank takes rank 0's merged fragments (and stop / failed flags)."""
         mine = StepFlags(self._leader_should_stop(), self.link is not None and self.link.fatal is not None,
                          frozenset(changed)) if self.is_leader else None
-        agreed = share_step(mine, [[self._params[n] for n in names] for names in self._fragment_names],
-                            self._flags_group)
+        agreed = share_step(mine, self._fragment_params, self._flags_group)
         self._stop_agreed = agreed.stop
         if agreed.failed and not self.is_leader:
             raise DdilocoError("rank 0 lost the synchronizer (see its log)")
