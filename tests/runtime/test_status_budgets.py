@@ -5,19 +5,22 @@ A ``--time`` budget showed in status as ``token_budget: 0``, with no time budget
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import pytest
 from test_service import tiny
-from test_status_page import CHROMIUM, browse
+from runtime_helpers import wait_for
+from test_status_page import CHROMIUM, api_status, browse
 
 from ddiloco import cli
 from ddiloco.config import build_config
 from ddiloco.core.messages import Heartbeat, Join, Progress
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.sync.status_page import StatusPage
+from ddiloco.runtime.status_wire import status_to_dict
+from ddiloco.runtime.sync.status_process import StatusPageProcess
 
 
 @pytest.mark.parametrize("budget", ["run.time_s=600", "run.tokens=100000"])
@@ -53,12 +56,17 @@ def test_the_page_shows_each_budget_and_what_is_left(inproc_sync, tmp_path, budg
     s = inproc_sync(build_config(preset="tiny", overrides=("run.learners=2", budget)))
     with SyncClient(f"127.0.0.1:{s.port}") as client:
         client.join(Join("learner-0", "boot"))  # the run's clock starts
-    page = StatusPage(Address("127.0.0.1", 0), token=None)
-    page.attach_service(s.service, s.loop)
-    page.start()
+
+    async def status() -> dict:
+        return status_to_dict(await s.service.status_reply())
+
+    page = StatusPageProcess(Address("127.0.0.1", 0), token=None)
+    feed = asyncio.run_coroutine_threadsafe(page.publish(status), s.loop)
     try:
+        wait_for(lambda: api_status(page.port), "the page's first status")
         dom = browse(page.url, tmp_path / "chromium", "--dump-dom")
     finally:
+        feed.cancel()
         page.close()
     figures = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
     assert re.search(shown, figures), figures

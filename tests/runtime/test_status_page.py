@@ -1,5 +1,6 @@
-"""The live status page of ``ddiloco sync --http-port``: its JSON, its token rule, and the page
-itself as a real headless browser renders it.
+"""The live status page of ``ddiloco sync --http-port``: its JSON, its token rule, its process
+(which answers while the synchronizer cannot), and the page itself as a real headless browser
+renders it.
 
 Every wait polls with a generous deadline; nothing asserts on timing.
 """
@@ -7,8 +8,10 @@ Every wait polls with a generous deadline; nothing asserts on timing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from runtime_helpers import DEADLINE_S, free_port, learner_args, sync_args, wait_for
+from runtime_helpers import DEADLINE_S, free_port, learner_args, process_state, sync_args, wait_for
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import Address
@@ -166,3 +169,35 @@ def test_page_in_a_headless_browser(procs, tmp_path) -> None:
     shot = tmp_path / "status.png"
     browse(url, profile, f"--screenshot={shot}", "--window-size=1200,900")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def page_process(sync_pid: int) -> int:
+    """The status page's process: the synchronizer's one child."""
+    children = Path(f"/proc/{sync_pid}/task/{sync_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_the_page_answers_while_the_synchronizer_is_stopped_and_goes_with_it(procs, tmp_path) -> None:
+    """A SIGSTOPped synchronizer answers nothing; its page still answers, from the last status
+    published, and says how old that is (the page, in a browser: "silent"). ``kill -9`` of the
+    synchronizer takes the page down too."""
+    port, http_port = free_port(), free_port()
+    sync = procs.start("sync", *sync_args(port, "--http-port", str(http_port)))
+    wait_for(lambda: api_status(http_port), "the page's first status")
+    page_pid = page_process(sync.pid)
+    os.kill(sync.pid, signal.SIGSTOP)
+    try:
+        stale = wait_for(lambda: (s := api_status(http_port)) and s["age_s"] >= 2.0 and s,
+                         "the page to answer with a status over 2 s old")
+        assert stale["phase"] and stale["fragments"]  # the last status published, whole
+        if CHROMIUM is not None:
+            wait_for(lambda: api_status(http_port)["age_s"] > 6.0, "a status over 6 s old")
+            dom = browse(f"http://127.0.0.1:{http_port}/", tmp_path / "chromium", "--dump-dom")
+            assert re.search(r'id="conn" class="bad">synchronizer silent for \d+ s<', dom), dom[-2000:]
+    finally:
+        os.kill(sync.pid, signal.SIGCONT)
+    wait_for(lambda: (s := api_status(http_port)) and s["age_s"] < 2.0, "fresh status again")
+    procs.kill9("sync")
+    wait_for(lambda: process_state(page_pid) in ("", "Z"), "the page process to exit")
+    assert get(f"http://127.0.0.1:{http_port}/api/status")[0] == 0

@@ -11,8 +11,12 @@ import logging
 import signal
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from ddiloco.commands.options import add_log_level_option, add_workload_options, config_from_args
+from ddiloco.config import Config
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import (
     Address,
@@ -27,7 +31,8 @@ from ddiloco.runtime.sync.memory import fewer_malloc_arenas, give_back_freed_mem
 from ddiloco.runtime.sync.server import serve
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.state_dir import Resume
-from ddiloco.runtime.sync.status_page import StatusPage
+from ddiloco.runtime.sync.status_process import StatusPageProcess
+from ddiloco.runtime.status_wire import status_to_dict
 
 DEFAULT_LISTEN = "127.0.0.1:7000"
 
@@ -111,6 +116,18 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every_s=args.checkpoint_every,
         shard=shard,
     )
+    page = None
+    if args.http_port is not None:  # bound now: a port in use fails before the model is read
+        page = StatusPageProcess(Address(listen.host if listen.is_loopback else "0.0.0.0", args.http_port), token)
+    try:
+        return _serve(args, config, listen, credentials, options, page)
+    finally:
+        if page is not None:
+            page.close()
+
+
+def _serve(args: argparse.Namespace, config: Config, listen: Address, credentials: grpc.ServerCredentials | None,
+           options: ServiceOptions, page: StatusPageProcess | None) -> int:
     fewer_malloc_arenas()  # before the model is read and the gRPC threads start
     give_back_freed_memory(every_s=1.0)
     layout = None
@@ -123,27 +140,31 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     metrics_server = None
     if args.metrics_port is not None:  # on the service's own interface, behind its token beyond loopback
-        metrics_server = service.metrics.serve(Address(listen.host, args.metrics_port), token)
-    page = None
-    if args.http_port is not None:  # bound now: a port in use fails before anything else runs
-        page = StatusPage(Address(listen.host if listen.is_loopback else "0.0.0.0", args.http_port), token)
+        metrics_server = service.metrics.serve(Address(listen.host, args.metrics_port), options.token)
 
     async def main() -> None:
+        feed = None
         if page is not None:
-            page.attach_service(service, asyncio.get_running_loop())
-            page.start()
-        await serve(service, listen, credentials=credentials,
-                    port_file=Path(args.port_file) if args.port_file else None,
-                    exit_when_finished=args.exit_when_finished)
+            feed = asyncio.ensure_future(page.publish(lambda: _status_dict(service)))
+        try:
+            await serve(service, listen, credentials=credentials,
+                        port_file=Path(args.port_file) if args.port_file else None,
+                        exit_when_finished=args.exit_when_finished)
+        finally:
+            if feed is not None:
+                feed.cancel()
 
     try:
         asyncio.run(main())
     finally:
-        if page is not None:
-            page.close()
         if metrics_server is not None:
             metrics_server.shutdown()
     return 0
+
+
+async def _status_dict(service: SyncService) -> dict[str, Any] | None:
+    """What the status page shows: the Status call's answer; None until the service serves."""
+    return None if service.host is None else status_to_dict(await service.status_reply())
 
 
 def parse_shard(text: str) -> tuple[int, int]:

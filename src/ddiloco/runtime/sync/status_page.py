@@ -2,10 +2,10 @@
 
 The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.status_wire.status_to_dict`),
 plus a short in-memory history of fragment versions so the page can chart progress. It is
-served by the standard library's threaded HTTP server in a daemon thread, off the
-synchronizer's event loop: a slow browser can never stall a merge. Reading the status hops
-onto the event loop only for the same query the gRPC Status call makes. No protocol logic
-lives here.
+served by the standard library's threaded HTTP server, in a process of its own that reads the
+synchronizer's published status (:mod:`~ddiloco.runtime.sync.status_process`): a slow browser
+never stalls a merge, and a busy synchronizer never stalls the page. No protocol logic lives
+here.
 
 Token rule (same as the gRPC service): on a loopback bind nobody needs a token; beyond
 loopback every request must carry the run's token, as ``Authorization: Bearer TOKEN`` or
@@ -14,7 +14,6 @@ loopback every request must carry the run's token, as ``Authorization: Bearer TO
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -26,14 +25,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import Address, http_authorized
-from ddiloco.runtime.status_wire import status_to_dict
 
 log = logging.getLogger("ddiloco.sync")
 
 HISTORY_LEN = 1800
 """Samples kept for the chart (30 min at one a second): bounded memory for runs of any length."""
 SAMPLE_EVERY_S = 1.0
-FETCH_TIMEOUT_S = 5.0
 
 StatusFn = Callable[[], dict[str, Any]]
 
@@ -74,13 +71,6 @@ class StatusPage:
         """Give the page its source of status (until then it answers 503 "starting")."""
         self._fetch = fetch
 
-    def attach_service(self, service: Any, loop: asyncio.AbstractEventLoop) -> None:
-        """Read ``service``'s status on its event ``loop`` — the same query the gRPC Status call makes."""
-        def fetch() -> dict[str, Any]:
-            future = asyncio.run_coroutine_threadsafe(service.status_reply(), loop)
-            return status_to_dict(future.result(FETCH_TIMEOUT_S))
-        self.attach(fetch)
-
     def start(self) -> None:
         threading.Thread(target=self.httpd.serve_forever, name="status-page", daemon=True).start()
         threading.Thread(target=self._sample, name="status-history", daemon=True).start()
@@ -98,7 +88,7 @@ class StatusPage:
             return None
         try:
             status = fetch()
-        except Exception as err:  # starting, stopping, or a busy loop: the page just retries
+        except Exception as err:  # nothing published yet, or the synchronizer stopping: the page just retries
             log.debug("status page: no status (%s)", err)
             return None
         self._record(status)
