@@ -12,7 +12,10 @@ turn, as fast as the synchronizer takes them. One run, measured side by side:
   the synchronizer is killed with ``kill -9`` and restarted with ``--resume``, and one more
   learner joins it. Reported: ``steady_bytes_per_param`` (median resident memory in the
   window), ``peak_bytes_per_param`` (VmHWM of each synchronizer process over the whole run,
-  the restored one included), ``status_p99_ms`` (status polled every 100 ms while merging),
+  the restored one included), ``status_p99_ms`` (the status page's ``/api/status``, served by
+  a process of its own, polled every 100 ms while merging, with ``status_age_p99_ms``: how old
+  the status it gave was) beside ``loop_status_p99_ms`` (the gRPC Status call, answered by the
+  synchronizer's event loop, polled alongside),
   merged parameters per second and per synchronizer core, and a plot of resident memory over
   time with the checkpoints, joins, kill and restore marked;
 - **two shards** (``--shard 0/2``, ``1/2``): merge rate and each shard's peak memory;
@@ -36,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +52,7 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
+from ddiloco.runtime.launch.local_run import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import stamp  # noqa: E402
@@ -65,11 +70,14 @@ def write_init(path: Path, params: int, fragments: int) -> list[int]:
     return sizes
 
 
-def start_sync(init: Path, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_sync(init: Path, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """A synchronizer with its status page; returns it, its gRPC address and its page's JSON URL."""
     port_file = tmp / f"port-{name}"
+    http_port = free_port()
     port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
     args = [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
             "--learners", str(M), "--tokens", str(10**15), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+            "--http-port", str(http_port),
             "--set", f"protocol.fragments={P}", "--set", f"protocol.period={P}", "--set", f"protocol.quorum={M}",
             "--set", "protocol.staleness_max=1000", "--set", "protocol.lease_s=600", "--log-level", "warning", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -79,7 +87,7 @@ def start_sync(init: Path, tmp: Path, name: str, *extra: str) -> tuple[subproces
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError((tmp / f"sync-{name}.log").read_text())
         time.sleep(0.1)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    return proc, f"127.0.0.1:{int(port_file.read_text())}", f"http://127.0.0.1:{http_port}/api/status"
 
 
 def proc_field(pid: int, name: str) -> int:
@@ -87,6 +95,11 @@ def proc_field(pid: int, name: str) -> int:
         if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {name} for {pid}")
+
+
+def page_process(sync_pid: int) -> int:
+    """The status page's process: the synchronizer's one child."""
+    return int(Path(f"/proc/{sync_pid}/task/{sync_pid}/children").read_text().split()[0])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -248,28 +261,53 @@ class Window:
     sync_cores: float
     generator_cores: float
     rss_median: int
-    status_ms: list[tuple[float, float]]
-    """(monotonic time, latency in ms) of each status call."""
+    status_ms: list[tuple[float, float, float]]
+    """(monotonic time, latency in ms, age of the status in ms) of each call of the status page."""
+    loop_status_ms: list[tuple[float, float]]
+    """(monotonic time, latency in ms) of each gRPC Status call (answered by the event loop)."""
     clean_params_per_s: float
     """Before the first late join (the whole window without them)."""
     clean_sync_cores: float
 
 
-def _poll_status(address: str, stop: multiprocessing.Event, out: multiprocessing.Queue) -> None:
-    """Ask the synchronizer for its status every 100 ms until ``stop``; put (monotonic time, latency
-    in ms) of each call in ``out``. A process of its own, so that what the parent does meanwhile (a late join's state
-    transfer) takes no GIL from the measurement."""
-    latencies = []
+def _poll_page(url: str, stop: threading.Event, out: list[tuple[float, float, float]]) -> None:
+    """GET ``url`` (the status page's JSON) every 100 ms until ``stop``."""
+    while not stop.wait(0.1):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=60) as reply:
+            age_s = json.loads(reply.read()).get("age_s", 0.0)
+        out.append((time.monotonic(), 1e3 * (time.perf_counter() - started), 1e3 * age_s))
+
+
+def _poll_loop(address: str, stop: threading.Event, out: list[tuple[float, float]]) -> None:
+    """Call the gRPC Status every 100 ms until ``stop``."""
     with SyncClient(address) as client:
         while not stop.wait(0.1):
             started = time.perf_counter()
             client.status_dict(timeout_s=60)
-            latencies.append((time.monotonic(), 1e3 * (time.perf_counter() - started)))
-    out.put(latencies)
+            out.append((time.monotonic(), 1e3 * (time.perf_counter() - started)))
+
+
+def _poll_status(address: str, page_url: str, stop: multiprocessing.Event, out: multiprocessing.Queue) -> None:
+    """Poll the status page and the gRPC Status, each every 100 ms, until ``stop``; put both lists
+    of calls in ``out``. A process of its own, so that what the parent does meanwhile (a late
+    join's state transfer) takes no GIL from the measurement."""
+    halt = threading.Event()
+    page: list[tuple[float, float, float]] = []
+    loop: list[tuple[float, float]] = []
+    pollers = [threading.Thread(target=_poll_page, args=(page_url, halt, page)),
+               threading.Thread(target=_poll_loop, args=(address, halt, loop))]
+    for th in pollers:
+        th.start()
+    stop.wait()
+    halt.set()
+    for th in pollers:
+        th.join()
+    out.put((page, loop))
 
 
 def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seconds: float, timeline: Timeline,
-                   extra_joins: int) -> Window:
+                   extra_joins: int, page_url: str) -> Window:
     """Load generators merge for ``seconds`` while status is polled and ``extra_joins`` learners join."""
     ctx = multiprocessing.get_context("spawn")  # a fork of this process (torch, numba threads) can hang
     out, joined, counted = ctx.Queue(), ctx.Barrier(2), ctx.Value("q", 0)
@@ -291,7 +329,7 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
         clean.append((counted.value / elapsed, (sum(cpu_seconds(pid) for pid in pids) - cpu) / elapsed))
 
     polling = ctx.Event()
-    poller = ctx.Process(target=_poll_status, args=(addresses[0], polling, out), daemon=True)
+    poller = ctx.Process(target=_poll_status, args=(addresses[0], page_url, polling, out), daemon=True)
     poller.start()
 
     def late_joins() -> None:
@@ -320,7 +358,7 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
     sync_cores = (sum(cpu_seconds(pid) for pid in pids) - cpu) / (time.perf_counter() - opened)
     stop.set()
     polling.set()
-    status_ms = out.get(timeout=600)
+    status_ms, loop_status_ms = out.get(timeout=600)
     poller.join(60)
     whole = sum(r for r, _ in results)
     clean_rate, clean_cores = clean[0] if clean else (whole, sync_cores)
@@ -332,7 +370,7 @@ def merging_window(addresses: list[str], pids: list[int], sizes: list[int], seco
         th.join(600)
     window = [rss for _, rss, _ in timeline.samples[first_sample:]]
     return Window(whole, sync_cores, sum(c for _, c in results), int(statistics.median(window)) if window else 0,
-                  status_ms, clean_rate, clean_cores)
+                  status_ms, loop_status_ms, clean_rate, clean_cores)
 
 
 def watch_checkpoints(address: str, timeline: Timeline, stop: threading.Event) -> None:
@@ -357,20 +395,21 @@ def the_run(init: Path, sizes: list[int], seconds: float, checkpoint_s: float, t
     state = ["--state-dir", str(tmp / "state"), "--checkpoint-every-rounds", str(P),
              "--checkpoint-every", str(checkpoint_s)]
     timeline.mark("synchronizer starts")
-    proc, address = start_sync(init, tmp, "run", *state)
+    proc, address, page_url = start_sync(init, tmp, "run", *state)
     timeline.pids.append(proc.pid)
     timeline.mark("synchronizer serves")
     stop_watch = threading.Event()
     watcher = threading.Thread(target=watch_checkpoints, args=(address, timeline, stop_watch), daemon=True)
     watcher.start()
-    window = merging_window([address], [proc.pid], sizes, seconds, timeline, extra_joins=2)
+    window = merging_window([address], [proc.pid], sizes, seconds, timeline, extra_joins=2, page_url=page_url)
+    page_peak = proc_field(page_process(proc.pid), "VmHWM")
     stop_watch.set()
     watcher.join(60)
     timeline.sample()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     timeline.mark("kill -9")
-    resumed, address = start_sync(init, tmp, "run", *state, "--resume")
+    resumed, address, _ = start_sync(init, tmp, "run", *state, "--resume")
     timeline.pids.append(resumed.pid)
     with SyncClient(address) as client:
         status = client.status_dict(timeout_s=120)
@@ -386,21 +425,23 @@ def the_run(init: Path, sizes: list[int], seconds: float, checkpoint_s: float, t
     peaks = dict(timeline.peaks)
     resumed.kill()
     resumed.wait()
-    return {"window": window, "timeline": timeline, "peaks": peaks, "restored": restored}
+    return {"window": window, "timeline": timeline, "peaks": peaks, "restored": restored, "page_peak": page_peak}
 
 
 def two_shards(init: Path, sizes: list[int], seconds: float, tmp: Path) -> dict:
     timeline = Timeline()
     sampler = threading.Thread(target=timeline.run, daemon=True)
     sampler.start()
-    procs, addresses = [], []
+    procs, addresses, pages = [], [], []
     try:
         for i in range(2):
-            proc, address = start_sync(init, tmp, f"shard-{i}", "--shard", f"{i}/2")
+            proc, address, page_url = start_sync(init, tmp, f"shard-{i}", "--shard", f"{i}/2")
             procs.append(proc)
             addresses.append(address)
+            pages.append(page_url)
             timeline.pids.append(proc.pid)
-        window = merging_window(addresses, [p.pid for p in procs], sizes, seconds, timeline, extra_joins=0)
+        window = merging_window(addresses, [p.pid for p in procs], sizes, seconds, timeline, extra_joins=0,
+                                page_url=pages[0])
         timeline.sample()
         return {"window": window, "peaks": [timeline.peaks[p.pid] for p in procs]}
     finally:
@@ -411,7 +452,7 @@ def two_shards(init: Path, sizes: list[int], seconds: float, tmp: Path) -> dict:
 
 
 def idle_rss(init_small: Path, tmp: Path) -> int:
-    proc, _ = start_sync(init_small, tmp, "idle")
+    proc, _, _ = start_sync(init_small, tmp, "idle")
     try:
         time.sleep(1.0)
         return proc_field(proc.pid, "VmRSS")
@@ -547,10 +588,12 @@ def main() -> None:
         shards = None if args.no_shards else two_shards(init, sizes, seconds, tmp)
     downlink = float("nan") if args.no_downlink else downlink_vs_model(args.quick)
     window: Window = run["window"]
-    status = sorted(ms for _, ms in window.status_ms)
+    status = sorted(ms for _, ms, _ in window.status_ms)
+    loop_status = sorted(ms for _, ms in window.loop_status_ms)
     started = run["timeline"].started
-    slowest = [(round(t - started, 1), round(ms, 1)) for t, ms in sorted(window.status_ms, key=lambda c: c[1])[-10:]]
-    p99 = status[min(len(status) - 1, int(0.99 * len(status)))] if status else float("nan")
+    slowest = [(round(t - started, 1), round(ms, 1)) for t, ms, _ in sorted(window.status_ms, key=lambda c: c[1])[-10:]]
+    loop_slowest = [(round(t - started, 1), round(ms, 1))
+                    for t, ms in sorted(window.loop_status_ms, key=lambda c: c[1])[-10:]]
     one = window.clean_params_per_s
     result = {
         "params": params, "learners": M, "fragments": P,
@@ -558,8 +601,15 @@ def main() -> None:
         "steady_bytes_per_param_above_idle": round((window.rss_median - baseline) / params, 2),
         "peak_bytes_per_param": round(max(run["peaks"].values()) / params, 2),
         "peak_bytes_per_process": sorted(run["peaks"].values()),
-        "status_p99_ms": round(p99, 1), "status_median_ms": round(statistics.median(status), 1) if status else None,
+        "status_source": "the status page's /api/status (ddiloco sync --http-port: a process of its own)",
+        "status_p99_ms": p99(status), "status_median_ms": round(statistics.median(status), 1) if status else None,
         "status_calls": len(status), "status_slowest": slowest,
+        "status_age_p99_ms": p99(sorted(age for _, _, age in window.status_ms)),
+        "status_age_max_ms": round(max((age for _, _, age in window.status_ms), default=float("nan")), 1),
+        "page_process_peak_bytes": run["page_peak"],
+        "loop_status_p99_ms": p99(loop_status),
+        "loop_status_median_ms": round(statistics.median(loop_status), 1) if loop_status else None,
+        "loop_status_calls": len(loop_status), "loop_status_slowest": loop_slowest,
         "sustained_params_per_s": round(one),
         "sync_params_per_core_s": round(one / window.clean_sync_cores) if window.clean_sync_cores else None,
         "cores_used": {"sync": round(window.clean_sync_cores, 2), "generators": round(window.generator_cores, 2)},
@@ -584,8 +634,11 @@ def main() -> None:
     print(f"model {params / 1e6:.0f}M params in {P} fragments, M={M} synthetic learners")
     print(f"memory: steady {result['steady_bytes_per_param']} B/param (median resident while merging), peak "
           f"{result['peak_bytes_per_param']} B/param (VmHWM over the run: checkpoints, 2 joins, kill -9, --resume)")
-    print(f"status while merging: p99 {result['status_p99_ms']} ms, median {result['status_median_ms']} ms "
-          f"({len(status)} calls)")
+    print(f"status page while merging: p99 {result['status_p99_ms']} ms, median {result['status_median_ms']} ms "
+          f"({len(status)} calls; the status it gave: p99 {result['status_age_p99_ms']} ms old, at most "
+          f"{result['status_age_max_ms']} ms)")
+    print(f"gRPC Status (the event loop) while merging: p99 {result['loop_status_p99_ms']} ms, median "
+          f"{result['loop_status_median_ms']} ms ({len(loop_status)} calls)")
     print(f"merge: {one / 1e6:.1f}M params/s sustained before the late joins ({window.params_per_s / 1e6:.1f}M over "
           f"the whole window), {window.clean_sync_cores:.2f} synchronizer cores "
           f"({result['sync_params_per_core_s'] / 1e6:.0f}M params per core-second), generators "
@@ -600,6 +653,10 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
         plot(run["timeline"], params, Path(args.plot))
+
+
+def p99(sorted_ms: list[float]) -> float:
+    return round(sorted_ms[min(len(sorted_ms) - 1, int(0.99 * len(sorted_ms)))], 1) if sorted_ms else float("nan")
 
 
 if __name__ == "__main__":
