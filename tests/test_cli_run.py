@@ -43,6 +43,10 @@ def error_line(capsys, argv) -> str:
         (["--seed", "-1"], "-1"),
         (["--seed", "99999999999999999999999"], "99999999999999999999999"),
         (["--device", "cuda:99"], "cuda:99"),
+        (["--set", "cluster.late_learners=4"], "cluster.late_learners=4"),
+        (["--set", "cluster.late_learners=1", "--mode", "diloco"], "run.mode=decoupled"),
+        (["--set", "cluster.late_learners=3", "--set", "protocol.quorum=2"], "protocol.quorum=2"),
+        (["--set", "cluster.late_join_s=-1"], "cluster.late_join_s"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value_and_creates_nothing(capsys, tmp_path, argv, needle):

@@ -111,6 +111,16 @@ class ClusterConfig:
     """The synchronizer checkpoints after this many merged rounds (what a crash loses)..."""
     checkpoint_every_s: float = 30.0
     """... or this many virtual seconds after the previous checkpoint, whichever comes first."""
+    late_learners: int = 0
+    """The last N of the M learners join at ``late_join_s`` instead of at the start: capacity
+    that frees up mid-run joins the job (the paper's scavenging). Decoupled mode only."""
+    late_join_s: float = 0.0
+    """When the late learners join: virtual seconds on the virtual cluster, wall seconds from
+    the start with ``ddiloco run --runtime processes``."""
+
+    def arrivals_s(self, learners: int) -> list[float]:
+        """When each learner's process first starts: ``late_join_s`` for the last ``late_learners``, else 0."""
+        return [self.late_join_s if m >= learners - self.late_learners else 0.0 for m in range(learners)]
 
     def validate(self) -> None:
         if self.checkpoint_every_rounds < 1:
@@ -118,7 +128,7 @@ class ClusterConfig:
         for key in ("step_time_s", "slow_factor", "bandwidth_bps", "rpc_timeout_s", "checkpoint_every_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"cluster.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("jitter", "latency_s"):
+        for key in ("jitter", "latency_s", "late_learners", "late_join_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cluster.{key} must be >= 0, got {getattr(self, key)}")
         if not 0.0 <= self.slow_fraction <= 1.0:
@@ -225,7 +235,22 @@ class Config:
         self.faults.validate()
         if self.run.tokens == 0 and self.run.time_s == 0:
             raise ConfigError("no budget: set run.tokens or run.time_s (or use a preset)")
+        self._validate_late_learners()
         return self
+
+    def _validate_late_learners(self) -> None:
+        late = self.cluster.late_learners
+        if not late:
+            return
+        if self.run.mode != Mode.DECOUPLED:
+            raise ConfigError(f"cluster.late_learners={late} needs run.mode=decoupled: the other modes wait for "
+                              "every learner from the start")
+        if late >= self.run.learners:
+            raise ConfigError(f"cluster.late_learners={late} must leave at least one of the "
+                              f"run.learners={self.run.learners} learners training from the start")
+        if self.protocol.quorum > self.run.learners - late:
+            raise ConfigError(f"protocol.quorum={self.protocol.quorum} exceeds the {self.run.learners - late} learners "
+                              f"there before cluster.late_join_s: no round could close until the late ones join")
 
     def run_limits(self, *, checkpoint_every_rounds: int, checkpoint_every_s: float,
                    drain_timeout_s: float | None = None) -> RunLimits:

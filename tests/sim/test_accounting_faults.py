@@ -27,7 +27,7 @@ def test_trace_is_seeded_per_learner_and_independent_of_learner_count():
 
 
 def test_goodput_counts_credited_compute_and_uptime_the_covered_time():
-    acc = Accounting(learners=2)
+    acc = Accounting([0.0, 0.0])
     for step in range(1, 5):
         acc.add_step(0, step, start_s=step - 1.0, end_s=float(step))
     acc.add_step(1, 1, start_s=0.0, end_s=1.0, busy_s=0.5)
@@ -37,6 +37,18 @@ def test_goodput_counts_credited_compute_and_uptime_the_covered_time():
     assert acc.uptime(4.0) == pytest.approx(2.0 / 4.0)
     with pytest.raises(ValueError):
         acc.add_step(1, 5, 0.0, 1.0)
+
+
+def test_a_late_learner_provisions_chip_time_only_from_its_arrival():
+    acc = Accounting([0.0, 2.0])  # learner 1 joins the job at 2 s
+    for step in range(1, 5):
+        acc.add_step(0, step, start_s=step - 1.0, end_s=float(step))
+        acc.credit(0, step, step, 1.0)
+    for step in range(1, 3):
+        acc.add_step(1, step, start_s=step + 1.0, end_s=step + 2.0)
+        acc.credit(1, step, step, 1.0)
+    assert acc.goodput(4.0) == pytest.approx(6.0 / (4.0 + 2.0))  # all of it useful: 1, not 6/8
+    assert acc.goodput(1.0) == pytest.approx(1.0)  # before it arrives, only learner 0 is provisioned
 
 
 def _round(fragment, version, learners, quorum, reason=CloseReason.GRACE, base=None, seq=0, incarnation=1, alive=1):

@@ -6,6 +6,7 @@ import pytest
 
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
+from ddiloco.sim.snapshot import LearnerState
 from ddiloco.workload.workload import Workload
 
 
@@ -68,6 +69,24 @@ def test_synchronous_diloco_goes_on_after_a_restart_and_waits_only_for_the_resta
     summary, _ = run_virtual(config)
     assert summary["events"]["failures"] >= 2 and summary["events"]["rejoins"] >= 2
     assert summary["events"]["longest_pause_s"] < 3 * config.faults.downtime_s
+
+
+def test_late_learners_join_the_run_under_way_and_it_ends_sooner():
+    """Scavenging: two more learners start 15 virtual s into a two-learner job. Until then they
+    are *late* and take no step; then they join (fetching the global state) and train, and the
+    same token budget is spent sooner than by the two alone."""
+    alone, _ = run_virtual(tiny(run__learners=2, faults__mtbf_s=0.0))
+    seen = []
+    helped, _ = run_virtual(tiny(run__learners=4, cluster__late_learners=2, cluster__late_join_s=15.0,
+                                 faults__mtbf_s=0.0), observer=seen.append)
+    before = [s for s in seen if s.time_s < 15.0]
+    assert before and all(view.state is LearnerState.LATE and view.steps == 0
+                          for s in before for view in s.learners[2:])
+    assert all(view.steps > 0 for view in before[-1].learners[:2])
+    assert all(view.steps > 0 for view in seen[-1].learners)  # the late ones trained too
+    assert helped["tokens"] >= tiny().run.tokens
+    assert helped["virtual_time_s"] < alone["virtual_time_s"]
+    assert helped["goodput"] > 0.9  # chip-time counts from each learner's arrival
 
 
 def test_slow_hardware_learners_still_count_through_token_weights():

@@ -85,6 +85,9 @@ def chaos_config(args: argparse.Namespace) -> Config:
     if config.run.learners < 2:
         raise ConfigError(f"ddiloco chaos needs at least 2 learners, got {config.run.learners} "
                           "(a fault on the only learner stops training by design)")
+    if config.cluster.late_learners:
+        raise ConfigError(f"cluster.late_learners={config.cluster.late_learners}: ddiloco chaos starts every learner "
+                          "at once (late learners join a ddiloco run, on the virtual cluster or --runtime processes)")
     settle_s = SETTLE_S + config.protocol.lease_s if args.settle is None else args.settle
     if not math.isfinite(settle_s) or settle_s < 0:
         raise ConfigError(f"--settle must be a number of seconds >= 0, got {settle_s}")

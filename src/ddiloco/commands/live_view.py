@@ -26,7 +26,7 @@ from ddiloco.sim.snapshot import ClusterSnapshot, LearnerState, LearnerView, Sna
 STATE_STYLE = {
     LearnerState.TRAINING: "green", LearnerState.WAITING: "yellow", LearnerState.JOINING: "cyan",
     LearnerState.REJOINING: "cyan", LearnerState.DOWN: "bold red", LearnerState.FROZEN: "magenta",
-    LearnerState.STOPPED: "dim", LearnerState.FAILED: "bold red",
+    LearnerState.STOPPED: "dim", LearnerState.FAILED: "bold red", LearnerState.LATE: "dim",
 }
 RECENT_REJOIN_S = 10.0
 """For this many virtual seconds after a rejoin the view says so (a rejoin itself lasts milliseconds)."""

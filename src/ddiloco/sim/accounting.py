@@ -7,7 +7,8 @@ carries it is merged (each fragment credits its share of the parameters), for da
 when the step is committed (at once if elastic, at the next checkpoint if not). Work lost to
 a crash or a rollback is never credited.
 
-- goodput = credited chip-time / provisioned chip-time (every learner, the whole run);
+- goodput = credited chip-time / provisioned chip-time (every learner, from its arrival: the
+  start, or later for a late learner, to the end of the run);
 - uptime = share of wall time covered by at least one credited step: the global model advances.
 """
 
@@ -19,7 +20,10 @@ from ddiloco.measures import covered_s
 
 
 class Accounting:
-    def __init__(self, learners: int) -> None:
+    def __init__(self, arrivals_s: list[float]) -> None:
+        """``arrivals_s``: when each learner's chip joins the job (0 for all but late learners)."""
+        learners = len(arrivals_s)
+        self._arrivals_s = arrivals_s
         self._start: list[list[float]] = [[] for _ in range(learners)]
         self._end: list[list[float]] = [[] for _ in range(learners)]
         self._busy: list[list[float]] = [[] for _ in range(learners)]
@@ -48,7 +52,8 @@ class Accounting:
         return len(self._start[learner])
 
     def goodput(self, wall_s: float) -> float:
-        """Credited compute of the steps finished by ``wall_s``, over M·``wall_s``.
+        """Credited compute of the steps finished by ``wall_s``, over the chip-time provisioned
+        by then (M·``wall_s`` when every learner was there from the start).
 
         Asked again after the run, it says how much of the work done up to ``wall_s`` ended
         up in the model (credits arrive later than the work: at merges, at checkpoints).
@@ -60,7 +65,8 @@ class Accounting:
             for b, c, e in zip(self._busy, self._credit, self._end)
             if b
         )
-        return useful / (len(self._start) * wall_s)
+        provisioned = sum(max(0.0, wall_s - arrived) for arrived in self._arrivals_s)
+        return useful / provisioned if provisioned > 0 else 0.0
 
     def uptime(self, wall_s: float) -> float:
         """Share of [0, ``wall_s``] covered by at least one credited step."""

@@ -99,6 +99,14 @@ class Recover:
 
 
 @dataclass(frozen=True, slots=True)
+class Arrive:
+    """A late learner's process starts (``cluster.late_learners``): it joins as a restarted one
+    does, holding nothing of the run yet."""
+
+    m: int
+
+
+@dataclass(frozen=True, slots=True)
 class Freeze:
     m: int
     until_s: float
@@ -134,7 +142,7 @@ class SyncRestart:
 
 
 SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | SyncTick | StateArrives
-             | Crash | Recover | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart)
+             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart)
 
 
 @dataclass(order=True, slots=True)

@@ -15,6 +15,7 @@ from ddiloco.core.learner import Learner
 from ddiloco.fault_kinds import FaultKind
 from ddiloco.sim.adversary import Window
 from ddiloco.sim.events import (
+    Arrive,
     Crash,
     Freeze,
     Partition,
@@ -32,7 +33,7 @@ from ddiloco.sim.network import Network
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.timeline import Happening, Timeline
 
-FAULTS = (Crash, Recover, Freeze, Thaw, Partition, PartitionEnd, SyncCrash, SyncRestart)
+FAULTS = (Crash, Recover, Arrive, Freeze, Thaw, Partition, PartitionEnd, SyncCrash, SyncRestart)
 
 
 def window_event(w: Window) -> SimEvent:
@@ -73,6 +74,11 @@ class Fate:
             node = self.learners[event.m]
             self.timeline.add(now, Happening.RESTART, event.m)
             node.restart(host, self.new_core(node.name, node.model, node.boot))
+            self.schedule_failure(event.m)
+            node.advance(host)
+        elif isinstance(event, Arrive):
+            node = self.learners[event.m]
+            node.arrive(host)
             self.schedule_failure(event.m)
             node.advance(host)
         elif isinstance(event, Freeze):

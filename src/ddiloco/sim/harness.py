@@ -43,7 +43,7 @@ class Recorder:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.accounting = Accounting(c.run.learners)
+        self.accounting = Accounting(c.cluster.arrivals_s(c.run.learners))
         self.trace = FailureTrace(
             learners=c.run.learners,
             mtbf_s=c.faults.mtbf_s,

@@ -46,6 +46,8 @@ class LearnerNode:
     core: Learner
     boot: int = 0
     up: bool = True
+    arrives_s: float = 0.0
+    """When its process first starts: later than 0 for a late learner (``cluster.late_learners``)."""
     frozen_until_s: float = 0.0
     stepping: bool = False
     step_offset: int = 0
@@ -193,6 +195,11 @@ class LearnerNode:
         self.boot += 1  # everything in flight for the old process dies with it
         self.calls.clear()
         self.tick_at = None
+
+    def arrive(self, host: NodeHost) -> None:
+        """A late learner's process starts: its first core joins the run under way."""
+        self.up = True
+        self.execute(host, self.core.start(host.queue.now))
 
     def restart(self, host: NodeHost, core: Learner) -> None:
         """A fresh process: new core (new boot), new optimizer state; it joins and adopts the global state."""

@@ -20,6 +20,8 @@ from ddiloco.sim.timeline import Happening, Timeline
 
 
 class LearnerState(enum.StrEnum):
+    LATE = "late"
+    """Not started yet: it joins the run under way later (``cluster.late_learners``)."""
     JOINING = "joining"
     """Started, waiting for its first global state."""
     TRAINING = "training"
@@ -73,7 +75,7 @@ SnapshotFn = Callable[[ClusterSnapshot], None]
 
 def learner_state(node: LearnerNode, now: float) -> LearnerState:
     if not node.up:
-        return LearnerState.DOWN
+        return LearnerState.LATE if now < node.arrives_s else LearnerState.DOWN
     if now < node.frozen_until_s:
         return LearnerState.FROZEN
     core = node.core

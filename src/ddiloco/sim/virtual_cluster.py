@@ -37,6 +37,7 @@ from ddiloco.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
 from ddiloco.sim.data_stream import DataStreams
 from ddiloco.sim.events import (
+    Arrive,
     AtLearner,
     CallTimeout,
     EventQueue,
@@ -183,7 +184,12 @@ class VirtualCluster:
     def start(self) -> None:
         for sync in self.syncs:
             sync.start(self)
+        arrivals = self.config.cluster.arrivals_s(len(self.learners))
         for node in self.learners:
+            if arrivals[node.index] > 0:  # capacity that frees up mid-run: it joins then
+                node.up, node.arrives_s = False, arrivals[node.index]
+                self.queue.at(node.arrives_s, Arrive(node.index))
+                continue
             node.execute(self, node.core.start(0.0))
             self.fate.schedule_failure(node.index)
         for w in self.windows:

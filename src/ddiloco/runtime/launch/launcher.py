@@ -23,7 +23,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ddiloco.config import Config
 from ddiloco.core.config import Mode
@@ -103,9 +103,14 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
     client = ShardedClient(addresses, token=place.token)
     try:
         evaluations = _Evaluations(config, GlobalEvaluator(config, client), started, progress)
-        _start_learners(timeline, procs, place, addresses, learner_threads(config.run.learners), device, min_step_s)
+        threads = learner_threads(config.run.learners)
+
+        def start(names: list[str]) -> None:
+            _start_learners(names, timeline, procs, place, addresses, threads, device, min_step_s)
+
+        late = _LateLearners(timeline.learners, config.cluster.late_learners, config.cluster.late_join_s, start)
         evaluations.evaluate(client.status_dict())
-        _watch(files, procs, timeline, client, stop, evaluations, timeout_s)
+        _watch(files, procs, timeline, client, stop, evaluations, timeout_s, late)
         _stop_learners(procs, timeline, stop)
         status = client.status_dict()
         timeline.record(status, force=True)
@@ -150,14 +155,31 @@ def _start_synchronizers(files: RunFiles, place: Placement, procs: Processes, st
             for i, (pf, name) in enumerate(zip(files.port_files, syncs))]
 
 
-def _start_learners(timeline: RunTimeline, procs: Processes, place: Placement, addresses: list[str], threads: int,
-                    device: str, min_step_s: float) -> None:
-    """One ``ddiloco learner`` per learner, each on its host, writing the progress file the timeline reads."""
-    for name in timeline.learners:
+def _start_learners(names: list[str], timeline: RunTimeline, procs: Processes, place: Placement, addresses: list[str],
+                    threads: int, device: str, min_step_s: float) -> None:
+    """One ``ddiloco learner`` per name, each on its host, writing the progress file the timeline reads."""
+    for name in names:
         procs.start(name, learner_command(addresses, name, threads, device, min_step_s,
                                           token_file=place.token_file,
                                           progress_file=timeline.progress_file(name)),
                     env={"OMP_NUM_THREADS": str(threads)}, prefix=place.prefix(name))
+
+
+class _LateLearners:
+    """``cluster.late_learners``: the last K learners start ``late_join_s`` wall seconds into the
+    run (capacity that frees up mid-run), the others at once."""
+
+    def __init__(self, names: list[str], late: int, join_s: float, start: Callable[[list[str]], None]) -> None:
+        self.pending = names[len(names) - late:]
+        self.join_s = join_s
+        self._start = start
+        start(names[:len(names) - late])
+
+    def start_due(self, elapsed_s: float) -> None:
+        if self.pending and elapsed_s >= self.join_s:
+            announce(f"{', '.join(self.pending)}: joining the run under way ({elapsed_s:.0f}s in)")
+            self._start(self.pending)
+            self.pending = []
 
 
 class _Evaluations:
@@ -200,10 +222,12 @@ class _Evaluations:
 
 
 def _watch(files: RunFiles, procs: Processes, timeline: RunTimeline, client: ShardedClient, stop: StopSignals,
-           evaluations: _Evaluations, timeout_s: float | None) -> None:
+           evaluations: _Evaluations, timeout_s: float | None, late: _LateLearners) -> None:
     """Poll the synchronizers' status into the timeline until the run finishes or a signal stops it,
-    evaluating on the way; a dead synchronizer, every learner gone or the timeout is an error."""
+    evaluating and starting late learners on the way; a dead synchronizer, every learner gone or
+    the timeout is an error."""
     while stop.requested is None:
+        late.start_due(time.monotonic() - evaluations.started)
         if timeout_s is not None and time.monotonic() - evaluations.started > timeout_s:
             raise DdilocoError(f"process run did not finish within {timeout_s:.0f}s (logs in {files.logs})")
         dead = next((name for name in files.sync_names if not procs.running(name)), None)
@@ -218,7 +242,7 @@ def _watch(files: RunFiles, procs: Processes, timeline: RunTimeline, client: Sha
         timeline.record(status)
         if status["finished"]:
             return
-        if all(not procs.running(name) for name in timeline.learners):
+        if not late.pending and all(not procs.running(name) for name in timeline.learners):
             bad = next((n for n in timeline.learners if procs.children[n].returncode), None)
             raise DdilocoError("every learner exited before the run finished"
                                + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
@@ -239,6 +263,8 @@ def _wait_all(procs: Processes, names: list[str]) -> None:
     """Wait for ``names`` to exit by themselves; one slow to leave is stopped."""
     deadline = time.monotonic() + LEAVE_TIMEOUT_S
     for name in names:
+        if name not in procs.children:
+            continue  # a late learner the run finished without
         try:
             procs.children[name].wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
