@@ -8,7 +8,8 @@ way and it reaches the same loss in 0.62-0.90x the time. Here, for each seed:
   duration (``cluster.late_learners``, ``cluster.late_join_s``: they join as a restarted
   learner does, fetch the global state and train their own data shards), the same budget.
 
-No failures (``faults.mtbf_s=0``), the same seed and model. Reported per setting: the time
+No failures (``faults.mtbf_s=0``), the same seed, ``--budget`` times the preset's token
+budget and 16 evaluation batches (a time to a loss read off a noisy curve is noise). Reported per setting: the time
 the scavenging run took to reach the base run's final eval loss (linear between its
 evaluations), as a share of the base run's time (``time_to_base_loss``); and its own end
 (``finish_ratio``, with its final loss). ``--json FILE`` writes every run and its curve.
@@ -16,7 +17,7 @@ evaluations), as a share of the base run's time (``time_to_base_loss``); and its
 ``--processes``: the same on real processes (``ddiloco run --runtime processes``: a real
 synchronizer, learner processes each stepping at most every ``--min-step-s`` wall seconds,
 as chips of a fixed speed would; the late ones are started when their time comes), in wall
-seconds, the base run's budget doubled so that start-up is a small part of it.
+seconds.
 """
 
 from __future__ import annotations
@@ -43,24 +44,26 @@ SETTINGS = ((2, 0.25), (4, 0.25), (4, 0.5))
 """(learners that join, when, as a share of the base run's duration)."""
 EVALS = 24
 """Evaluations per run: the curve the time to the base run's loss is read from."""
+EVAL_BATCHES = 16
 
 
 class Runner:
     """One run of a setting, on the virtual cluster or (``min_step_s`` given) on real processes."""
 
-    def __init__(self, preset: str, min_step_s: float | None) -> None:
+    def __init__(self, preset: str, budget: float, min_step_s: float | None) -> None:
         self.preset = preset
+        self.tokens = int(budget * build_config(preset=preset).run.tokens)
         self.min_step_s = min_step_s
 
     def __call__(self, seed: int, learners: int, late: int = 0, join_s: float = 0.0) -> dict:
-        overrides = [f"run.learners={learners}", f"run.seed={seed}", "faults.mtbf_s=0", f"train.evals={EVALS}",
-                     f"cluster.late_learners={late}", f"cluster.late_join_s={join_s}"]
+        overrides = (f"run.learners={learners}", f"run.seed={seed}", "faults.mtbf_s=0", f"train.evals={EVALS}",
+                     f"train.eval_batches={EVAL_BATCHES}", f"run.tokens={self.tokens}",
+                     f"cluster.late_learners={late}", f"cluster.late_join_s={join_s}")
+        config = build_config(preset=self.preset, overrides=overrides)
         if self.min_step_s is None:
-            return _outcome(*run_virtual(build_config(preset=self.preset, overrides=overrides)))
+            return _outcome(*run_virtual(config))
         from ddiloco.runtime.launch.launcher import run_processes  # grpc only when asked for
 
-        tokens = 2 * build_config(preset=self.preset).run.tokens
-        config = build_config(preset=self.preset, overrides=(*overrides, f"run.tokens={tokens}"))
         with tempfile.TemporaryDirectory() as out:
             return _outcome(*run_processes(config.validate_for_processes(), Path(out) / "run",
                                            min_step_s=self.min_step_s, timeout_s=1800))
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     parser.add_argument("--base", type=int, default=4, help="learners from the start (default 4)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds (default 3)")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds (default 5)")
+    parser.add_argument("--budget", type=float, default=4.0, help="times the preset's token budget (default 4)")
     parser.add_argument("--processes", action="store_true", help="real processes instead of the virtual cluster")
     parser.add_argument("--min-step-s", type=float, default=0.1,
                         help="with --processes: a learner's inner step lasts at least this long (default 0.1)")
@@ -97,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--base", args.base), ("--seeds", args.seeds)):
         if value < 1:
             raise SystemExit(f"bench_scavenging: error: {flag} {value}: must be at least 1")
-    if not args.min_step_s > 0:
-        raise SystemExit(f"bench_scavenging: error: --min-step-s {args.min_step_s}: must be positive")
-    run_one = Runner(args.preset, args.min_step_s if args.processes else None)
+    for flag, number in (("--min-step-s", args.min_step_s), ("--budget", args.budget)):
+        if not number > 0:
+            raise SystemExit(f"bench_scavenging: error: {flag} {number}: must be positive")
+    run_one = Runner(args.preset, args.budget, args.min_step_s if args.processes else None)
     where = "real processes (wall s)" if args.processes else "virtual cluster"
     console = Console()
     runs: list[dict] = []
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "where": where, "preset": args.preset,
                                                "min_step_s": args.min_step_s if args.processes else None,
+                                               "tokens": run_one.tokens,
                                                "base_learners": args.base,
                                                "seeds": args.seeds, "rows": rows, "runs": runs,
                                                "load_after": load_now()}, indent=2) + "\n")
