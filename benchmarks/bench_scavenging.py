@@ -3,16 +3,19 @@
 The paper's last claim: learners on capacity that frees up join a Decoupled DiLoCo run under
 way and it reaches the same loss in 0.62-0.90x the time. Here, for each seed:
 
-- **base**: ``--base`` learners train the preset's token budget from start to end;
+- **base**: ``--base`` learners train ``--budget`` times the preset's token budget;
 - **scavenging**: the same job with ``K`` more learners that join at a share of the base run's
   duration (``cluster.late_learners``, ``cluster.late_join_s``: they join as a restarted
-  learner does, fetch the global state and train their own data shards), the same budget.
+  learner does, fetch the global state and train their own data shards), for as long as the
+  base run took.
 
-No failures (``faults.mtbf_s=0``), the same seed, ``--budget`` times the preset's token
-budget and 16 evaluation batches (a time to a loss read off a noisy curve is noise). Reported per setting: the time
-the scavenging run took to reach the base run's final eval loss (linear between its
-evaluations), as a share of the base run's time (``time_to_base_loss``); and its own end
-(``finish_ratio``, with its final loss). ``--json FILE`` writes every run and its curve.
+No failures (``faults.mtbf_s=0``), the same seed, a constant inner learning rate (the
+default) and 16 evaluation batches (a time to a loss read off a noisy curve is noise).
+Reported per setting: the time the scavenging run took to reach the base run's final eval
+loss (linear between its evaluations), as a share of the base run's time
+(``time_to_base_loss``; none if it did not within that time), its loss at the base run's end
+against the base's, and its tokens against the base's. ``--json FILE`` writes every run and
+its curve.
 
 ``--processes``: the same on real processes (``ddiloco run --runtime processes``: a real
 synchronizer, learner processes each stepping at most every ``--min-step-s`` wall seconds,
@@ -55,9 +58,11 @@ class Runner:
         self.tokens = int(budget * build_config(preset=preset).run.tokens)
         self.min_step_s = min_step_s
 
-    def __call__(self, seed: int, learners: int, late: int = 0, join_s: float = 0.0) -> dict:
+    def __call__(self, seed: int, learners: int, late: int = 0, join_s: float = 0.0, time_s: float = 0.0) -> dict:
+        """A token budget, or with ``time_s`` a time budget instead."""
+        budget = f"run.time_s={time_s}" if time_s else f"run.tokens={self.tokens}"
         overrides = (f"run.learners={learners}", f"run.seed={seed}", "faults.mtbf_s=0", f"train.evals={EVALS}",
-                     f"train.eval_batches={EVAL_BATCHES}", f"run.tokens={self.tokens}",
+                     f"train.eval_batches={EVAL_BATCHES}", budget,
                      f"cluster.late_learners={late}", f"cluster.late_join_s={join_s}")
         config = build_config(preset=self.preset, overrides=overrides)
         if self.min_step_s is None:
@@ -115,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                 base = run_one(seed, args.base)
                 progress.advance(task)
                 for late, at in SETTINGS:
-                    scav = run_one(seed, args.base + late, late, at * base["time_s"])
+                    scav = run_one(seed, args.base + late, late, at * base["time_s"], base["time_s"])
                     reach = time_to_loss(scav["curve"], base["eval_loss"])
                     runs.append({"seed": seed, "late": late, "join_at": at, "base": base, "scavenging": scav,
                                  "time_to_base_loss": None if reach is None else round(reach / base["time_s"], 4),
-                                 "finish_ratio": round(scav["time_s"] / base["time_s"], 4)})
+                                 "tokens_ratio": round(scav["tokens"] / base["tokens"], 4)})
                     progress.advance(task)
             except ConfigError as err:
                 console.print(f"error: {err}")
@@ -131,20 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"late": late, "join_at": at, "seeds": len(mine), "reached": len(reached),
                      "time_to_base_loss_median": round(statistics.median(reached), 4) if reached else None,
                      "time_to_base_loss_range": [min(reached), max(reached)] if reached else None,
-                     "finish_ratio_median": round(statistics.median(r["finish_ratio"] for r in mine), 4),
+                     "tokens_ratio_median": round(statistics.median(r["tokens_ratio"] for r in mine), 4),
                      "loss_delta_median": round(statistics.median(r["scavenging"]["eval_loss"] - r["base"]["eval_loss"]
                                                                   for r in mine), 4)})
     table = Table(title=f"{where}, {args.preset} preset: {args.base} learners from the start, K more join "
                         f"later; {args.seeds} seeds, no failures")
     for column in ("K join", "at (share of base time)", "time to base's final loss [range]", "reached",
-                   "scavenging run ends at", "final loss - base's (median)"):
+                   "tokens vs base", "loss at base's end - base's (median)"):
         table.add_column(column)
     for r in rows:
         reach = ("never" if r["time_to_base_loss_median"] is None else
                  f"{r['time_to_base_loss_median']:.2f}x [{r['time_to_base_loss_range'][0]:.2f}, "
                  f"{r['time_to_base_loss_range'][1]:.2f}]")
         table.add_row(str(r["late"]), f"{r['join_at']:.2f}", reach, f"{r['reached']}/{r['seeds']}",
-                      f"{r['finish_ratio_median']:.2f}x", f"{r['loss_delta_median']:+.4f}")
+                      f"{r['tokens_ratio_median']:.2f}x", f"{r['loss_delta_median']:+.4f}")
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "where": where, "preset": args.preset,
