@@ -17,7 +17,7 @@ Then the smallest link on which each mode keeps >= 95% of its own uncapped throu
 (:mod:`ddiloco.scale.bandwidth_model`, fed this workload's parameters, codec, H, P, tau and each
 mode's measured uncapped step time) required links and ratio; a plot of throughput against
 link capacity for both modes with the model's predictions on the same axes. Points are
-kept in ``OUT/points/``: a later call with other ``--modes`` or ``--rates`` adds to them, a
+kept in ``OUT/points/``, each with the commit and date it was measured at: a later call with other ``--modes`` or ``--rates`` adds to them, a
 call with the same ones adds samples (a point's figures are then the mean of its samples,
 and the table shows their spread), and the table and plot are rebuilt from every point
 there (``--report`` only rebuilds).
@@ -49,6 +49,9 @@ from ddiloco.runtime.launch.run_log import read_timeline
 from ddiloco.runtime.launch.topology import format_rate, parse_rate, uniform
 from ddiloco.scale import bandwidth_model as bw
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import stamp  # noqa: E402
+
 MODES = ("decoupled", "dp")
 LADDERS = {
     "decoupled": ("uncapped", "20mbit", "5mbit", "2mbit", "1mbit", "500kbit"),
@@ -70,10 +73,12 @@ def measure(base: Config, mode: str, rate_text: str, warmup_s: float, window_s: 
     join_s = state_bits / rate if rate else 0.0  # the initial state (or DDP's broadcast) has to arrive first
     config = replace(base, run=replace(base.run, mode=mode, tokens=0, time_s=warmup_s + window_s + join_s + 10),
                      train=replace(base.train, evals=1)).validate()
+    stamped = stamp(__file__)
     load = os.getloadavg()[0]
     started = time.monotonic()
     summary, _ = run_processes(config, out, topology=uniform(learners, rate), timeout_s=config.run.time_s + 600)
-    point = {"mode": mode, "rate": rate_text, "rate_bps": rate, "load_before": round(load, 2),
+    point = {"mode": mode, "rate": rate_text, "rate_bps": rate, "commit": stamped["commit"], "date": stamped["date"],
+             "load_before": round(load, 2),
              "load_after": round(os.getloadavg()[0], 2), "wall_s": round(time.monotonic() - started, 1),
              "eval_loss": summary["eval_loss"], "warmup_s": warmup_s, "window_s": window_s,
              **steady_state(read_timeline(out / "timeline.jsonl"), learners, warmup_s, window_s, rate)}
@@ -137,7 +142,7 @@ def combine(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             point[key] = sum(g[key] for g in group) / len(group)
         steps = [g["steps_per_s"] for g in group]
         spread = (max(steps) - min(steps)) / point["steps_per_s"] if point["steps_per_s"] else 0.0
-        point.update(samples=len(group), spread=spread,
+        point.update(samples=len(group), spread=spread, commits=sorted({g.get("commit", "unknown") for g in group}),
                      load_before=min(g["load_before"] for g in group), load_after=max(g["load_after"] for g in group))
         points.append(point)
     return points
@@ -310,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 (out / "points" / f"{mode}-{rate}-{n}.json").write_text(json.dumps(point, indent=1))
     points = combine([json.loads(p.read_text()) for p in sorted((out / "points").glob("*.json"))])
     summary = report(config, points, Path(args.plot or out / "wan.png"))
-    Path(args.json or out / "wan.json").write_text(json.dumps({"points": points, "summary": summary}, indent=1))
+    Path(args.json or out / "wan.json").write_text(json.dumps({**stamp(__file__, argv), "points": points,
+                                                                "summary": summary}, indent=1))
     return 0
 
 

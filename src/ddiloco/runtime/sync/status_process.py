@@ -53,8 +53,11 @@ class StatusPageProcess:
             [sys.executable, "-m", "ddiloco.runtime.sync.status_process", bind.host, str(bind.port), str(self.folder)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"token": token}) + "\n")  # not on the command line, where ps shows it
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"token": token}) + "\n")  # not on the command line, where ps shows it
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it exited at once: what it said, if anything, is read below
         answer = _read_line(self.proc.stdout, READY_TIMEOUT_S)
         reply = json.loads(answer) if answer.startswith("{") else {}
         if "port" not in reply:
