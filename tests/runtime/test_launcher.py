@@ -47,6 +47,21 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
         assert "Traceback" not in log
 
 
+def test_a_late_learner_process_joins_the_run_under_way_and_its_work_reaches_the_model(tmp_path) -> None:
+    """Scavenging on real processes: the launcher starts learner-2 eight seconds in, after the
+    others have trained; it joins the running job over gRPC (a state transfer, as a restarted
+    learner) and trains its own shard."""
+    config = build_config(preset="tiny", overrides=("run.learners=3", "run.time_s=30", "cluster.late_learners=1",
+                                                    "cluster.late_join_s=8"))
+    summary, _ = run_processes(config, tmp_path, timeout_s=240)
+    log = (tmp_path / "logs" / "learner-2.log").read_text()
+    adopted = re.search(r"adopted the global state at versions \[([\d, ]+)\]", log)
+    assert adopted and min(int(v) for v in adopted.group(1).split(",")) > 0, log[:2000]  # merged without it
+    assert "training as learner learner-2 (data shard 2 of 3" in log and "Traceback" not in log
+    assert summary["own_steps_per_learner"][2] > 0
+    assert summary["steps_per_learner"][2] > 0  # what the synchronizer accepted from it
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_a_learner_under_torchrun_keeps_its_two_ranks_identical(procs, tmp_path) -> None:
     port = free_port()

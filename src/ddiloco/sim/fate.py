@@ -33,8 +33,6 @@ from ddiloco.sim.network import Network
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.timeline import Happening, Timeline
 
-FAULTS = (Crash, Recover, Arrive, Freeze, Thaw, Partition, PartitionEnd, SyncCrash, SyncRestart)
-
 
 def window_event(w: Window) -> SimEvent:
     """The event that starts an adversary's window."""

@@ -108,7 +108,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         def start(names: list[str]) -> None:
             _start_learners(names, timeline, procs, place, addresses, threads, device, min_step_s)
 
-        late = _LateLearners(timeline.learners, config.cluster.late_learners, config.cluster.late_join_s, start)
+        late = _LateLearners(timeline.learners, config.cluster.arrivals_s(len(timeline.learners)), start)
         evaluations.evaluate(client.status_dict())
         _watch(files, procs, timeline, client, stop, evaluations, timeout_s, late)
         _stop_learners(procs, timeline, stop)
@@ -166,20 +166,21 @@ def _start_learners(names: list[str], timeline: RunTimeline, procs: Processes, p
 
 
 class _LateLearners:
-    """``cluster.late_learners``: the last K learners start ``late_join_s`` wall seconds into the
-    run (capacity that frees up mid-run), the others at once."""
+    """``cluster.late_learners``: each learner starts at its arrival (``ClusterConfig.arrivals_s``,
+    wall seconds into the run here): at once, or later for capacity that frees up mid-run."""
 
-    def __init__(self, names: list[str], late: int, join_s: float, start: Callable[[list[str]], None]) -> None:
-        self.pending = names[len(names) - late:]
-        self.join_s = join_s
+    def __init__(self, names: list[str], arrivals_s: list[float], start: Callable[[list[str]], None]) -> None:
+        self.pending = {name: t for name, t in zip(names, arrivals_s) if t > 0}
         self._start = start
-        start(names[:len(names) - late])
+        start([name for name in names if name not in self.pending])
 
     def start_due(self, elapsed_s: float) -> None:
-        if self.pending and elapsed_s >= self.join_s:
-            announce(f"{', '.join(self.pending)}: joining the run under way ({elapsed_s:.0f}s in)")
-            self._start(self.pending)
-            self.pending = []
+        due = [name for name, t in self.pending.items() if t <= elapsed_s]
+        if due:
+            announce(f"{', '.join(due)}: joining the run under way ({elapsed_s:.0f}s in)")
+            self._start(due)
+            for name in due:
+                del self.pending[name]
 
 
 class _Evaluations:
