@@ -326,25 +326,43 @@ def test_stepping_before_joining_is_an_error():
     assert fresh.between_steps(0.0) is LoopMove.WAIT
 
 
-def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
-    """Issue 20, item 0: the learners trained at full speed while nothing merged, and nothing told the user."""
-    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+def starved_notices(core, params, steps: int, step_s: float, start_s: float = 0.0) -> list[Starved]:
+    """Train ``steps`` steps of ``step_s`` each while the link carries none of the learner's work
+    but its heartbeats are answered (no outage); what it said about being starved."""
     said = []
-    for s in range(1, 3 * BASE.period + 2):
+    for s in range(1, steps + 1):
+        now = start_s + s * step_s
         local_step(params, seed=s)
-        for c in step(core, 10, 1.0, float(s)):
-            core.on_undelivered(c, float(s))  # the link carries none of its work ...
-        for action in core.tick(float(s)):
+        for c in step(core, 10, step_s, now):
+            core.on_undelivered(c, now)
+        for action in core.tick(now):
             said += [action] if isinstance(action, Starved) else []
             if isinstance(action, SendHeartbeat):
-                core.on_accepted(action.message, float(s))  # ... but its heartbeats: no outage
-    (notice,) = said
+                core.on_accepted(action.message, now)
+    return said
+
+
+def test_a_learner_whose_work_does_not_arrive_for_three_periods_says_so_once():
+    """Issue 20, item 0: the learners trained at full speed while nothing merged, and nothing told the user."""
+    config = dataclasses.replace(BASE, lease_s=2.0)  # two leases (4 s) pass before three periods (9 s)
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    (notice,) = starved_notices(core, params, 3 * BASE.period + 1, step_s=1.0)
     assert notice.steps == 3 * BASE.period and core.watch.starved
     local_step(params, seed=99)
     while not (due := step(core, 10, 1.0, 50.0)):
         pass
     core.on_accepted(due[0], 50.0)
     assert not core.watch.starved and not [a for a in core.tick(51.0) if isinstance(a, Starved)]
+
+
+def test_a_learner_that_steps_in_milliseconds_is_not_starved_before_two_leases():
+    """Three periods of 10 ms steps pass before the first round trip can: not a starved link
+    (a real learner said so 0.9 s after its first join). Starved needs two leases too, as the
+    synchronizer's registry does."""
+    config = dataclasses.replace(BASE, lease_s=2.0)
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    assert starved_notices(core, params, 300, step_s=0.01) == []  # 3 s: 100 periods, under two leases
+    assert [n.steps for n in starved_notices(core, params, 200, step_s=0.01, start_s=3.0)]  # past 4 s: starved
 
 
 def test_a_learner_whose_link_carries_half_its_sends_says_so_once():

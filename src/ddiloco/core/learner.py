@@ -73,7 +73,7 @@ class Learner:
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
-        self.watch = LinkWatch(plan.period, len(plan.fragments))
+        self.watch = LinkWatch(plan.period, len(plan.fragments), config.lease_s)
         """Whether its link carries its work (starved, behind)."""
         self.kept: tuple[int, ...] = ()
         """The fragments whose progress the latest admission kept (the synchronizer held our value)."""
@@ -202,7 +202,7 @@ class Learner:
         if not link.joining and not link.newer(state.session):
             return []  # an answer to an older (duplicated or retried) join
         first = not self.joined
-        self._adopt(state, shard)
+        self._adopt(state, shard, now)
         if self.config.blocking and self.joined:  # everyone waits on everyone: send in their phase
             self.schedule.in_phase_with(self.versions, self.step)
         link.admitted(state.session, now, state.data_position)
@@ -212,7 +212,7 @@ class Learner:
             self.phase = LearnerPhase.TRAINING
         return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])
 
-    def _adopt(self, state: GlobalState, shard: int) -> None:
+    def _adopt(self, state: GlobalState, shard: int, now: float) -> None:
         owned = [f.index for f in self.plan.fragments if self.config.shard_of(f.index) == shard]
         if sorted(f.fragment for f in state.fragments) != owned:
             raise ValueError(f"shard {shard} sent fragments {[f.fragment for f in state.fragments]}, "
@@ -231,7 +231,7 @@ class Learner:
             else:
                 self._anchored_at[p] = self.step  # the anchor moved
             self.versions[p] = frag.version
-            self.watch.arrived(self.step)
+            self.watch.arrived(self.step, now)
             self.schedule.restart(p, self.step, keep_counters=kept)
 
     # ---- training ------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class Learner:
 
     def on_accepted(self, request: Request, now: float, *, stop: bool = False, shard: int = 0) -> list[LearnerAction]:
         if isinstance(request, Contribution):
-            self.watch.arrived(self.step)
+            self.watch.arrived(self.step, now)
             self.schedule.answered(request.fragment, request.seq)
         return self.watch.answered(shard, now, self.step) + (self.on_stop(now) if stop else [])
 
@@ -423,7 +423,8 @@ class Learner:
         """
         self.schedule.expire_waits(now)
         actions = self.watch.outages(now) if self.phase in (LearnerPhase.TRAINING, LearnerPhase.JOINING) else []
-        actions += self.watch.check(self.step, training=self.phase is LearnerPhase.TRAINING, rejoining=self.rejoining())
+        actions += self.watch.check(self.step, now, training=self.phase is LearnerPhase.TRAINING,
+                                    rejoining=self.rejoining())
         interval = self.config.heartbeat_interval_s
         for shard, link in enumerate(self.links):
             if link.joining and link.join_retry_s is not None and now >= link.join_retry_s:

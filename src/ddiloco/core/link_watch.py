@@ -4,7 +4,8 @@ A learner never waits for the network, so its own steps per second hide a link t
 slow. Two signs, each said once (and again only after the link recovered):
 
 - *starved* (:class:`~ddiloco.core.actions.Starved`): none of its work has been accepted for
-  ``STARVED_PERIODS`` periods, although the synchronizer answers (its heartbeats, refusals);
+  ``STARVED_PERIODS`` periods and ``STARVED_LEASES`` leases, although the synchronizer answers
+  (its heartbeats, refusals);
 - *behind* (:class:`~ddiloco.core.actions.Behind`): some arrives, but its recent
   contributions carried ``BEHIND_AT`` periods of steps each on average, because each waited
   for the one before it to be answered (``SendSchedule.held``);
@@ -26,8 +27,11 @@ from dataclasses import dataclass
 from ddiloco.core.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
 
 STARVED_PERIODS = 3
-"""None of a live learner's work accepted for this many of its periods: link-starved, as the
-learner sees it and as the synchronizer does (``Registry``, with at least two leases)."""
+"""None of a live learner's work accepted for this many of its periods ..."""
+STARVED_LEASES = 2
+"""... and this many leases: link-starved, as the learner sees it and as the synchronizer does
+(``Registry``). The leases keep a learner that steps in milliseconds from calling its first
+round trip a starved link."""
 BEHIND_AT = 1.5
 """Behind when the recent contributions carried this many periods of steps each on average (a
 third of the sends waited for the one before): below what the protocol needs."""
@@ -52,7 +56,7 @@ class _Silent:
 
 
 class LinkWatch:
-    def __init__(self, period: int, fragments: int) -> None:
+    def __init__(self, period: int, fragments: int, lease_s: float) -> None:
         self._answered_at_step = 0
         """The step at which the synchronizer last answered any call."""
         self._silent: dict[int, _Silent] = {}
@@ -61,8 +65,11 @@ class LinkWatch:
         """Fragments whose next send carries the steps of contributions undelivered during an outage
         (or kept across a rejoin)."""
         self.period = period
+        self.lease_s = lease_s
         self._accepted_at_step = 0
-        """The step at which a contribution was last accepted, or a state adopted."""
+        """The step at which a contribution was last accepted, or a state adopted ..."""
+        self._accepted_at_s = 0.0
+        """... and when."""
         self._carried: deque[int] = deque(maxlen=2 * fragments)
         """Steps carried by each of the last sends (H each when the link keeps up)."""
         self.starved = False
@@ -70,9 +77,10 @@ class LinkWatch:
         self.stale = False
         """Its contributions arrive stale (since the last one accepted, or the last state adopted)."""
 
-    def arrived(self, step: int) -> None:
-        """A contribution was accepted, or a global state adopted, at ``step``."""
+    def arrived(self, step: int, now: float) -> None:
+        """A contribution was accepted, or a global state adopted, at ``step`` and ``now``."""
         self._accepted_at_step = step
+        self._accepted_at_s = now
         self.starved = False
         self.stale = False
 
@@ -137,7 +145,7 @@ class LinkWatch:
         """Some shard has been declared unreachable."""
         return any(s.next_summary_s is not None for s in self._silent.values())
 
-    def check(self, step: int, *, training: bool, rejoining: bool) -> list[LearnerAction]:
+    def check(self, step: int, now: float, *, training: bool, rejoining: bool) -> list[LearnerAction]:
         """What to say at ``step`` while ``training``: starved (the synchronizer answers, not while
         ``rejoining``: its work waits for the new state; a synchronizer that answers nothing is an
         outage, said by ``outages``), behind."""
@@ -146,7 +154,8 @@ class LinkWatch:
         actions: list[LearnerAction] = []
         unaccepted = step - self._accepted_at_step
         answering = self._answered_at_step > self._accepted_at_step
-        if answering and not rejoining and not self.starved and unaccepted >= STARVED_PERIODS * self.period:
+        if (answering and not rejoining and not self.starved and unaccepted >= STARVED_PERIODS * self.period
+                and now - self._accepted_at_s >= STARVED_LEASES * self.lease_s):
             self.starved = True
             actions.append(Starved(unaccepted))
         if len(self._carried) == self._carried.maxlen:

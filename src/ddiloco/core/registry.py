@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ddiloco.core.link_watch import STARVED_PERIODS
+from ddiloco.core.link_watch import STARVED_LEASES, STARVED_PERIODS
 from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Session
 from ddiloco.core.sync_status import LearnerStatus
 
@@ -236,7 +236,7 @@ class Registry:
 
     def _starves_at(self, rec: LearnerRecord) -> float:
         step_s = rec.step_time_s or self.fastest_step_s()
-        return rec.last_progress_s() + max(2 * self.lease_s, STARVED_PERIODS * self.period * step_s)
+        return rec.last_progress_s() + max(STARVED_LEASES * self.lease_s, STARVED_PERIODS * self.period * step_s)
 
     def _may_starve(self, rec: LearnerRecord) -> bool:
         return rec.alive and not rec.starved and rec.admitting_until_s is None
