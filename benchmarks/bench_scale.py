@@ -129,6 +129,11 @@ VARIANTS = {
     "mean-merge": Variant(("protocol.merge=mean",)),
     "batch-x-M": Variant(batch_factor=LEARNERS),
     "period-6": Variant(("protocol.period=6",)),
+    # Diagnostics for a run that does not train (section 7's 3m): each removes one of the ways
+    # Decoupled DiLoCo's learners and outer step differ from synchronous DiLoCo's.
+    "alpha-0": Variant(("protocol.alpha=0",)),
+    "no-momentum": Variant(("protocol.outer_momentum=0",)),
+    "no-align": Variant(("protocol.align_sends=false",)),
 }
 
 

@@ -221,7 +221,11 @@ class AbsmaxCodec(_BlockCodec):
         self.qmax = 2 ** (bits - 1) - 1
 
     def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-        scales = blocks.abs().amax(dim=1) / self.qmax
+        amax = blocks.abs().amax(dim=1)
+        # Divided by a tensor, not a Python number: on CUDA, dividing by a host scalar multiplies
+        # by its reciprocal, one bit off the host's division, and a GPU learner's scales would
+        # not be the bytes a CPU learner sends for the same Δ.
+        scales = amax / torch.full_like(amax, self.qmax)
         # A zero block keeps scale 0; dividing its zeros by 1 instead yields exact zero codes.
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
         q = (blocks / divisor).round_().clamp_(-self.qmax, self.qmax).add_(self.qmax)
@@ -238,10 +242,12 @@ class SignCodec(_BlockCodec):
     bits = 1
 
     def _codes_and_scales(self, blocks: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-        counts = torch.full((blocks.shape[0],), float(self.block_size), device=blocks.device)
+        counts = torch.full((blocks.shape[0],), float(self.block_size), device=blocks.device, dtype=torch.float64)
         if numel % self.block_size:
             counts[-1] = numel % self.block_size  # the short last block's padding is no data
-        scales = blocks.abs().sum(dim=1) / counts
+        # Summed in float64: the order a device sums a block in then no longer shows in the
+        # float32 scale, so a GPU learner sends the bytes a CPU learner would.
+        scales = (blocks.abs().sum(dim=1, dtype=torch.float64) / counts).to(torch.float32)
         return (blocks < 0).to(torch.uint8), scales
 
     def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
