@@ -252,7 +252,7 @@ def published_fit() -> tuple[float, float]:
 
 
 def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
-    """Our gaps (mean over seeds, each with its tokens per parameter) beside the published M = 4
+    """Our base recipe's gaps (mean over seeds, each with its tokens per parameter) beside the published M = 4
     points and their power-law fit, extended down to the sizes we train."""
     import matplotlib
 
@@ -261,33 +261,26 @@ def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8.5, 5.2))
     by_point: dict[tuple, list[float]] = {}
-    budget: dict[tuple, set[float]] = {}
-    for g in table:  # seeds: their mean
-        key = (g["mode"], g["variant"], g["params"])
-        by_point.setdefault(key, []).append(g["gap_pct"])
-        budget.setdefault(key, set()).add(g["tokens_per_param"])
+    for g in table:  # seeds: their mean; budgets: points of their own
+        by_point.setdefault((g["mode"], g["variant"], g["params"], g["tokens_per_param"]), []).append(g["gap_pct"])
     mean = {k: sum(v) / len(v) for k, v in by_point.items()}
     trained = {k: v for k, v in mean.items() if v <= DID_NOT_TRAIN_PCT}
     for mode, style, label in (("decoupled", "o-", "ours: Decoupled DiLoCo M=4, K=1"),
                                ("diloco", "s--", "ours: synchronous DiLoCo M=4")):
-        pts = sorted((params, gap) for (m, v, params), gap in trained.items() if m == mode and v == "base")
+        pts = sorted((params, gap) for (m, v, params, _), gap in trained.items() if m == mode and v == "base")
         if pts:
             ax.plot(*zip(*pts), style, label=label)
-    for (mode, variant, params), gap in trained.items():
-        tpp = "/".join(f"{t:g}" for t in sorted(budget[(mode, variant, params)]))
-        if variant != "base":
-            ax.plot(params, gap, "x", color="gray")
-            ax.annotate(variant, (params, gap), fontsize=7, color="gray", xytext=(4, 2), textcoords="offset points")
-        elif mode == "decoupled":
-            ax.annotate(f"{tpp} tok/param", (params, gap), fontsize=7, xytext=(4, -10), textcoords="offset points")
-    for (mode, variant, params), gap in mean.items():
+    for (mode, variant, params, tpp), gap in trained.items():  # candidate changes: in the table, not here
+        if mode == "decoupled" and variant == "base":
+            ax.annotate(f"{tpp:g} tok/param", (params, gap), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    for (mode, variant, params, tpp), gap in mean.items():
         if gap > DID_NOT_TRAIN_PCT and variant == "base":
-            ax.annotate(f"{mode} at {params / 1e6:.1f}M: did not train (+{gap:.0f}%)", (params, 0), fontsize=7,
-                        color="red", xytext=(0, 12), textcoords="offset points", ha="center",
+            ax.annotate(f"{mode} at {params / 1e6:.1f}M, {tpp:g} tok/param: did not train (+{gap:.0f}%)", (params, 0),
+                        fontsize=7, color="red", xytext=(0, 12), textcoords="offset points", ha="center",
                         arrowprops={"arrowstyle": "-", "color": "red", "lw": 0.6})
     ax.plot(*zip(*PUBLISHED_M4), "k^", label="published: DiLoCo M=4 (Charles et al. 2025, C4, Chinchilla-optimal tokens)")
     a, b = published_fit()
-    low = min([params for (_, _, params) in mean] + [PUBLISHED_M4[0][0]]) / 2
+    low = min([params for (_, _, params, _) in mean] + [PUBLISHED_M4[0][0]]) / 2
     xs = np.geomspace(low, PUBLISHED_M4[-1][0], 50)
     ax.plot(xs, a * xs ** b, ":", color="black", lw=0.9, label=f"its power-law fit, extended: {a:.3g}·N^{b:.3f} %")
     ax.axhline(0, color="gray", lw=0.8)
@@ -300,6 +293,34 @@ def plot(path: Path, table: list[dict[str, Any]], title: str) -> None:
     plt.close(fig)
 
 
+def plot_curves(files: list[str], size: str, path: Path) -> int:
+    """The eval-loss curves of every run of ``size`` the tables hold a curve for: where a run
+    that ends badly went wrong, beside the runs that did not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for f in files for r in json.loads(Path(f).read_text())["runs"] if r["size"] == size and r.get("curve")]
+    if not runs:
+        raise ConfigError(f"no run of size {size!r} with a curve in {', '.join(files)}")
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    for r in sorted(runs, key=lambda r: (r["tokens"], r["mode"], r["variant"], r["lr"])):
+        tokens, loss = zip(*r["curve"])
+        variant = "" if r["variant"] == "base" else f" {r['variant']}"
+        ax.plot(tokens, loss, "-" if r["mode"] == "dp" else "--" if r["mode"] == "diloco" else "-.", marker=".",
+                label=f"{r['mode']}{variant}, lr {r['lr']:g}, {r['tokens_per_param']:g} tok/param")
+    ax.set(xlabel="tokens (all learners)", ylabel="eval loss (global model)")
+    ax.set_title(f"Eval loss during each {size} run ({runs[0]['device']}, {runs[0]['precision']})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path} from {len(runs)} runs of {size}")
+    return 0
+
+
 def plot_tables(files: list[str], path: Path) -> int:
     """One plot from the gaps of several results tables (CPU and GPU runs on one curve)."""
     table = [g for f in files for g in json.loads(Path(f).read_text())["gaps"]]
@@ -309,16 +330,23 @@ def plot_tables(files: list[str], path: Path) -> int:
     return 0
 
 
-def run_one(config: Config, variant: Variant, workload: Workload) -> tuple[float, float, list[list[float]]]:
-    """(final eval loss, wall seconds, [tokens, eval loss] at each evaluation) of one run: the
-    curve shows where a run that ends badly went wrong."""
+PROTOCOL_COUNTS = ("rounds_closed", "rejections", "merge_width", "merge_coherence")
+"""What a run's synchronizer did (``run_virtual``'s summary), kept beside its curve: a run that
+does not train says whether its rounds merged few learners, or its contributions were refused."""
+
+
+def run_one(config: Config, variant: Variant, workload: Workload) -> tuple[float, float, dict[str, Any]]:
+    """(final eval loss, wall seconds, extras) of one run; extras hold the curve, [tokens, eval
+    loss] at each evaluation (where a run that ends badly went wrong), and ``PROTOCOL_COUNTS``."""
     started = time.perf_counter()
     if variant.warm_fraction and config.run.mode != "dp":
         summary, rows = run_warm_started(config, variant.warm_fraction, workload=workload)
     else:
         summary, rows = run_virtual(config, workload=workload, check_invariants=False)
-    curve = [[r["tokens"], round(r["eval_loss"], 4)] for r in rows if r.get("eval_loss") is not None]
-    return summary["eval_loss"], time.perf_counter() - started, curve
+    extras: dict[str, Any] = {
+        "curve": [[r["tokens"], round(r["eval_loss"], 4)] for r in rows if r.get("eval_loss") is not None]}
+    extras.update((k, summary[k]) for k in PROTOCOL_COUNTS if k in summary and config.run.mode != "dp")
+    return summary["eval_loss"], time.perf_counter() - started, extras
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,11 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-from", nargs="+", metavar="TABLE",
                         help="train nothing: draw the gaps of these results tables on one plot (--plot)")
     parser.add_argument("--plot", default="gap.png", help="with --plot-from: the PNG to write")
+    parser.add_argument("--curves", metavar="SIZE",
+                        help="with --plot-from: draw the eval curves of that size's runs instead of the gaps")
     add_device_option(parser)
     args = parser.parse_args(argv)
-    if args.plot_from:
-        return plot_tables(args.plot_from, Path(args.plot))
     try:
+        if args.plot_from:
+            if args.curves:
+                return plot_curves(args.plot_from, args.curves, Path(args.plot))
+            return plot_tables(args.plot_from, Path(args.plot))
         return _main(args)
     except ConfigError as err:
         print(f"bench_scale: {err}", file=sys.stderr)
@@ -398,11 +430,11 @@ def _main(args: argparse.Namespace) -> int:
                         continue
                     workload = workload or Workload.build(config, device, data=data)
                     try:
-                        loss, wall, curve = run_one(config, variant, workload)
+                        loss, wall, extras = run_one(config, variant, workload)
                     except torch.cuda.OutOfMemoryError:
                         raise ConfigError(f"size {size.name!r} ({size.params / 1e6:.1f}M parameters) ran out of "
                                           f"memory on {device} ({mode}, batch {config.train.batch_size})") from None
-                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1), "curve": curve})
+                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1), **extras})
                     print(f"{size.name:>6} {size.params / 1e6:7.3f}M {tpp:g} tok/param {mode:<9} {variant_name:<13} "
                           f"lr {lr:g}: eval loss {loss:.4f} ({wall:.0f} s, {where})", flush=True)
     if args.estimate:

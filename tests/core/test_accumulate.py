@@ -49,7 +49,7 @@ def test_accumulated_merge_equals_the_reference(numel, block, codec, rule, count
     for m in range(count):
         payload = c.encode(torch.randn(numel, generator=g) * float(torch.rand(1, generator=g)) * 0.1)
         weight = float(torch.randint(1, 2000, (1,), generator=g))
-        acc.add(m, payload, weight, acc.measure(payload, math.inf))
+        acc.add(m, payload, weight, acc.measure(payload))
         deltas.append(c.decode(payload, numel))
         weights.append(weight)
     want = reference(deltas, weights, rule)
@@ -71,7 +71,7 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
             continue
         payload = FAST.encode(torch.randn(numel, generator=g) * 0.01)
         weight = float(torch.randint(1, 100, (1,), generator=g))
-        acc.add(key, payload, weight, acc.measure(payload, math.inf))  # replaces what the key held
+        acc.add(key, payload, weight, acc.measure(payload))  # replaces what the key held
         held[key] = (payload, weight)
     if not held:
         assert len(acc) == 0
@@ -81,22 +81,19 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
 
 
 @pytest.mark.parametrize("codec", ["int4", "int8", "fp32"])
-def test_non_finite_and_absurd_contributions_are_refused_and_change_nothing(codec):
+def test_non_finite_contributions_are_refused_and_change_nothing(codec):
     c = get_codec(codec)
     numel = 300
     acc = RoundAccumulator(numel, c, merge_rule("rda"))
     good = c.encode(torch.full((numel,), 0.01))
-    acc.add("a", good, 10.0, acc.measure(good, math.inf))
+    acc.add("a", good, 10.0, acc.measure(good))
     before = merged(acc).clone()
     if codec == "fp32":
         bad = struct.pack("<f", math.nan) + good[4:]
     else:
         bad = struct.pack("<f", math.inf) + good[4:]  # the first block's scale
     with pytest.raises(Rejected, match="non_finite"):
-        acc.measure(bad, math.inf)
-    huge = c.encode(torch.full((numel,), 1e3))
-    with pytest.raises(Rejected, match="norm_bound"):
-        acc.measure(huge, 1.0)
+        acc.measure(bad)
     assert torch.equal(merged(acc), before) and len(acc) == 1
 
 
@@ -104,12 +101,12 @@ def test_zero_deltas_count_in_the_magnitude_and_cancelling_directions_give_zero(
     numel = 256
     acc = RoundAccumulator(numel, FAST, merge_rule("rda"))
     zero = FAST.encode(torch.zeros(numel))
-    acc.add("z", zero, 1.0, acc.measure(zero, math.inf))
+    acc.add("z", zero, 1.0, acc.measure(zero))
     assert torch.equal(merged(acc), torch.zeros(numel))
     up = FAST.encode(torch.full((numel,), 0.5))
     down = FAST.encode(torch.full((numel,), -0.5))
-    acc.add("u", up, 1.0, acc.measure(up, math.inf))
-    acc.add("d", down, 1.0, acc.measure(down, math.inf))
+    acc.add("u", up, 1.0, acc.measure(up))
+    acc.add("d", down, 1.0, acc.measure(down))
     assert torch.equal(merged(acc), torch.zeros(numel))
 
 
@@ -127,7 +124,7 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
         payloads = [FAST.encode(torch.randn(numel, generator=g) * 0.05) for _ in range(3)]
         for m, p in enumerate(payloads):
             for frag in (fast, ref):
-                frag.accumulator.add(m, p, 5.0 + m, frag.accumulator.measure(p, math.inf))
+                frag.accumulator.add(m, p, 5.0 + m, frag.accumulator.measure(p))
         before = fast.value.clone()
         delta = merged(ref.accumulator)
         ref.accumulator.clear()
@@ -169,7 +166,7 @@ results = []
 def shard():
     acc = RoundAccumulator(numel, codec, merge_rule("rda"))
     for m in range(30):
-        acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
+        acc.add(m, payload, 1.0 + m, acc.measure(payload))
     total, factor, _ = acc.accumulated()
     results.append(torch.from_numpy(total * factor))
 threads = [threading.Thread(target=shard) for _ in range(3)]
@@ -199,7 +196,7 @@ def test_compiling_up_front_covers_the_types_a_round_uses():
     fragment = GlobalFragment(value=torch.randn(numel), is_embedding=False,
                               accumulator=RoundAccumulator(numel, FAST, merge_rule("rda")))
     payload = FAST.encode(torch.randn(numel) * 0.01)
-    fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload, math.inf))
+    fragment.accumulator.add(0, payload, 1.0, fragment.accumulator.measure(payload))
     fragment.close(NesterovSGD(lr=0.7, momentum=0.9), FAST, plain=False)
     assert [len(k.signatures) for k in compiled] == before
 
@@ -213,11 +210,11 @@ def test_coherence_is_one_for_aligned_and_one_over_root_m_for_orthogonal_gradien
     direction = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     for k in range(m):
         same = FAST.encode(direction * (0.01 * (k + 1)))
-        aligned.add(k, same, 1.0, aligned.measure(same, math.inf))
+        aligned.add(k, same, 1.0, aligned.measure(same))
         disjoint = torch.zeros(numel)  # disjoint supports: exactly orthogonal, equal norms
         disjoint[k * numel // m:(k + 1) * numel // m] = direction[:numel // m]
         payload = FAST.encode(disjoint * 0.01)
-        orthogonal.add(k, payload, 1.0, orthogonal.measure(payload, math.inf))
+        orthogonal.add(k, payload, 1.0, orthogonal.measure(payload))
     assert aligned.accumulated().coherence == pytest.approx(1.0, abs=1e-4)
     assert orthogonal.accumulated().coherence == pytest.approx(1 / math.sqrt(m), rel=1e-3)
 
@@ -230,7 +227,7 @@ def test_mean_coherence_is_the_merged_norm_over_the_mean_norm() -> None:
     for k, w in enumerate(weights):
         payload = FAST.encode(torch.randn(numel, generator=g) * 0.02 + 0.01)
         deltas.append(FAST.decode(payload, numel))
-        acc.add(k, payload, w, acc.measure(payload, math.inf))
+        acc.add(k, payload, w, acc.measure(payload))
     w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
     want = merge_rule(MergeRuleName.MEAN).reference(deltas, w)
     mean_norm = sum(wi * float(torch.linalg.vector_norm(d.double())) for wi, d in zip(w.tolist(), deltas))
@@ -247,7 +244,7 @@ def test_no_contribution_weighs_more_than_the_cap_times_the_lower_median_weight(
     payloads = [FAST.encode(torch.randn(numel, generator=g) * 0.01) for _ in range(3)]
     capped = RoundAccumulator(numel, FAST, merge_rule(rule))
     for m, (payload, weight) in enumerate(zip(payloads, (1.0, 2.0, 200.0))):
-        capped.add(m, payload, weight, capped.measure(payload, math.inf))
+        capped.add(m, payload, weight, capped.measure(payload))
     assert capped.cap_weights(4.0) == 1
     want = reference([FAST.decode(p, numel) for p in payloads], [1.0, 2.0, 8.0], rule)
     assert torch.allclose(merged(capped), want, rtol=1e-4, atol=1e-7)
@@ -272,7 +269,7 @@ def test_open_rounds_hold_their_payloads_and_the_closes_share_one_buffer():
     try:
         for acc in rounds:
             for m, payload in enumerate(payloads):
-                acc.add(m, payload, 1.0 + m, acc.measure(payload, math.inf))
+                acc.add(m, payload, 1.0 + m, acc.measure(payload))
         held, _ = tracemalloc.get_traced_memory()
         assert held < fp32 // 4  # the payloads are the callers' bytes: the rounds add only bookkeeping
         tracemalloc.reset_peak()
@@ -298,7 +295,7 @@ def test_a_capped_weight_leaves_the_other_contributions_whole(rule):
     payloads = [c.encode(torch.randn(numel, generator=g) * 0.01) for _ in range(3)]
     weights = [1000.0, 1200.0, 1e15]
     for m, (payload, weight) in enumerate(zip(payloads, weights)):
-        acc.add(m, payload, weight, acc.measure(payload, math.inf))
+        acc.add(m, payload, weight, acc.measure(payload))
     assert acc.cap_weights(4.0) == 1
     want = reference([c.decode(p, numel) for p in payloads], [1000.0, 1200.0, 4 * 1200.0], rule)
     assert torch.allclose(merged(acc), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))

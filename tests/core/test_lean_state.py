@@ -38,7 +38,7 @@ def run_rounds(frag: GlobalFragment, rounds: int, learners: int, seed: int, *, f
         for m in range(learners):
             delta = 0.01 * (direction + 2.0 * torch.randn(numel, generator=g))
             payload = INT4.encode(delta)
-            frag.accumulator.add(m, payload, 1000.0 + m, frag.accumulator.measure(payload, math.inf))
+            frag.accumulator.add(m, payload, 1000.0 + m, frag.accumulator.measure(payload))
         plain = r == rounds - 1
         if fused:
             frag.close(outer, INT4, plain=plain)

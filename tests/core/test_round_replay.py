@@ -42,7 +42,7 @@ def rounds(frag: GlobalFragment, count: int, seed: int, codec=INT4) -> list[byte
     for _ in range(count):
         for m in range(4):
             payload = INT4.encode(0.01 * (direction + 2.0 * torch.randn(numel, generator=g)))
-            frag.accumulator.add(m, payload, 1000.0 + m, frag.accumulator.measure(payload, math.inf))
+            frag.accumulator.add(m, payload, 1000.0 + m, frag.accumulator.measure(payload))
         sent.append(frag.close(OUTER, codec, plain=False)[0])
     return sent
 

@@ -180,6 +180,26 @@ def test_nan_and_absurd_norm_are_rejected():
     assert {s.learner_id: s.rejected for s in sync.status().learners}["l0"] == 2
 
 
+def test_a_fragment_whose_honest_norms_grow_past_the_bound_in_a_warm_up_moves_again():
+    """An inner-lr warm-up makes a fragment's first round a few steps at a small rate and the
+    next a whole period at a larger one. With the bound learnt from accepted norms alone, every
+    contribution after that jump was refused for the rest of the run (the 2.8M-parameter GPU
+    run and a 35k CPU run froze a fragment at version 2 while the learners trained it apart)."""
+    config = dataclasses.replace(BASE, quorum=4, codec="fp32", downlink_codec="fp32", min_step_s=1e-9,
+                                 max_tokens_per_step=10**6, lease_s=1e6)
+    plan, sync, cores, params = make_cluster(config, learners=4)
+    p = 1
+    n = plan.fragments[p].numel
+    versions = []
+    for rnd, scale in enumerate((0.04, 0.55, 0.55, 0.55, 0.55)):
+        cs = contributions_for(cores, params, fragment=p, seed=rnd)
+        for m, c in enumerate(cs):
+            delta = torch.full((n,), scale * (1 + 0.01 * m) / n**0.5)  # ‖Δ‖ = scale, honest spread
+            deliver(sync.handle(dataclasses.replace(c, payload=delta.numpy().tobytes()), 10.0 * (rnd + 1)), cores)
+        versions.append(sync.fragment_version(p))
+    assert versions[-1] - versions[1] >= 2, versions  # it moves again within two rounds of the jump
+
+
 def test_duplicates_and_stale_contributions_are_rejected():
     config = dataclasses.replace(BASE, quorum=1, staleness_max=1, lease_s=1e6)
     plan, sync, cores, params = make_cluster(config, learners=3)

@@ -93,8 +93,9 @@ class RoundAccumulator:
 
     # ---- one contribution ----------------------------------------------------------------
 
-    def measure(self, payload: bytes, norm_bound: float) -> float:
-        """‖Δ‖ of a payload, or :class:`Rejected` (``non_finite``, ``norm_bound``); changes nothing."""
+    def measure(self, payload: bytes) -> float:
+        """‖Δ‖ of a payload, or :class:`Rejected` (``non_finite``); changes nothing. Whether the
+        norm is acceptable is the fragment's :class:`~ddiloco.core.norm_bound.NormBound`'s to say."""
         if self._fast:
             square, bad = int4_stats(*self._parts(payload), self.numel, self.codec.block_size)  # type: ignore[attr-defined]
             finite = bad == 0
@@ -105,8 +106,6 @@ class RoundAccumulator:
             norm = float(torch.linalg.vector_norm(delta.double())) if finite else math.inf
         if not finite:
             raise Rejected(RejectReason.NON_FINITE, "NaN or Inf in the outer gradient")
-        if norm > norm_bound:
-            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {norm_bound:.3g}")
         return norm
 
     def add(self, key: Hashable, payload: bytes, weight: float, norm: float) -> None:

@@ -13,7 +13,6 @@ of it drift from an fp32 outer state; other downlink codecs keep fp32 momentum a
 
 from __future__ import annotations
 
-import collections
 import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,6 +24,7 @@ from ddiloco.core.accumulate import RoundAccumulator
 from ddiloco.core.codecs import Codec, fused_int4
 from ddiloco.core.kernels import RESIDUAL_LEVELS, outer_step_int4
 from ddiloco.core.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
+from ddiloco.core.norm_bound import NormBound
 from ddiloco.core.outer import NesterovSGD
 
 
@@ -37,11 +37,6 @@ class RoundPhase(enum.StrEnum):
     """Quorum reached: stragglers are admitted until the window's deadline."""
 
 
-NORMS_KEPT = 32
-NORMS_NEEDED = 8
-NORM_FLOOR = 1e-3
-"""A fragment's norm bound never falls below this share of its initial scale (a run whose
-updates shrink toward zero must still accept an honest contribution a little above the median)."""
 
 PendingKey = tuple[str, Session]
 """(learner id, session): a learner that registered again measures Δ from a new anchor, so
@@ -144,21 +139,8 @@ class GlobalFragment:
     round: Round = field(default_factory=Round)
     ready_at_s: float = 0.0
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
-    initial_norm: float = 1.0
-    """‖Θ_p‖ when the run began: the norm bound's scale until enough contributions are known."""
-    norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORMS_KEPT))
-    """‖Δ‖ of the latest accepted contributions."""
-
-    def norm_bound(self, ratio: float) -> float:
-        """The largest ‖Δ‖ accepted: ``ratio`` times the lower median of recent accepted norms
-        (the fragment's initial scale before ``NORMS_NEEDED`` are known). A member's own accepted
-        contributions move a lower median only if they are most of the recent ones, and the
-        bound never follows Θ itself, so it cannot be made to grow by merging large updates."""
-        scale = max(self.initial_norm, 1.0)
-        if len(self.norms) < NORMS_NEEDED:
-            return ratio * scale
-        recent = sorted(self.norms)
-        return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
+    norm_bound: NormBound = field(default_factory=NormBound)
+    """The largest ‖Δ‖ this fragment accepts, and the recent norms behind it."""
 
     def check(self, c: Contribution, uplink: Codec, staleness_max: int) -> None:
         """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured from."""
@@ -263,8 +245,7 @@ class GlobalFragment:
             "momentum": _copy(self.momentum),
             "residual": _copy(self.residual),
             "residual_scales": _copy(self.residual_scales),
-            "initial_norm": self.initial_norm,
-            "norms": list(self.norms),
+            "norm_bound": self.norm_bound.state_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any], *, lean: bool) -> None:
@@ -285,9 +266,7 @@ class GlobalFragment:
         self.momentum = _restored(self.momentum, momentum)
         self.residual = _restored(self.residual, residual)
         self.residual_scales = None if scales is None or not lean else scales.to(torch.float32).reshape(-1).clone()
-        self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
-        self.norms.clear()
-        self.norms.extend(float(n) for n in saved.get("norms", ()))
+        self.norm_bound.load_state_dict(saved.get("norm_bound", saved))  # before NormBound: the same keys, flat
         self.round.clear()
         self.accumulator.clear()
 

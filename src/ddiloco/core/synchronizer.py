@@ -63,6 +63,7 @@ from ddiloco.core.messages import (
     Session,
 )
 from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
+from ddiloco.core.norm_bound import NormBound
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
@@ -105,7 +106,7 @@ class Synchronizer(SyncState):
                 v = initial_values[i]  # a lazy sequence reads only the fragments this shard owns
                 value = v.detach().to(torch.float32).flatten().clone()
                 self._fragments[i] = GlobalFragment(
-                    value=value, is_embedding=i in embeds, initial_norm=float(torch.linalg.vector_norm(value)),
+                    value=value, is_embedding=i in embeds, norm_bound=NormBound(float(torch.linalg.vector_norm(value))),
                     accumulator=RoundAccumulator(v.numel(), self._uplink,
                                                  merge_rule(MergeRuleName.MEAN if i in embeds else config.merge),
                                                  self._buffers),
@@ -290,13 +291,16 @@ class Synchronizer(SyncState):
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
         norm, pending, plausible, clipped = self._validate(c, rec, now)
+        frag = self._fragments[c.fragment]
+        bound = frag.norm_bound.bound(self.config.delta_norm_ratio_max)
+        frag.norm_bound.measured(norm)  # refused or not: the bound follows what learners send
+        if norm > bound:
+            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
         # Valid whole: from here on nothing refuses it.
         self._report(rec, c.learner_id, c, now)
         self._counters.claims_clipped.update(str(reason) for reason in clipped)
         self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
-        frag = self._fragments[c.fragment]
-        frag.norms.append(norm)
         key = (c.learner_id, c.session)
         merged = pending.contribution
         frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
@@ -305,7 +309,8 @@ class Synchronizer(SyncState):
 
     def _validate(self, c: Contribution, rec: LearnerRecord,
                   now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
-        """Every check a contribution must pass, changing nothing: returns ‖Δ‖, what the round will hold,
+        """Every check a contribution must pass but the norm bound (which learns from the norm it is
+        shown, ``core/norm_bound.py``), changing nothing: returns ‖Δ‖, what the round will hold,
         and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
         frag = self._fragments.get(c.fragment)
         if frag is None:
@@ -317,8 +322,7 @@ class Synchronizer(SyncState):
             c, self._claims, session_s=rec.session_started_s, now=now, tokens_per_step=rec.tokens_per_step,
             last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
             compute_before=rec.compute_accepted.get(c.fragment, 0.0), period=self.config.period)
-        bound = frag.norm_bound(self.config.delta_norm_ratio_max)
-        return frag.accumulator.measure(c.payload, bound), frag.round.merged(plausible, now), plausible, clipped
+        return frag.accumulator.measure(c.payload), frag.round.merged(plausible, now), plausible, clipped
 
     # ---- time, rounds, the end of the run --------------------------------------------------
 

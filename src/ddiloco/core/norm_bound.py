@@ -1,0 +1,69 @@
+"""The largest outer gradient a fragment accepts, learnt from what its learners send.
+
+The bound is ``protocol.delta_norm_ratio_max`` times the lower median of the last
+``NORMS_KEPT`` norms measured for the fragment: the contributions it let in *and* those it
+refused for their norm.
+
+*Refused norms count.* A bound learnt only from the norms it let in cannot follow the honest
+scale once that grows by more than the ratio, which an inner-lr warm-up does: a fragment's
+first round holds a few steps at a small rate, the next a whole period at a larger one.
+Every later contribution of every learner is then refused, no new norm is let in, and the
+fragment never moves again while the learners train it apart. Measured before this rule: a
+35k-parameter run on the virtual cluster with a 34-step warm-up froze fragment 1 at version 2
+for all of its 1,700 steps (568 contributions refused) and its eval loss rose from 2.75 to 4.00
+while data parallel's fell to 1.72; on a GPU the same froze the 2.8M-parameter point of the
+model-size ladder (docs/results.md section 7). Counting refused norms, the bound reaches the
+new scale once half its window has been sent at it, and the fragment moves again.
+
+*A window and its lower median, not the latest norms.* The bound follows a change of scale
+only as fast as half the window fills with it. That lag is what keeps one member from
+growing the model round after round: an update it pushes in makes the honest learners' next
+Δ larger too (they move towards the new global value), and a bound that followed them at once
+would let the member push harder each round (``tests/core/test_hostile_members.py``). While
+most of the window is honest, a member can neither raise the bound nor lower it below what
+most learners send.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+NORMS_KEPT = 32
+"""Measured norms the bound is the lower median of."""
+NORMS_NEEDED = 8
+"""Norms measured before the bound follows them rather than the fragment's initial scale."""
+NORM_FLOOR = 1e-3
+"""The bound never falls below this share of the fragment's initial scale (a run whose
+updates shrink toward zero must still accept an honest contribution a little above the median)."""
+
+
+class NormBound:
+    """One fragment's norm bound and the recent norms behind it."""
+
+    __slots__ = ("initial_norm", "_norms")
+
+    def __init__(self, initial_norm: float = 1.0) -> None:
+        self.initial_norm = initial_norm
+        """‖Θ_p‖ when the run began: the bound's scale until ``NORMS_NEEDED`` norms are known."""
+        self._norms: collections.deque[float] = collections.deque(maxlen=NORMS_KEPT)
+
+    def bound(self, ratio: float) -> float:
+        """The largest ‖Δ‖ accepted now."""
+        scale = max(self.initial_norm, 1.0)
+        if len(self._norms) < NORMS_NEEDED:
+            return ratio * scale
+        recent = sorted(self._norms)
+        return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
+
+    def measured(self, norm: float) -> None:
+        """A contribution was measured at ``norm``, whether the bound let it in or not."""
+        self._norms.append(norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial_norm": self.initial_norm, "norms": list(self._norms)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
+        self._norms.clear()
+        self._norms.extend(float(n) for n in saved.get("norms", ()))
