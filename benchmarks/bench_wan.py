@@ -6,14 +6,22 @@ capped both ways with ``tc``, the same workload and seed in both modes. Per link
 mode, from ``timeline.jsonl`` over a window that starts ``--warmup`` seconds after every
 learner took its first step (a join's download is not steady state):
 
-- steps per second per learner (the learner's own count) and, for Decoupled DiLoCo, what
-  reached the global model: fragment versions merged per minute and each learner's
-  accepted contributions per minute (a learner can train at full speed while nothing it
-  sends is merged);
+- **tokens merged into the global model per second at the mode's own period**, the one
+  criterion for both modes. Data parallel merges every step's tokens (its all-reduce is the
+  step). A Decoupled DiLoCo learner's accepted contribution merges up to one period H of its
+  steps into a fragment: accepted contributions per second x H / P x tokens per step, at most
+  the tokens it trained. A learner
+  whose link cannot carry a fragment every H steps folds several periods into one
+  contribution; those tokens reach the model too, but at a longer period than the protocol's,
+  so they do not count as keeping up (counting them, a learner on a 200 kbit/s link would
+  merge more tokens than an uncapped one: it trains faster once the link stops taking CPU);
+- steps per second per learner (the learner's own count) and, for Decoupled DiLoCo, fragment
+  versions merged per minute and each learner's accepted contributions per minute (a learner
+  can train at full speed while nothing it sends is merged);
 - bytes per second on every learner's link, per direction, and the link's utilization.
 
-Then the smallest link on which each mode keeps >= 95% of its own uncapped throughput
-(Decoupled DiLoCo: steps and merges both), their ratio, and the bandwidth model's
+Then the smallest link on which each mode keeps >= 95% of the tokens it merges per second
+uncapped, their ratio, and the bandwidth model's
 (:mod:`ddiloco.scale.bandwidth_model`, fed this workload's parameters, codec, H, P, tau and each
 mode's measured uncapped step time) required links and ratio; a plot of throughput against
 link capacity for both modes with the model's predictions on the same axes. Points are
@@ -77,22 +85,29 @@ def measure(base: Config, mode: str, rate_text: str, warmup_s: float, window_s: 
     load = os.getloadavg()[0]
     started = time.monotonic()
     summary, _ = run_processes(config, out, topology=uniform(learners, rate), timeout_s=config.run.time_s + 600)
+    tokens_per_step = config.train.batch_size * config.model.seq_len
+    per_contribution = config.protocol.period / config.protocol.fragments * tokens_per_step
     point = {"mode": mode, "rate": rate_text, "rate_bps": rate, "commit": stamped["commit"], "date": stamped["date"],
              "load_before": round(load, 2),
              "load_after": round(os.getloadavg()[0], 2), "wall_s": round(time.monotonic() - started, 1),
              "eval_loss": summary["eval_loss"], "warmup_s": warmup_s, "window_s": window_s,
-             **steady_state(read_timeline(out / "timeline.jsonl"), learners, warmup_s, window_s, rate)}
-    print(f"  {mode:<9} {rate_text:>9}: {point['steps_per_s']:6.3f} steps/s per learner, "
+             **steady_state(read_timeline(out / "timeline.jsonl"), learners, warmup_s, window_s, rate, tokens_per_step,
+                            per_contribution)}
+    print(f"  {mode:<9} {rate_text:>9}: {point['merged_tokens_per_s']:8.0f} tokens merged/s, "
+          f"{point['steps_per_s']:6.3f} steps/s per learner, "
           f"{point['merges_per_min']:7.1f} merges/min, link up {point['up_bytes_per_s'] / 1e3:8.1f} kB/s "
           f"(util {point['utilization']:.0%}), load {load:.2f} -> {point['load_after']:.2f}", flush=True)
     return point
 
 
 def steady_state(rows: list[dict[str, Any]], learners: list[str], warmup_s: float, window_s: float,
-                 rate: float | None) -> dict[str, Any]:
-    """Rates between ``warmup_s`` after every learner's first step and ``window_s`` later (or the last row)."""
+                 rate: float | None, tokens_per_step: int, per_contribution: float) -> dict[str, Any]:
+    """Rates between ``warmup_s`` after every learner's first step and ``window_s`` later (or the last row).
+    Tokens merged: ``per_contribution`` for each accepted contribution (rows of a synchronized
+    run), else ``tokens_per_step`` for each step (data parallel, whose every step is merged)."""
     stepping = [r for r in rows if all(r["steps"].get(n, 0) > 0 for n in learners)]
-    empty = {"steps_per_s": 0.0, "steps_per_s_each": [0.0] * len(learners), "merges_per_min": 0.0,
+    empty = {"merged_tokens_per_s": 0.0, "steps_per_s": 0.0, "steps_per_s_each": [0.0] * len(learners),
+             "merges_per_min": 0.0,
              "accepted_per_min": {}, "links": {}, "up_bytes_per_s": 0.0, "down_bytes_per_s": 0.0,
              "utilization": 0.0, "window": None, "starved": "not every learner took a step"}
     if not stepping:
@@ -104,13 +119,19 @@ def steady_state(rows: list[dict[str, Any]], learners: list[str], warmup_s: floa
     a, b = inside[0], inside[-1]
     dt = b["t"] - a["t"]
     each = [(b["steps"][n] - a["steps"][n]) / dt for n in learners]
+    # A learner's own steps cap what it merged: a contribution may cover fewer steps than H (the
+    # first of a fragment, one sent early to stay in phase with its rounds).
+    merged = sum(min((b["accepted"].get(n, 0) - a["accepted"].get(n, 0)) / dt * per_contribution,
+                     steps * tokens_per_step) for n, steps in zip(learners, each)) \
+        if "accepted" in a else sum(each) * tokens_per_step
     links = {n: {d: (b["links"][n][d] - a["links"][n][d]) / dt for d in ("up", "down")} for n in learners}
     versions = (sum(b["versions"]) - sum(a["versions"])) / dt * 60 if "versions" in a else sum(each) / len(each) * 60
     accepted = {n: (b["accepted"].get(n, 0) - a["accepted"].get(n, 0)) / dt * 60 for n in learners} \
         if "accepted" in a else {}
     up = sum(v["up"] for v in links.values()) / len(links)
     down = sum(v["down"] for v in links.values()) / len(links)
-    return {"steps_per_s": sum(each) / len(each), "steps_per_s_each": each, "merges_per_min": versions,
+    return {"merged_tokens_per_s": merged,
+            "steps_per_s": sum(each) / len(each), "steps_per_s_each": each, "merges_per_min": versions,
             "accepted_per_min": accepted, "links": links, "up_bytes_per_s": up, "down_bytes_per_s": down,
             "bytes_per_step": {"up": up / max(1e-9, sum(each) / len(each)),
                                "down": down / max(1e-9, sum(each) / len(each))},
@@ -138,10 +159,11 @@ def combine(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     points = []
     for group in groups.values():
         point = dict(group[-1])
-        for key in ("steps_per_s", "merges_per_min", "up_bytes_per_s", "down_bytes_per_s", "utilization"):
-            point[key] = sum(g[key] for g in group) / len(group)
-        steps = [g["steps_per_s"] for g in group]
-        spread = (max(steps) - min(steps)) / point["steps_per_s"] if point["steps_per_s"] else 0.0
+        for key in ("merged_tokens_per_s", "steps_per_s", "merges_per_min", "up_bytes_per_s", "down_bytes_per_s",
+                    "utilization"):
+            point[key] = sum(g.get(key, math.nan) for g in group) / len(group)
+        merged = [g.get("merged_tokens_per_s", math.nan) for g in group]
+        spread = (max(merged) - min(merged)) / point["merged_tokens_per_s"] if point["merged_tokens_per_s"] else 0.0
         point.update(samples=len(group), spread=spread, commits=sorted({g.get("commit", "unknown") for g in group}),
                      load_before=min(g["load_before"] for g in group), load_after=max(g["load_after"] for g in group))
         points.append(point)
@@ -149,14 +171,15 @@ def combine(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def relative(points: list[dict[str, Any]]) -> None:
-    """Each point against its own mode's uncapped point: steps, merges, and merges per learner step."""
+    """Each point against its own mode's uncapped point: tokens merged, steps, merges, merges per learner step."""
     base = {p["mode"]: p for p in points if p["rate_bps"] is None}
 
     def ratio(a: float, b: float) -> float:
         return a / b if b else math.nan
 
     for p in points:
-        ref = base.get(p["mode"], {"steps_per_s": 0.0, "merges_per_min": 0.0})
+        ref = base.get(p["mode"], {"merged_tokens_per_s": 0.0, "steps_per_s": 0.0, "merges_per_min": 0.0})
+        p["rel_merged"] = ratio(p["merged_tokens_per_s"], ref["merged_tokens_per_s"])
         p["rel_steps"] = ratio(p["steps_per_s"], ref["steps_per_s"])
         p["rel_merges"] = ratio(p["merges_per_min"], ref["merges_per_min"])
         p["rel_merged_share"] = ratio(ratio(p["merges_per_min"], p["steps_per_s"]),
@@ -164,11 +187,10 @@ def relative(points: list[dict[str, Any]]) -> None:
 
 
 def keeps(p: dict[str, Any]) -> bool:
-    """Data parallel: >= 95% of its uncapped steps. Decoupled DiLoCo: >= 95% of the uncapped share of the
-    learners' steps that reached the global model (merges per learner step). Its learners never wait for
-    the link, so their own speed is the CPU's, which varies by several percent between two runs of this
-    benchmark on a shared machine; what the link decides is how much of their work gets merged."""
-    return p["rel_steps"] >= KEEP if p["mode"] == "dp" else p["rel_merged_share"] >= KEEP
+    """>= 95% of the tokens its mode merges into the global model per second uncapped: one criterion
+    for both modes (a Decoupled DiLoCo learner that trains at full speed while little of its work
+    is merged does not keep up)."""
+    return p["rel_merged"] >= KEEP
 
 
 def threshold(points: list[dict[str, Any]], mode: str) -> float | None:
@@ -208,12 +230,14 @@ def report(config: Config, points: list[dict[str, Any]], plot: Path) -> dict[str
 
 
 def print_table(points: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    print(f"\n{'mode':<10}{'link':>11}{'steps/s':>9}{'rel':>7}{'merges/min':>12}{'rel':>7}{'per step':>9}"
+    print(f"\n{'mode':<10}{'link':>11}{'merged tok/s':>13}{'rel':>7}{'steps/s':>9}{'rel':>7}{'merges/min':>12}"
+          f"{'rel':>7}{'per step':>9}"
           f"{'accepted/min':>14}"
           f"{'up kB/s':>9}{'down kB/s':>10}{'util':>6}{'n':>3}{'spread':>8}{'load':>11}")
     for p in sorted(points, key=lambda p: (p["mode"], -(p["rate_bps"] or math.inf))):
         accepted = "/".join(f"{v:.0f}" for v in p["accepted_per_min"].values()) or "-"
-        print(f"{p['mode']:<10}{format_rate(p['rate_bps']):>11}{p['steps_per_s']:9.3f}{p['rel_steps']:7.1%}"
+        print(f"{p['mode']:<10}{format_rate(p['rate_bps']):>11}{p['merged_tokens_per_s']:13.0f}{p['rel_merged']:7.1%}"
+              f"{p['steps_per_s']:9.3f}{p['rel_steps']:7.1%}"
               f"{p['merges_per_min']:12.1f}{p['rel_merges']:7.1%}{p['rel_merged_share']:9.1%}{accepted:>14}"
               f"{p['up_bytes_per_s'] / 1e3:9.1f}"
               f"{p['down_bytes_per_s'] / 1e3:10.1f}{p['utilization']:6.0%}{p['samples']:3d}{p['spread']:8.1%}"
@@ -248,13 +272,11 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
         if not mine:
             continue
         xs = [p["rate_bps"] or uncapped_x for p in mine]
-        ax.plot([x / 1e6 for x in xs], [p["rel_steps"] for p in mine], "o-", color=colors[mode],
-                label=f"{names[mode]}: learner steps/s (measured)")
+        ax.plot([x / 1e6 for x in xs], [p["rel_merged"] for p in mine], "o-", color=colors[mode],
+                label=f"{names[mode]}: tokens merged/s (measured; the 95% criterion)")
         if mode == "decoupled":
-            ax.plot([x / 1e6 for x in xs], [p["rel_merges"] for p in mine], "^--", color=colors[mode], alpha=0.7,
-                    label=f"{names[mode]}: fragment versions merged/min (measured)")
-            ax.plot([x / 1e6 for x in xs], [p["rel_merged_share"] for p in mine], "x-.", color="#17becf",
-                    label=f"{names[mode]}: merges per learner step (measured; the 95% criterion)")
+            ax.plot([x / 1e6 for x in xs], [p["rel_steps"] for p in mine], "^--", color=colors[mode], alpha=0.6,
+                    label=f"{names[mode]}: learner steps/s (measured)")
         m = summary["model"].get(mode)
         if m:
             x = model_inputs(config, m["step_s"])
@@ -264,7 +286,7 @@ def plot_wan(path: Path, config: Config, points: list[dict[str, Any]], summary: 
     ax.text(lo / 1e6, KEEP + 0.01, f"{KEEP:.0%} of uncapped", fontsize=8, color="0.4")
     ax.axvline(hi / 1e6 * 1.4, color="0.8", lw=0.8)
     ax.set_xscale("log")
-    shown = [p[k] for p in points for k in ("rel_steps", "rel_merges", "rel_merged_share") if math.isfinite(p[k])]
+    shown = [p[k] for p in points for k in ("rel_merged", "rel_steps") if math.isfinite(p[k])]
     ax.set_ylim(-0.03, max([1.1] + [v + 0.05 for v in shown]))
     ticks = sorted(set(capped)) + [uncapped_x]
     # One line each, so that close ticks (4M, 5M, 6M) fit side by side.
