@@ -45,6 +45,9 @@ from ddiloco.workload.trainer import Precision
 from ddiloco.workload.model import VOCAB_SIZE
 from ddiloco.workload.workload import Workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import load_now, stamp  # noqa: E402
+
 LEARNERS = 4
 MODES = ("dp", "decoupled", "diloco")
 PUBLISHED_M4 = ((35e6, 2.0), (90e6, 1.5), (180e6, 1.1), (335e6, 0.9), (550e6, 0.7), (1.3e9, 0.5), (2.4e9, 0.3))
@@ -401,6 +404,7 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = Table(out / "table.json")
+    stamped = stamp(__file__)  # each run's row names the commit, command, date, machine and load it ran at
     data = load_corpus(args.corpus, max_bytes=args.corpus_max_bytes or plan.corpus_max_bytes)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu, 1 thread"
     projected = 0.0
@@ -434,7 +438,8 @@ def _main(args: argparse.Namespace) -> int:
                     except torch.cuda.OutOfMemoryError:
                         raise ConfigError(f"size {size.name!r} ({size.params / 1e6:.1f}M parameters) ran out of "
                                           f"memory on {device} ({mode}, batch {config.train.batch_size})") from None
-                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1), **extras})
+                    table.add({**row, "eval_loss": round(loss, 5), "wall_s": round(wall, 1), **extras, **stamped,
+                               "load_after": load_now()})
                     print(f"{size.name:>6} {size.params / 1e6:7.3f}M {tpp:g} tok/param {mode:<9} {variant_name:<13} "
                           f"lr {lr:g}: eval loss {loss:.4f} ({wall:.0f} s, {where})", flush=True)
     if args.estimate:

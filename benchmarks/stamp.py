@@ -19,16 +19,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def stamp(script: str, argv: list[str] | None = None) -> dict:
     """``script``: the benchmark's ``__file__``; ``argv``: its arguments (default: the command line's)."""
     args = sys.argv[1:] if argv is None else argv
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "src"],
-                           capture_output=True, text=True).stdout.strip()
-    return {"commit": commit + ("+uncommitted changes in src/" if dirty else ""),
+    return {"commit": _commit(),
             "command": " ".join(["python", f"benchmarks/{Path(script).name}", *args]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": f"{os.cpu_count()} cores, "
                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
             "load": load_now()}
+
+
+def _commit() -> str:
+    """The checkout's commit; on a machine given a copy of the tree without git (a device
+    machine), say so: the caller's command names the commit it sent."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "src"],
+                               capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return "unknown (no git here)"
+    return (commit or "unknown (not a git checkout)") + ("+uncommitted changes in src/" if dirty else "")
 
 
 def load_now() -> list[float]:
