@@ -2,7 +2,7 @@
 
 The bound is ``protocol.delta_norm_ratio_max`` times the lower median of the last
 ``NORMS_KEPT`` norms measured for the fragment: the contributions it let in *and* those it
-refused for their norm.
+refused for their norm, each refused one counted at the bound it exceeded.
 
 *Refused norms count.* A bound learnt only from the norms it let in cannot follow the honest
 scale once that grows by more than the ratio, which an inner-lr warm-up does: a fragment's
@@ -14,6 +14,13 @@ for all of its 1,700 steps (568 contributions refused) and its eval loss rose fr
 while data parallel's fell to 1.72; on a GPU the same froze the 2.8M-parameter point of the
 model-size ladder (docs/results.md section 7). Counting refused norms, the bound reaches the
 new scale once half its window has been sent at it, and the fragment moves again.
+
+*At the bound, once per sequence number.* A refused norm enters the window as the bound it
+exceeded, not as itself, and a contribution sent again under the same sequence number is
+counted once. So refused contributions move the bound no faster than accepted ones could
+(at most ``ratio`` times per half window, each send a new sequence number that the claim
+checks must let through): a member cannot raise the bound in one go by sending one huge
+contribution many times.
 
 *A window and its lower median, not the latest norms.* The bound follows a change of scale
 only as fast as half the window fills with it. That lag is what keeps one member from
@@ -36,17 +43,20 @@ NORMS_NEEDED = 8
 NORM_FLOOR = 1e-3
 """The bound never falls below this share of the fragment's initial scale (a run whose
 updates shrink toward zero must still accept an honest contribution a little above the median)."""
+SENDERS_KEPT = 4096
+"""Learner ids whose last measured sequence number is remembered (the least recent dropped)."""
 
 
 class NormBound:
     """One fragment's norm bound and the recent norms behind it."""
 
-    __slots__ = ("initial_norm", "_norms")
+    __slots__ = ("initial_norm", "_norms", "_last_seq")
 
     def __init__(self, initial_norm: float = 1.0) -> None:
         self.initial_norm = initial_norm
         """‖Θ_p‖ when the run began: the bound's scale until ``NORMS_NEEDED`` norms are known."""
         self._norms: collections.deque[float] = collections.deque(maxlen=NORMS_KEPT)
+        self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def bound(self, ratio: float) -> float:
         """The largest ‖Δ‖ accepted now."""
@@ -56,14 +66,23 @@ class NormBound:
         recent = sorted(self._norms)
         return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
 
-    def measured(self, norm: float) -> None:
-        """A contribution was measured at ``norm``, whether the bound let it in or not."""
-        self._norms.append(norm)
+    def measured(self, learner: str, seq: int, norm: float, bound: float) -> None:
+        """Contribution ``seq`` of ``learner`` was measured at ``norm`` against ``bound``
+        (refused if above it): counted at ``min(norm, bound)``, once per sequence number."""
+        if seq <= self._last_seq.get(learner, -1):
+            return
+        self._last_seq.pop(learner, None)
+        self._last_seq[learner] = seq
+        while len(self._last_seq) > SENDERS_KEPT:
+            self._last_seq.popitem(last=False)
+        self._norms.append(min(norm, bound))
 
     def state_dict(self) -> dict[str, Any]:
         return {"initial_norm": self.initial_norm, "norms": list(self._norms)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; sequence numbers start afresh (a learner's next send is new)."""
         self.initial_norm = float(saved.get("initial_norm", self.initial_norm))
         self._norms.clear()
         self._norms.extend(float(n) for n in saved.get("norms", ()))
+        self._last_seq.clear()

@@ -293,7 +293,7 @@ class Synchronizer(SyncState):
         norm, pending, plausible, clipped = self._validate(c, rec, now)
         frag = self._fragments[c.fragment]
         bound = frag.norm_bound.bound(self.config.delta_norm_ratio_max)
-        frag.norm_bound.measured(norm)  # refused or not: the bound follows what learners send
+        frag.norm_bound.measured(c.learner_id, c.seq, norm, bound)  # refused or not: it follows what learners send
         if norm > bound:
             raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
         # Valid whole: from here on nothing refuses it.
