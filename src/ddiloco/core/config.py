@@ -96,8 +96,8 @@ class ProtocolConfig:
     """Interval between a learner's heartbeats (never more than a third of the lease)."""
     delta_norm_ratio_max: float = 10.0
     """Reject an outer gradient whose norm exceeds this multiple of the fragment's recent norms
-    (the lower median of the last 32 measured, refused ones included; before 8 are known, of
-    max(‖Θ_p‖ at the start, 1)). Measured against what most learners sent, so no one member can
+    (the lower median of the last 32 measured, refused ones included at the bound they exceeded,
+    once per sequence number; before 8 are known, of max(‖Θ_p‖ at the start, 1)). Measured against what most learners sent, so no one member can
     raise its own bound, and refused norms count, so a warm-up that grows every learner's norm
     past the bound does not lock the fragment out (``core/norm_bound.py``)."""
     max_weight_ratio: float = 4.0
