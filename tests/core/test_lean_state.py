@@ -12,7 +12,6 @@ the two global models drift apart, relative to how far they moved: the documente
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch

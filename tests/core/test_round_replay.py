@@ -11,7 +11,6 @@ that never crashed.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
