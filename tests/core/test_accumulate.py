@@ -139,8 +139,13 @@ def test_fused_close_matches_the_reference_step_and_learners_rebuild_the_value_e
         # keeps it to half of 1/254 of its block's scale.
         unit = fast.residual_scales.repeat_interleave(FAST.block_size)[:numel] / 254
         assert torch.all((fast.value + lean_residual(fast) - ref.value - ref.residual).abs() <= 0.51 * unit + 1e-6)
-        codes_differ = np.count_nonzero(np.frombuffer(payload, np.uint8) != np.frombuffer(ref_payload, np.uint8))
-        assert codes_differ <= 2 + len(payload) // 100
+        # A block's scale may be one float32 ulp apart (the fused step rounds its absmax
+        # differently): scales within that, codes apart only at such ties.
+        blocks = -(-numel // FAST.block_size)
+        scales, ref_scales = (np.frombuffer(p, "<f4", count=blocks) for p in (payload, ref_payload))
+        assert np.allclose(scales, ref_scales, rtol=1e-5, atol=0), (scales, ref_scales)
+        codes, ref_codes = (np.frombuffer(p, np.uint8, offset=4 * blocks) for p in (payload, ref_payload))
+        assert np.count_nonzero(codes != ref_codes) <= 2 + len(payload) // 100
         assert fast.version == ref.version == r + 1
         # Go on from the same state: the reference holds the lean state in float32.
         ref.value, ref.residual = fast.value.clone(), lean_residual(fast)

@@ -96,3 +96,14 @@ def test_the_norms_survive_a_checkpoint_and_an_old_checkpoint_still_loads():
     flat = NormBound()
     flat.load_state_dict({"initial_norm": 2.0, "norms": [3.0] * NORMS_NEEDED, "value": None})  # a fragment's old keys
     assert flat.bound(RATIO) == RATIO * 3.0
+
+
+def test_a_learner_that_registers_again_is_counted_from_its_new_first_send():
+    """Sequence numbers start again with each session: keyed by learner id alone, a rejoined
+    learner's norms would not count until it passed the old session's numbers."""
+    bound = NormBound(initial_norm=1.0)
+    for seq in range(NORMS_KEPT):
+        bound.measured(("learner-0", "session-1"), seq, 1.0, bound.bound(RATIO))
+    for seq in range(NORMS_KEPT // 2 + 1):  # the same learner, a new session, at a new scale
+        bound.measured(("learner-0", "session-2"), seq, 5.0, bound.bound(RATIO))
+    assert bound.bound(RATIO) == RATIO * 5.0

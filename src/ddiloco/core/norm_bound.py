@@ -34,6 +34,7 @@ most learners send.
 from __future__ import annotations
 
 import collections
+from collections.abc import Hashable
 from typing import Any
 
 NORMS_KEPT = 32
@@ -44,7 +45,8 @@ NORM_FLOOR = 1e-3
 """The bound never falls below this share of the fragment's initial scale (a run whose
 updates shrink toward zero must still accept an honest contribution a little above the median)."""
 SENDERS_KEPT = 4096
-"""Learner ids whose last measured sequence number is remembered (the least recent dropped)."""
+"""Senders (learner id and session) whose last measured sequence number is remembered (the
+least recent dropped)."""
 
 
 class NormBound:
@@ -56,7 +58,7 @@ class NormBound:
         self.initial_norm = initial_norm
         """‖Θ_p‖ when the run began: the bound's scale until ``NORMS_NEEDED`` norms are known."""
         self._norms: collections.deque[float] = collections.deque(maxlen=NORMS_KEPT)
-        self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._last_seq: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
 
     def bound(self, ratio: float) -> float:
         """The largest ‖Δ‖ accepted now."""
@@ -66,13 +68,14 @@ class NormBound:
         recent = sorted(self._norms)
         return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
 
-    def measured(self, learner: str, seq: int, norm: float, bound: float) -> None:
-        """Contribution ``seq`` of ``learner`` was measured at ``norm`` against ``bound``
-        (refused if above it): counted at ``min(norm, bound)``, once per sequence number."""
-        if seq <= self._last_seq.get(learner, -1):
+    def measured(self, sender: Hashable, seq: int, norm: float, bound: float) -> None:
+        """Contribution ``seq`` of ``sender`` (a learner id and its session: a learner that
+        registers again numbers its sends from the start) was measured at ``norm`` against
+        ``bound`` (refused if above it): counted at ``min(norm, bound)``, once per sequence number."""
+        if seq <= self._last_seq.get(sender, -1):
             return
-        self._last_seq.pop(learner, None)
-        self._last_seq[learner] = seq
+        self._last_seq.pop(sender, None)
+        self._last_seq[sender] = seq
         while len(self._last_seq) > SENDERS_KEPT:
             self._last_seq.popitem(last=False)
         self._norms.append(min(norm, bound))

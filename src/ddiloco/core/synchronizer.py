@@ -293,7 +293,8 @@ class Synchronizer(SyncState):
         norm, pending, plausible, clipped = self._validate(c, rec, now)
         frag = self._fragments[c.fragment]
         bound = frag.norm_bound.bound(self.config.delta_norm_ratio_max)
-        frag.norm_bound.measured(c.learner_id, c.seq, norm, bound)  # refused or not: it follows what learners send
+        key = (c.learner_id, c.session)
+        frag.norm_bound.measured(key, c.seq, norm, bound)  # refused or not: it follows what learners send
         if norm > bound:
             raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
         # Valid whole: from here on nothing refuses it.
@@ -301,7 +302,6 @@ class Synchronizer(SyncState):
         self._counters.claims_clipped.update(str(reason) for reason in clipped)
         self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
-        key = (c.learner_id, c.session)
         merged = pending.contribution
         frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
         frag.round.add(key, pending)
