@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def main() -> int:
     results = {"command": "ddiloco " + " ".join(COMMAND), "commit": commit,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
-               "torch": torch.__version__, **results}
+               "torch": torch.__version__, "load": [round(x, 2) for x in os.getloadavg()], **results}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     DOC.write_text(with_samples(DOC.read_text(), render_report(results["summary"]), results["metrics_line"]))
     print(f"wrote {RESULTS.relative_to(ROOT)} and the samples in {DOC.relative_to(ROOT)}")
