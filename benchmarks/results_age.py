@@ -9,6 +9,10 @@ and which documents cite them:
     python benchmarks/results_age.py            # a table, stale files first
     python benchmarks/results_age.py --stale    # only the stale ones; exit 1 if there are any
 
+A file that keeps the figures of earlier code on purpose, cited as "before" (a bug's
+demonstration, an experiment not kept), says so with a top-level ``"history"`` key giving
+why; it is listed as history, not stale.
+
 Drivers, benchmarks and the workload change figures too (a benchmark's settings, the
 learner's speed); this only answers for the core, which every benchmark shares.
 """
@@ -38,6 +42,11 @@ class Age:
     commits: list[str]      # every commit the file names (its rows may come from several)
     core_changes: int | None  # commits touching the core after the oldest of them; None: unknown
     cited_by: list[str]
+    history: str | None     # why the file keeps earlier code's figures on purpose
+
+    @property
+    def stale(self) -> bool:
+        return self.history is None and self.core_changes != 0
 
 
 def named_commits(data: Any) -> list[str]:
@@ -68,9 +77,11 @@ def ages() -> list[Age]:
     texts = {d.relative_to(ROOT).as_posix(): d.read_text() for d in docs}
     out = []
     for path in sorted((ROOT / "docs" / "results").glob("*.json")):
-        commits = named_commits(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        commits = named_commits(data)
         cited = [name for name, text in texts.items() if path.name in text]
-        out.append(Age(path, commits, core_changes_since(commits), cited))
+        history = data.get("history") if isinstance(data, dict) else None
+        out.append(Age(path, commits, core_changes_since(commits), cited, history))
     return out
 
 
@@ -78,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stale", action="store_true", help="list only the stale files; exit 1 if any")
     args = parser.parse_args(argv)
-    rows = sorted(ages(), key=lambda a: (a.core_changes == 0, a.path.name))
+    rows = sorted(ages(), key=lambda a: (not a.stale, a.history is not None, a.path.name))
     if args.stale:
-        rows = [a for a in rows if a.core_changes != 0]
+        rows = [a for a in rows if a.stale]
     table = Table(title=f"results files against the last change to {CORE} "
                         f"({git('log', '-1', '--format=%h', '--', CORE)})")
     for column in ("file", "measured at", "core changes since", "cited by"):
         table.add_column(column)
     for a in rows:
         since = "unknown" if a.core_changes is None else ("current" if a.core_changes == 0 else str(a.core_changes))
+        if a.history is not None:
+            since = f"history ({since})"
         table.add_row(a.path.name, ", ".join(a.commits) or "none named", since, ", ".join(a.cited_by) or "-")
     Console(width=160).print(table)
     return 1 if args.stale and rows else 0

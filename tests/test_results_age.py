@@ -27,3 +27,10 @@ def test_nothing_changed_the_core_after_the_checkouts_own_commit_and_an_unknown_
     assert age.core_changes_since([head]) == 0
     assert age.core_changes_since(["fffffff"]) is None
     assert age.core_changes_since([]) is None
+
+
+def test_a_file_that_keeps_earlier_figures_on_purpose_is_history_not_stale():
+    kept = age.Age(age.ROOT / "x.json", ["abc1234"], core_changes=3, cited_by=[], history="the bug, before its fix")
+    old = age.Age(age.ROOT / "y.json", ["abc1234"], core_changes=3, cited_by=[], history=None)
+    current = age.Age(age.ROOT / "z.json", ["abc1234"], core_changes=0, cited_by=[], history=None)
+    assert (kept.stale, old.stale, current.stale) == (False, True, False)
