@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -58,7 +57,7 @@ def sweep(frags: list[GlobalFragment], payloads: list[list[bytes]], log: RoundLo
     logged, pending = 0, []
     for p, frag in enumerate(frags):
         for m, payload in enumerate(payloads[p]):
-            frag.accumulator.add(m, payload, 1000.0, frag.accumulator.measure(payload, math.inf))
+            frag.accumulator.add(m, payload, 1000.0, frag.accumulator.measure(payload))
         update, _ = frag.close(OUTER, INT4, plain=False)
         if log is not None:
             pending.append(log.append(p, frag.version, False, update))
