@@ -76,7 +76,8 @@ class Runner:
 
 def _outcome(summary: dict, rows: list[dict]) -> dict:
     curve = [(r["virtual_time_s"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    return {"time_s": curve[-1][0], "eval_loss": curve[-1][1], "tokens": summary["tokens"], "curve": curve}
+    return {"time_s": curve[-1][0], "eval_loss": curve[-1][1], "tokens": summary["tokens"], "curve": curve,
+            "rejections": summary.get("rejections", {})}  # refused contributions, by reason
 
 
 def time_to_loss(curve: list[tuple[float, float]], loss: float) -> float | None:
