@@ -106,9 +106,38 @@ def test_grace_expiry_closes_without_the_straggler_whose_late_work_joins_next_ro
     assert fresh.base_version == 1
     assert closed(sync.handle(fresh, deadline + 2)) == []  # K=2 fresh needed
     (fresh1,) = contributions_for(cores[1:2], params[1:2], fragment=1, seed=8)
-    (record,) = closed(sync.handle(fresh1, deadline + 3))
-    assert record.reason == "all-live"  # everyone alive has work in it, the late one included
-    assert {m.learner_id for m in record.merged} == {"l0", "l1", "l2"}
+    assert closed(sync.handle(fresh1, deadline + 3)) == []  # the quorum of fresh work: a grace window
+    assert sync.status().round_phases[1] is RoundPhase.GRACE  # l2's late work does not stand in for its fresh work
+    (record,) = closed(sync.handle(Tick(), sync.next_deadline()))
+    assert record.reason == "grace"
+    assert {m.learner_id for m in record.merged} == {"l0", "l1", "l2"}  # the late one rides along
+
+
+def test_late_work_pending_does_not_close_a_round_before_its_learner_sends_fresh_work():
+    """The phase trap: a learner whose every send arrives just after its round closed (its update
+    not applied yet) has late work pending in each next round. If that late work counted as its
+    learner being in, the next learner's fresh arrival would close every round at once and the
+    late learner would stay one version behind for good (what 10 synchronizer restarts left
+    behind: 61% of merged contributions late). It must wait, in a grace window, for fresh work."""
+    config = dataclasses.replace(BASE, quorum=1)
+    plan, sync, cores, params = make_cluster(config, learners=3)
+    c0, c1, c2 = contributions_for(cores, params, fragment=1)
+    sync.handle(c0, 1.0)
+    now = sync.next_deadline()
+    closing = sync.handle(Tick(), now)  # K=1: l0 alone, once its grace window ran out
+    assert [r.reason for r in closed(closing)] == ["grace"]
+    for late in (c1, c2):  # sent before version 1 reached them: pending for version 2
+        assert closed(sync.handle(late, now)) == []
+    deliver(closing, cores)
+    fresh = {core.learner_id: contributions_for([core], [p], fragment=1, seed=20 + m)[0]
+             for m, (core, p) in enumerate(zip(cores, params))}
+    assert all(c.base_version == 1 for c in fresh.values())
+    assert closed(sync.handle(fresh["l0"], now + 1)) == []  # l1 and l2 are in only with late work
+    assert sync.status().round_phases[1] is RoundPhase.GRACE
+    assert closed(sync.handle(fresh["l1"], now + 1.01)) == []
+    (record,) = closed(sync.handle(fresh["l2"], now + 1.02))
+    assert record.reason == "all-live"
+    assert {(m.learner_id, m.base_version) for m in record.merged} == {("l0", 1), ("l1", 1), ("l2", 1)}
 
 
 def test_merged_value_follows_token_weighted_rda_and_nesterov():
@@ -372,3 +401,28 @@ def test_a_round_that_would_follow_too_soon_waits_for_the_spacing():
     (second,) = closed(sync.handle(Tick(), 14.0))
     assert [m.learner_id for m in second.merged] == ["l1"] and second.version == 2
     assert sync.next_deadline() != pytest.approx(14.0)  # nothing left due now: time goes on
+
+
+def test_a_learner_that_missed_an_update_still_gets_merged_and_the_next_version_shows_it_the_gap():
+    """Late work does not close a round at once, but it must not hold it forever either: with K=2
+    and one of two learners sending from a version it missed, the round closes when its grace
+    window runs out, with both learners' work, and the new version tells the late one to rejoin."""
+    config = dataclasses.replace(BASE, quorum=2)
+    plan, sync, cores, params = make_cluster(config, learners=2)
+    c0, c1 = contributions_for(cores, params, fragment=1)
+    sync.handle(c0, 1.0)
+    first = sync.handle(c1, 1.1)
+    assert [r.reason for r in closed(first)] == ["all-live"]
+    deliver(first, cores[:1])  # l1 never gets version 1
+    fresh0, late1 = (contributions_for([core], [p], fragment=1, seed=30 + m)[0]
+                     for m, (core, p) in enumerate(zip(cores, params)))
+    assert (fresh0.base_version, late1.base_version) == (1, 0)
+    assert closed(sync.handle(late1, 2.0)) == []
+    assert closed(sync.handle(fresh0, 2.1)) == []  # fresh work below the quorum, everyone in: a grace window
+    assert sync.status().round_phases[1] is RoundPhase.GRACE
+    closing = sync.handle(Tick(), sync.next_deadline())
+    (record,) = closed(closing)
+    assert record.reason == "all-live" and {m.learner_id for m in record.merged} == {"l0", "l1"}
+    (update,) = [a.update for a in closing if isinstance(a, Broadcast)]
+    assert update.version == 2
+    assert [type(a).__name__ for a in cores[1].on_update(update, 3.0)] == ["SendJoin"]  # the gap, seen

@@ -66,7 +66,7 @@ from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.norm_bound import NormBound
 from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import LearnerRecord, Registry
-from ddiloco.core.rounds import GlobalFragment, Pending, RoundPhase
+from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
@@ -338,7 +338,10 @@ class Synchronizer(SyncState):
         actions += [LearnersForgotten(forgotten)] if forgotten else []
         for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
-                actions += self._close(index, now, CloseReason.GRACE)
+                move = frag.round.grace_ended(set(self.alive()), frag.version)
+                if move is not RoundMove.WAIT:
+                    reason = CloseReason.GRACE if move is RoundMove.QUORUM else CloseReason.ALL_LIVE
+                    actions += self._close(index, now, reason)
             elif frag.round.phase is RoundPhase.COLLECTING and (expired or 0 < frag.ready_at_s <= now):
                 actions += self._maybe_close(index, now)  # fewer live learners, or the spacing ended
         return actions
@@ -377,20 +380,19 @@ class Synchronizer(SyncState):
         if now < frag.ready_at_s and self.alive() and self._run.phase is RunPhase.RUNNING:
             return []  # too soon after the previous round: this one waits (``space_rounds``)
         frag.ready_at_s = 0.0
-        if set(self.alive()) <= rnd.contributors():
+        alive = set(self.alive())
+        move = rnd.move(alive, frag.version, self.effective_quorum())
+        if move is RoundMove.CLOSE:
             return self._close(index, now, CloseReason.ALL_LIVE)
-        # Only contributions measured from the current version count toward its quorum. A late
-        # one (its round closed before it arrived) rides along with the next round but does
-        # not open it: otherwise every straggler would trigger a round of its own, and the
-        # outer optimizer would step twice per period on half the learners.
-        if rnd.phase is RoundPhase.GRACE or len(rnd.fresh_contributors(frag.version)) < self.effective_quorum():
+        if move is RoundMove.WAIT:
             return []
-        first = rnd.first_fresh_arrival_s(frag.version)
-        self._grace.observe_quorum(now - (now if first is None else first))
+        if move is RoundMove.QUORUM:
+            first = rnd.first_fresh_arrival_s(frag.version)
+            self._grace.observe_quorum(now - (now if first is None else first))
         grace = self.grace_length_s()
         if grace <= 0.0:
-            return self._close(index, now, CloseReason.NO_GRACE)
-        rnd.open_grace(now, grace, self.effective_quorum(), len(self.alive()))
+            return self._close(index, now, CloseReason.NO_GRACE if move is RoundMove.QUORUM else CloseReason.ALL_LIVE)
+        rnd.open_grace(now, grace, self.effective_quorum(), len(alive))
         return []
 
     def _close(self, index: int, now: float, reason: CloseReason) -> list[SyncAction]:
