@@ -430,3 +430,26 @@ def test_an_outage_is_said_when_it_begins_summarized_at_intervals_and_said_when_
     ended = [a for a in said if isinstance(a, Outage)]
     assert [a.phase for a in ended] == [OutagePhase.ENDED] and ended[0].for_s == pytest.approx(30.0, abs=0.2)
     assert not [a for a in said if isinstance(a, (Behind, Starved))]
+
+
+def test_the_first_seconds_of_an_outage_are_not_a_starved_link():
+    """A real learner warned that its link was too slow 4 s into a synchronizer's restart: its last
+    heartbeat had been answered after its last accepted contribution, and the outage is declared
+    only after OUTAGE_AFTER_S. Calls unanswered for more than a lease mean nobody answers."""
+    config = dataclasses.replace(BASE, lease_s=1.0)  # two leases (2 s) and three periods pass well before 5 s
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    local_step(params, seed=0)
+    step(core, 10, 0.1, 0.1)  # a step after the join (nothing falls due yet) ...
+    heartbeat = [a for a in core.tick(0.9) if isinstance(a, SendHeartbeat)]
+    assert heartbeat
+    core.on_accepted(heartbeat[0].message, 0.9)  # ... and a heartbeat answered after the last acceptance
+    said = []
+    for s in range(1, 48):  # 4.7 s of 0.1 s steps: the synchronizer is gone
+        now = 0.9 + s / 10
+        local_step(params, seed=s)
+        for c in step(core, 10, 0.1, now):
+            said += core.on_undelivered(c, now)
+        for action in core.tick(now):
+            said += [action] if not isinstance(action, SendHeartbeat) else core.on_undelivered(action.message, now)
+    assert not [a for a in said if isinstance(a, Starved)], said
+    assert not [a for a in said if isinstance(a, Outage)]  # not declared yet either: under OUTAGE_AFTER_S

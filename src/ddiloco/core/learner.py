@@ -73,7 +73,7 @@ class Learner:
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
-        self.watch = LinkWatch(plan.period, len(plan.fragments), config.lease_s)
+        self.watch = LinkWatch(plan.period, len(plan.fragments), config.lease_s, config.heartbeat_interval_s)
         """Whether its link carries its work (starved, behind)."""
         self.kept: tuple[int, ...] = ()
         """The fragments whose progress the latest admission kept (the synchronizer held our value)."""

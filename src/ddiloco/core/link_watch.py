@@ -56,7 +56,7 @@ class _Silent:
 
 
 class LinkWatch:
-    def __init__(self, period: int, fragments: int, lease_s: float) -> None:
+    def __init__(self, period: int, fragments: int, lease_s: float, heartbeat_s: float) -> None:
         self._answered_at_step = 0
         """The step at which the synchronizer last answered any call."""
         self._silent: dict[int, _Silent] = {}
@@ -66,6 +66,8 @@ class LinkWatch:
         (or kept across a rejoin)."""
         self.period = period
         self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s
+        """How often the learner heartbeats: a synchronizer that answers does so at least this often."""
         self._accepted_at_step = 0
         """The step at which a contribution was last accepted, or a state adopted ..."""
         self._accepted_at_s = 0.0
@@ -153,7 +155,11 @@ class LinkWatch:
             return []
         actions: list[LearnerAction] = []
         unaccepted = step - self._accepted_at_step
-        answering = self._answered_at_step > self._accepted_at_step
+        # Answering: something was answered since the last acceptance, and no call has gone
+        # unanswered for two heartbeats since. Else the first seconds of an outage, before it is
+        # declared, read as a starved link: a learner said so 4 s into a synchronizer's restart.
+        answering = (self._answered_at_step > self._accepted_at_step
+                     and all(now - s.since_s <= 2 * self.heartbeat_s for s in self._silent.values()))
         if (answering and not rejoining and not self.starved and unaccepted >= STARVED_PERIODS * self.period
                 and now - self._accepted_at_s >= STARVED_LEASES * self.lease_s):
             self.starved = True
