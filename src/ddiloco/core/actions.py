@@ -150,6 +150,11 @@ class RoundClosed:
     def tokens(self) -> int:
         return sum(c.tokens for c in self.merged)
 
+    @property
+    def late(self) -> int:
+        """Merged contributions measured from an older version than the one this round replaced."""
+        return sum(c.base_version < self.version - 1 for c in self.merged)
+
 
 @dataclass(frozen=True, slots=True)
 class LogRound:

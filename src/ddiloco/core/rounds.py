@@ -37,7 +37,6 @@ class RoundPhase(enum.StrEnum):
     """Quorum reached: stragglers are admitted until the window's deadline."""
 
 
-
 class RoundMove(enum.Enum):
     """What a round does after an arrival or a change in who is alive (:meth:`Round.move`)."""
 
@@ -122,7 +121,7 @@ class Round:
         live learner arrives: its learners get a grace window to send fresh work. Otherwise the
         phases that put a learner just behind each close (its update not applied when it sends)
         hold it one version late for good: after 10 synchronizer restarts, 61% of the merged work
-        was late and eval loss 13-24% above the run without faults (docs/chaos.md)."""
+        was late and eval loss 7-24% above the run without faults (docs/chaos.md)."""
         fresh = self.fresh_contributors(version)
         if alive <= fresh:
             return RoundMove.CLOSE

@@ -208,7 +208,7 @@ class SyncService:
         for mc in record.merged:
             self.goodput.credit(mc.compute_s, self._share[record.fragment], mc.arrived_s)
         log.debug("fragment %d -> v%d (%s, %d contributions, %d of them late)", record.fragment, record.version,
-                  record.reason, len(record.merged), sum(m.base_version < record.version - 1 for m in record.merged))
+                  record.reason, len(record.merged), record.late)
 
     def on_event(self, actions: list[SyncAction]) -> None:
         """Runs on the event loop after every event: reads only the actions and the published view."""
