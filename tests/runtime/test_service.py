@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 import time
@@ -134,6 +135,24 @@ def _train(runtime: LearnerRuntime, workload: Workload, model: ByteTransformer, 
         x, y = sampler.next_batch()
         trainer.step(x, y)
         runtime.step(tokens=x.numel())
+
+
+def test_a_status_asked_as_the_service_stops_is_its_last_one_not_an_error() -> None:
+    """The status page asks every 250 ms. After a SIGTERM its question ran on the core's thread
+    pool once the pool had shut down: ``RuntimeError: cannot schedule new futures after shutdown``,
+    a traceback in the synchronizer's log at exit."""
+
+    async def main() -> None:
+        service = SyncService(tiny(), ServiceOptions())
+        service.start_host()
+        before = await service.status_reply()
+        asked = asyncio.ensure_future(service.status_reply())  # runs while the stop is under way
+        await service.stop()
+        during, after = await asked, await service.status_reply()
+        assert during.incarnation == after.incarnation == before.incarnation
+        assert [f.version for f in after.fragments] == [f.version for f in before.fragments]
+
+    asyncio.run(main())
 
 
 def test_learner_runtime_in_a_user_loop_advances_the_global_model(inproc_sync):

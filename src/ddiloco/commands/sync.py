@@ -151,8 +151,10 @@ def _serve(args: argparse.Namespace, config: Config, listen: Address, credential
                         port_file=Path(args.port_file) if args.port_file else None,
                         exit_when_finished=args.exit_when_finished)
         finally:
-            if feed is not None:
+            if feed is not None:  # awaited: a failure of the feed is raised here, not logged at exit
                 feed.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feed
 
     try:
         asyncio.run(main())
