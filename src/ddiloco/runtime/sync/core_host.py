@@ -121,7 +121,7 @@ class SyncHost:
     async def status(self) -> SyncStatus:
         """The core's status: asked of its thread when it is idle, else the one it last published
         (a status call never queues behind an event: any of them may close a round)."""
-        if self._events or self._stopped:
+        if self._events:
             return self._status[1]
         asked = asyncio.ensure_future(self._ask_status())
         try:
@@ -130,8 +130,8 @@ class SyncHost:
             return self._status[1]
 
     async def _ask_status(self) -> SyncStatus:
-        # Checked when the question runs, not when it was asked: a stop in between shuts the
-        # core's thread down, and the status page's feed asked once more after a SIGTERM.
+        # Checked when the question runs, not when it was asked: a stop before then shuts the
+        # core's thread down (the status page's feed asked once more after a SIGTERM).
         if self._stopped:
             return self._status[1]
         return await self.query(self._publish_status)
