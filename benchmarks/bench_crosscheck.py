@@ -18,6 +18,7 @@
     PYTHONPATH=src python benchmarks/bench_crosscheck.py            # about 16 min on 2 busy cores
     PYTHONPATH=src python benchmarks/bench_crosscheck.py --quick    # about 1 min
     PYTHONPATH=src python benchmarks/bench_crosscheck.py --only bandwidth
+    PYTHONPATH=src python benchmarks/bench_crosscheck.py --json docs/results/crosscheck.json   # the docs' tables
 
 The virtual runs train real models, so the cost is in learner steps (about 10 ms each on
 the tiny preset): M x time_s per run. Everything runs on one thread, seeded.
@@ -26,10 +27,12 @@ the tiny preset): M x time_s per run. Everything runs on one thread, seeded.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,6 +47,9 @@ from ddiloco.scale.goodput_model import SmallClusterPrediction, predict_small_cl
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload
 from ddiloco.sim.network import HEADER_BYTES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import load_now, stamp  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +281,27 @@ def every_message_whole(run: VirtualRun) -> bool:
 # --- tables ----------------------------------------------------------------------------------
 
 
+def goodput_record(r: GoodputRow) -> dict[str, Any]:
+    """One row of both goodput tables, as the results file keeps it (fractions, not percent)."""
+    return {"learners": r.learners, "regime": r.case.label, "mtbf_s": r.case.mtbf_s, "downtime_s": r.case.downtime_s,
+            "predicted": r.predicted.goodput, "predicted_uptime": r.predicted.uptime,
+            "measured": list(r.measured), "mean": r.mean, "std": r.std, "difference": r.difference,
+            "two_stderr": 2.0 * r.stderr, "within_spread": bool(r.within_spread()), "uptime": list(r.uptime),
+            "failures": list(r.failures), "expected_failures": r.ensemble_failures,
+            "model_on_drawn": list(r.on_trace), "measured_minus_model_on_drawn": r.trace_difference,
+            "measured_minus_model_on_drawn_std": r.trace_difference_std,
+            "model_on_1000_traces": r.ensemble, "uplink_agrees": [bool(c.agrees()) for c in r.up_checks]}
+
+
+def bytes_record(label: str, run: VirtualRun) -> list[dict[str, Any]]:
+    """The bandwidth table's rows of one run, a row per direction."""
+    whole = every_message_whole(run)
+    return [{"run": label, "direction": c.direction, "steps_per_learner": c.steps // c.learners,
+             "counted_per_step": c.counted_per_step, "model_per_step": c.predicted_per_step, "ratio": c.ratio,
+             "rounds_per_period": c.rounds_per_period, "agrees": bool(c.agrees()), "whole_messages": bool(whole)}
+            for c in byte_checks(run).values()]
+
+
 def pct(x: float) -> str:
     return f"{100.0 * x:5.1f}%"
 
@@ -338,7 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per configuration (default 4, quick 2)")
     parser.add_argument("--time-s", type=float, default=None, help="virtual seconds per run (default 600, quick 240)")
     parser.add_argument("--only", choices=("goodput", "bandwidth"), default=None, help="run one cross-check")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the tables, stamped, to PATH")
     args = parser.parse_args(argv)
+    stamped = stamp(__file__, argv)
+    record: dict[str, Any] = {}
     torch.set_num_threads(1)
     seeds = range(args.seeds or (2 if args.quick else 4))
     time_s = args.time_s or (240.0 if args.quick else 600.0)
@@ -354,9 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  ... M={m} {case.label} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
         print_goodput(rows)
         print()
+        record["goodput"] = [goodput_record(r) for r in rows]
     if args.only == "goodput":
-        print(f"wall time {time.perf_counter() - started:.0f} s")
-        return 0
+        return finish(args.json, stamped, record, started)
 
     byte_runs = [("M=4, no failures, 120 s", run_cluster(tiny_config(learners=4, seed=0, time_s=120.0)))]
     if not args.quick:
@@ -367,7 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                       run_cluster(tiny_config(learners=4, seed=0, time_s=time_s, mtbf_s=case.mtbf_s,
                                               downtime_s=case.downtime_s))))
     print_bytes(byte_runs)
-    print(f"\nwall time {time.perf_counter() - started:.0f} s")
+    print()
+    record["bandwidth"] = [row for label, run in byte_runs for row in bytes_record(label, run)]
+    return finish(args.json, stamped, record, started)
+
+
+def finish(path: str | None, stamped: dict[str, Any], record: dict[str, Any], started: float) -> int:
+    wall_s = time.perf_counter() - started
+    print(f"wall time {wall_s:.0f} s")
+    if path:
+        Path(path).write_text(json.dumps({**stamped, **record, "wall_s": round(wall_s, 1), "load_at_end": load_now()},
+                                         indent=2) + "\n")
+        print(f"wrote {path}")
     return 0
 
 
