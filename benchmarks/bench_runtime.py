@@ -4,6 +4,7 @@
     python benchmarks/bench_runtime.py --only upload,wire
     python benchmarks/bench_runtime.py --only throughput --device cuda [--precision bf16]
     python benchmarks/bench_runtime.py --only profile [--model large]   # the training thread's profile
+    python benchmarks/bench_runtime.py --only throughput --model medium --repeats 5 --json docs/results/learner_tax_medium.json
 
 1. learner throughput: the same training loop with a synchronizer attached (LearnerRuntime,
    synchronizer in its own CPU process on 127.0.0.1) and alone, interleaved in one run;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +51,9 @@ from ddiloco.runtime.layout import reference_layout
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp import load_now, stamp  # noqa: E402
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
          "run.learners=1", "protocol.fragments=4", "protocol.period=8")
@@ -137,7 +143,8 @@ def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_i
     return steps / elapsed, stats
 
 
-def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], device: torch.device) -> None:
+def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], device: torch.device) -> dict[str, Any]:
+    """Prints the ratio and returns every figure behind it (steps/s in the order run)."""
     if device.type == "cpu":
         torch.set_num_threads(1)
     config = build_config(preset="tiny", overrides=overrides)
@@ -165,6 +172,13 @@ def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], devic
           f"({last['overhead_ms_per_step'] * a / 1e3:.1%}); "
           f"{last['sent']} contributions sent, "
           f"{last['applied']} updates applied")
+    return {"device": where, "precision": config.train.precision, "params": params,
+            "tokens_per_step": workload.tokens_per_step, "steps": steps, "repeats": repeats,
+            "alone_steps_per_s": alone, "attached_steps_per_s": attached, "best_of_ratio": b / a,
+            "median_ratio": statistics.median(attached) / statistics.median(alone),
+            "per_pair_median": statistics.median(pairs), "per_pair_range": [pairs[0], pairs[-1]], "target": target,
+            "runtime_step_ms_per_step": last["overhead_ms_per_step"], "step_ms": 1e3 / a,
+            "contributions_sent": last["sent"], "updates_applied": last["applied"]}
 
 
 def profile_training_thread(steps: int, overrides: tuple[str, ...], device: torch.device) -> None:
@@ -297,7 +311,9 @@ def main() -> None:
                              "gpu: ~32M parameters); default medium on the CPU, gpu on a GPU")
     add_device_option(parser)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="train.precision of the learner")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the throughput figures, stamped, to PATH")
     args = parser.parse_args()
+    stamped = stamp(__file__)
     chosen = set(args.only.split(","))
     try:
         device = resolve_device(args.device)
@@ -305,7 +321,11 @@ def main() -> None:
         if "profile" in chosen:
             profile_training_thread(args.steps, MODELS[model] + (f"train.precision={args.precision}",), device)
         if "throughput" in chosen:
-            bench_throughput(args.steps, args.repeats, MODELS[model] + (f"train.precision={args.precision}",), device)
+            figures = bench_throughput(args.steps, args.repeats, MODELS[model] + (f"train.precision={args.precision}",),
+                                       device)
+            if args.json:
+                Path(args.json).write_text(json.dumps({**stamped, "model": model, "throughput": figures,
+                                                       "load_at_end": load_now()}, indent=2) + "\n")
         if "upload" in chosen:
             bench_upload(args.repeats)
         if "merge" in chosen:
