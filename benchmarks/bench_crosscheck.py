@@ -15,7 +15,7 @@
    traffic on fragment -1 left out) and is the function the gRPC runtime's benchmark can
    call with its own ``ByteLedger.counts``.
 
-    PYTHONPATH=src python benchmarks/bench_crosscheck.py            # about 16 min on 2 busy cores
+    PYTHONPATH=src python benchmarks/bench_crosscheck.py            # about 7 min on 2 cores
     PYTHONPATH=src python benchmarks/bench_crosscheck.py --quick    # about 1 min
     PYTHONPATH=src python benchmarks/bench_crosscheck.py --only bandwidth
     PYTHONPATH=src python benchmarks/bench_crosscheck.py --json docs/results/crosscheck.json   # the docs' tables
@@ -403,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def finish(path: str | None, stamped: dict[str, Any], record: dict[str, Any], started: float) -> int:
+    """Print the wall time and, with ``--json``, write the tables beside the stamp taken at the start."""
     wall_s = time.perf_counter() - started
     print(f"wall time {wall_s:.0f} s")
     if path:
