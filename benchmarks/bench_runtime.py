@@ -313,16 +313,18 @@ def main() -> None:
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="train.precision of the learner")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the throughput figures, stamped, to PATH")
     args = parser.parse_args()
-    stamped = stamp(__file__)
     chosen = set(args.only.split(","))
+    if args.json and "throughput" not in chosen:
+        parser.error("--json records the throughput benchmark: add throughput to --only")
+    stamped = stamp(__file__)
     try:
         device = resolve_device(args.device)
         model = args.model or ("medium" if device.type == "cpu" else "gpu")
+        overrides = MODELS[model] + (f"train.precision={args.precision}",)
         if "profile" in chosen:
-            profile_training_thread(args.steps, MODELS[model] + (f"train.precision={args.precision}",), device)
+            profile_training_thread(args.steps, overrides, device)
         if "throughput" in chosen:
-            figures = bench_throughput(args.steps, args.repeats, MODELS[model] + (f"train.precision={args.precision}",),
-                                       device)
+            figures = bench_throughput(args.steps, args.repeats, overrides, device)
             if args.json:
                 Path(args.json).write_text(json.dumps({**stamped, "model": model, "throughput": figures,
                                                        "load_at_end": load_now()}, indent=2) + "\n")
