@@ -15,10 +15,13 @@ from rich.table import Table
 from ddiloco.scale import bandwidth_model as bw
 
 
+HELP = "wide-area bandwidth needed by data parallel vs Decoupled DiLoCo"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "bandwidth",
-        help="wide-area bandwidth needed by data parallel vs Decoupled DiLoCo",
+        help=HELP,
         description="Compute the per-site wide-area bandwidth that data parallel (bf16 gradients "
         "all-reduced every step, hidden behind the backward pass) and Decoupled DiLoCo (one int4 "
         "fragment per step, tau steps to deliver it) need to reach a target compute utilization, "

@@ -19,21 +19,19 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from rich.live import Live
-from rich.table import Table
+from typing import TYPE_CHECKING
 
-from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_events, write_report
-from ddiloco.chaos.runner import ChaosRun, LiveState
-from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
-from ddiloco.commands.display import console, print_table, progress_bar
-from ddiloco.commands.interrupt import sigterm_as_interrupt
-from ddiloco.commands.options import (add_device_option, add_hosts_options, add_workload_options, config_from_args,
-                                      topology_from_args)
-from ddiloco.config import Config
 from ddiloco.errors import ConfigError
-from ddiloco.reporting import prepare_out
-from ddiloco.runtime.launch.topology import Topology
-from ddiloco.workload.device import resolve_device
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ddiloco.chaos.runner import LiveState
+    from ddiloco.chaos.schedule import Fault
+    from ddiloco.config import Config
+    from ddiloco.runtime.launch.topology import Topology
+
+HELP = "inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)"
 
 DEFAULT_WINDOW_S = 180.0
 SETTLE_S = 30.0
@@ -41,9 +39,11 @@ SETTLE_S = 30.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.commands.options import add_device_option, add_hosts_options, add_workload_options  # torch
+
     parser = sub.add_parser(
         "chaos",
-        help="inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)",
+        help=HELP,
         description="Run a synchronizer and M learner processes on 127.0.0.1 (or each in its own network "
         "namespace with --hosts netns), as `ddiloco run --runtime processes` does, and inject faults on a seeded "
         "schedule (every kind within --time 180) or from --schedule FILE: kill -9 and restart of learners, "
@@ -77,6 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def chaos_config(args: argparse.Namespace) -> Config:
     """The run's configuration: the workload options and a time budget of --time plus --settle seconds."""
+    from ddiloco.commands.options import config_from_args
+
     if not math.isfinite(args.time) or args.time <= 0:
         raise ConfigError(f"--time must be a positive number of seconds, got {args.time}")
     if not math.isfinite(args.min_step_s) or args.min_step_s < 0:
@@ -96,6 +98,12 @@ def chaos_config(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.chaos.schedule import check_targets, load_schedule, seeded_schedule
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.commands.options import topology_from_args
+    from ddiloco.reporting import prepare_out
+    from ddiloco.workload.device import resolve_device
+
     config = chaos_config(args)
     window_s = args.time
     shards = config.protocol.shards
@@ -119,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
          no_baseline: bool, topology: Topology | None) -> int:
+    from rich.live import Live
+
+    from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_events, write_report
+    from ddiloco.chaos.runner import ChaosRun
+    from ddiloco.commands.display import console, print_table, progress_bar
+
     console.print(f"ddiloco chaos: {len(faults)} faults in {window_s:.0f}s, run budget {config.run.time_s:.0f}s "
                   f"after the first join, M={config.run.learners}, seed {config.run.seed}; logs in {out}/logs")
     with Live(_live_view(None), console=console, refresh_per_second=4, transient=False) as live:
@@ -160,6 +174,8 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
 
 def _live_view(state: LiveState | None) -> Table:
     """A few short lines: they must read the same in a narrow terminal and in a log."""
+    from rich.table import Table
+
     grid = Table.grid()
     if state is None:
         grid.add_row("starting the synchronizer and the learners ...")

@@ -8,21 +8,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddiloco.commands.display import compare_story, console, print_report, progress_bar
-from ddiloco.commands.interrupt import sigterm_as_interrupt
-from ddiloco.commands.options import add_cluster_options, config_from_args
-from ddiloco.config import MODES, Config
-from ddiloco.experiment import Interrupted, run_virtual
-from ddiloco.run_plot import plot_runs
-from ddiloco.reporting import prepare_out
-from ddiloco.workload.device import resolve_device
-from ddiloco.workload.workload import Workload
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddiloco.config import Config
+
+
+HELP = "run decoupled, diloco, dp and dp-elastic side by side"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.commands.options import add_cluster_options  # the presets: torch
+
     parser = sub.add_parser(
         "compare",
-        help="run decoupled, diloco, dp and dp-elastic side by side",
+        help=HELP,
         description="Run every mode on the same workload, seed, budget and failure trace; print a table, "
         "write compare.json and compare.png (and each mode's own outputs in a subdirectory).",
     )
@@ -31,6 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.commands.display import compare_story, console, print_report, progress_bar
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.commands.options import config_from_args
+    from ddiloco.config import MODES
+    from ddiloco.experiment import Interrupted, run_virtual
+    from ddiloco.reporting import prepare_out
+    from ddiloco.workload.device import resolve_device
+    from ddiloco.workload.workload import Workload
+
     base = config_from_args(args)
     device = resolve_device(args.device)
     out = prepare_out(args.out or "runs/compare")
@@ -60,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_compare(out: Path, base: Config, summaries: list[dict[str, Any]], curves: dict[str, list[dict[str, Any]]]) -> None:
+    from ddiloco.run_plot import plot_runs
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")
     plot_runs(out / "compare.png", curves, events={s["mode"]: s.get("events") for s in summaries},

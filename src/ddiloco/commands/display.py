@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rich.columns import Columns
 from rich.console import Console, Group, RenderableType
@@ -18,8 +18,8 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ddiloco.core.config import Mode
-from ddiloco.reporting import ProgressFn
+if TYPE_CHECKING:
+    from ddiloco.reporting import ProgressFn
 
 console = Console(stderr=True)
 PIPED_WIDTH = 180
@@ -130,6 +130,8 @@ def _story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
     if summary.get("interrupted"):
         lines.append(f"Interrupted at {summary['done']:.0%} of the budget (virtual t={summary['virtual_time_s']:.0f} s); "
                      "this is what it did until then.")
+    from ddiloco.core.config import Mode  # beside the codecs: torch (``ddiloco status`` prints tables too)
+
     story = _diloco_story if Mode(summary["mode"]).uses_protocol else _dp_story
     return lines + story(summary, events)
 

@@ -15,22 +15,29 @@ import os
 import re
 from typing import Sequence
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.config import check_seed
 from ddiloco.errors import ConfigError
-from ddiloco.scale import goodput_model as gp
-from ddiloco.scale.goodput_fit import FIT_NAMES, fit_recovery_constants, held_out_goodput
+
+if TYPE_CHECKING:
+    from ddiloco.scale import goodput_model as gp
 
 DAY_S = 86_400.0
 
 
+HELP = "simulate goodput and uptime of data parallel vs Decoupled DiLoCo on 150k-2.4M chips"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.scale import goodput_model as gp  # its Mode: torch
+
     parser = sub.add_parser(
         "goodput",
-        help="simulate goodput and uptime of data parallel vs Decoupled DiLoCo on 150k-2.4M chips",
+        help=HELP,
         description="Simulate training on N chips under per-chip Poisson interruptions: goodput (useful "
         "chip-time / provisioned chip-time) and uptime (share of wall time the global model advances) "
         "of data parallel, elastic data parallel and Decoupled DiLoCo with M learners. "
@@ -93,6 +100,8 @@ def parse_chips(text: str) -> int:
 
 
 def _model(args: argparse.Namespace, mtbi_days: float) -> gp.ClusterModel:
+    from ddiloco.scale import goodput_model as gp
+
     if not (mtbi_days > 0 and math.isfinite(mtbi_days)):
         raise ConfigError(f"mtbi-days must be positive, got {mtbi_days}")
     overrides = {f: getattr(args, f) for f in gp.ClusterModel.__slots__ if getattr(args, f, None) is not None}
@@ -100,6 +109,9 @@ def _model(args: argparse.Namespace, mtbi_days: float) -> gp.ClusterModel:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.config import check_seed
+    from ddiloco.scale import goodput_model as gp
+
     chips = [parse_chips(c) for c in args.chips] if args.chips else list(gp.DEFAULT_CHIPS)
     configs = list(args.configs or gp.DEFAULT_CONFIGS)
     mtbis = args.mtbi_days or [gp.SECONDS_PER_YEAR / DAY_S]
@@ -141,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(rows: Sequence[gp.Row], model: gp.ClusterModel, configs: Sequence[str], chips: Sequence[int],
            metric: str, seeds: int) -> Table:
+    from ddiloco.scale import goodput_model as gp
+
     title = f"{metric} % (mean ± std over {seeds} seeds), MTBI {model.mtbi_s / DAY_S:g} days per chip"
     table = Table(title=title, box=box.SIMPLE_HEAD)
     table.add_column("config", no_wrap=True)
@@ -159,6 +173,8 @@ def _chips_label(n: int) -> str:
 
 
 def _plan(models: Sequence[gp.ClusterModel], chips: Sequence[int], args: argparse.Namespace, horizon_s: float) -> int:
+    from ddiloco.scale import goodput_model as gp
+
     if args.max_learners < 1:
         raise ConfigError(f"max-learners must be >= 1, got {args.max_learners}")
     answers = []
@@ -183,6 +199,9 @@ def _plan(models: Sequence[gp.ClusterModel], chips: Sequence[int], args: argpars
 
 
 def _calibrate(model: gp.ClusterModel, args: argparse.Namespace, horizon_s: float) -> int:
+    from ddiloco.scale import goodput_model as gp
+    from ddiloco.scale.goodput_fit import FIT_NAMES, fit_recovery_constants, held_out_goodput
+
     fitted = fit_recovery_constants(model, seeds=args.seeds, horizon_s=horizon_s)
     rows = gp.simulate_table(gp.DEFAULT_CONFIGS, [gp.CALIBRATION_CHIPS], fitted, seeds=args.seeds, horizon_s=horizon_s)
     held_out = held_out_goodput(model, seeds=args.seeds, horizon_s=horizon_s)
@@ -212,6 +231,8 @@ def _calibrate(model: gp.ClusterModel, args: argparse.Namespace, horizon_s: floa
 
 def plot_goodput(rows: Sequence[gp.Row], path: str) -> None:
     """Goodput against cluster size, one line per configuration (one panel per failure rate)."""
+    from ddiloco.scale import goodput_model as gp
+
     import matplotlib
 
     matplotlib.use("Agg")

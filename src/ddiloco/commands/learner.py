@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options, config_from_args
-from ddiloco.config import PRESETS, Config, apply_override, load_toml
-from ddiloco.runtime.learner import process
+if TYPE_CHECKING:
+    from ddiloco.config import Config
+
+HELP = "train the reference workload as one learner connected to `ddiloco sync`"
 
 JOIN_TIMEOUT_S = 600.0
 """How long ``ddiloco learner`` waits at start for a synchronizer that does not answer: long enough
@@ -20,9 +22,12 @@ for one started later by hand or by a scheduler, short enough that a wrong addre
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options
+    from ddiloco.config import PRESETS  # beside the model's configuration: torch
+
     parser = sub.add_parser(
         "learner",
-        help="train the reference workload as one learner connected to `ddiloco sync`",
+        help=HELP,
         description="Train one learner of a Decoupled DiLoCo run against a synchronizer. Without "
         "workload options it trains the synchronizer's own configuration; with them (the same as the "
         "synchronizer's) it checks that both agree. Under torchrun it is data parallel over its ranks.",
@@ -65,6 +70,10 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
     local options alone (and the run's M, its data shards). Without ``--preset`` a learner's
     ``--set`` changes one value of the run it joins: it once switched to the default preset
     silently, then failed on a model shape the synchronizer did not have."""
+    from ddiloco.commands.options import config_from_args
+    from ddiloco.config import apply_override, load_toml
+    from ddiloco.runtime.learner import process
+
     if args.preset is None:
         config = process.resolve_config_of_sync(sync_config)
         if args.config:
@@ -79,4 +88,6 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.learner import process
+
     return process.run(args, lambda sync_config: _resolve_config(args, sync_config))

@@ -1,4 +1,7 @@
-"""Options shared by the commands that train the reference workload (run, compare, learner)."""
+"""Options shared by the commands that train the reference workload (run, compare, learner).
+
+The configuration (presets, defaults) sits beside the model's and imports torch: each function
+imports it when called, so a command that only needs :func:`positive_seconds` starts fast."""
 
 from __future__ import annotations
 
@@ -6,16 +9,17 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from ddiloco.config import MAIN_JOB, MODES, PRESETS, Config, FaultConfig, build_config
 from ddiloco.errors import ConfigError
-from ddiloco.workload.device import DEVICE_CHOICES
 
 if TYPE_CHECKING:
+    from ddiloco.config import Config
     from ddiloco.runtime.launch.topology import Topology
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """Preset, config file, overrides, seed and corpus: what defines the workload."""
+    from ddiloco.config import PRESETS
+
     parser.add_argument("--preset", default="default", help=f"size preset: {', '.join(PRESETS)} (default: default)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with [run], [model], [train], [protocol], ...")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -26,6 +30,8 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
 
 def add_device_option(parser: argparse.ArgumentParser) -> None:
     """Where learners train; not part of the run's configuration (mixed hardware joins one run)."""
+    from ddiloco.workload.device import DEVICE_CHOICES
+
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help=f"where learners train: {DEVICE_CHOICES} (default: auto, the first of cuda, mps, cpu)")
 
@@ -47,12 +53,16 @@ def add_log_level_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _by_preset(key: str) -> str:
+    from ddiloco.config import MAIN_JOB, PRESETS
+
     return ", ".join(f"{p} {MAIN_JOB[p]['faults'][key]:g}" for p in PRESETS)
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True, main_job: bool = False) -> None:
     """Everything a virtual run needs on top of the workload; ``main_job``: the failure
     defaults are ``ddiloco run``'s (:data:`ddiloco.config.MAIN_JOB`), else none."""
+    from ddiloco.config import MODES, FaultConfig
+
     add_workload_options(parser)
     if with_mode:
         parser.add_argument("--mode", help=f"one of {', '.join(MODES)} (default: decoupled)")
@@ -75,6 +85,8 @@ def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Con
     """The run's configuration; ``main_job`` (``ddiloco run`` on the virtual cluster) adds the
     preset's failures and slow learner (:data:`ddiloco.config.MAIN_JOB`) beneath the file,
     the overrides and the flags."""
+    from ddiloco.config import build_config
+
     return build_config(
         preset=args.preset,
         main_job=main_job,

@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 
-from ddiloco.commands.display import console, print_report, progress_bar, what_happened
-from ddiloco.commands.interrupt import sigterm_as_interrupt
-from ddiloco.commands.live_view import live_view
-from ddiloco.commands.options import add_cluster_options, add_hosts_options, config_from_args, topology_from_args
 from ddiloco.errors import ConfigError
-from ddiloco.experiment import Interrupted, run_virtual
-from ddiloco.runtime.launch.placement import Hosts
-from ddiloco.reporting import prepare_out, write_run
-from ddiloco.workload.device import resolve_device
+
+HELP = "train on the virtual cluster (default: Decoupled DiLoCo, 4 learners)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.commands.options import add_cluster_options, add_hosts_options  # the presets: torch
+
     parser = sub.add_parser(
         "run",
-        help="train on the virtual cluster (default: Decoupled DiLoCo, 4 learners)",
+        help=HELP,
         description="Train the reference byte-level transformer with Decoupled DiLoCo (or a baseline) "
         "on a deterministic virtual cluster: real PyTorch training, virtual time, seeded failures.",
     )
@@ -39,6 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.commands.display import console, print_report, progress_bar, what_happened
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.commands.live_view import live_view
+    from ddiloco.commands.options import config_from_args, topology_from_args
+    from ddiloco.experiment import Interrupted, run_virtual
+    from ddiloco.reporting import prepare_out, write_run
+    from ddiloco.runtime.launch.placement import Hosts
+    from ddiloco.workload.device import resolve_device
+
     virtual = args.runtime == "virtual"
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
     if virtual and args.hosts != Hosts.LOCAL:

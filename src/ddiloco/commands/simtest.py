@@ -9,23 +9,24 @@ import sys
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ddiloco.commands.display import console, print_table
+from typing import TYPE_CHECKING
+
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED
-from ddiloco.sim.swarm import (
-    DEFAULT_SEEDS,
-    SeedResult,
-    SimtestReport,
-    default_workers,
-    replay_command,
-    run_simtest,
-)
+
+if TYPE_CHECKING:
+    from ddiloco.sim.swarm import SeedResult, SimtestReport
+
+
+HELP = "attack the protocol on the virtual cluster over many seeds and check its invariants"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.sim.swarm import DEFAULT_SEEDS, default_workers  # the simulator: torch
+
     parser = sub.add_parser(
         "simtest",
-        help="attack the protocol on the virtual cluster over many seeds and check its invariants",
+        help=HELP,
         description="Swarm simulation testing: each seed draws its own world (learners, protocol settings, and "
         "which faults attack at what rates: message loss, duplication, reordering, partitions, freezes, learner "
         "and synchronizer crashes), runs a safety phase with faults and invariant checks after every event, then "
@@ -45,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.commands.display import console
+    from ddiloco.sim.swarm import run_simtest
+
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report_json(report: SimtestReport, overrides: tuple[str, ...], kinds: tuple[str, ...]) -> dict:
+    from ddiloco.sim.swarm import replay_command
+
     def failure(r: SeedResult, message: str | None) -> dict:
         return {"seed": r.seed, "message": message, "replay": replay_command(r.seed, overrides, kinds)}
 
@@ -89,6 +95,8 @@ def report_json(report: SimtestReport, overrides: tuple[str, ...], kinds: tuple[
 
 
 def print_report(report: SimtestReport, summary: dict) -> None:
+    from ddiloco.commands.display import console, print_table
+
     table = Table(title=f"ddiloco simtest: {summary['seeds']} seeds, {summary['events']:,} events, "
                         f"{summary['virtual_s']:,.0f} virtual s in {summary['wall_s']:.0f} s")
     for column in ("fault", "injected", "seeds with it"):

@@ -13,16 +13,19 @@ from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
-from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
-from ddiloco.runtime.sharded import ShardedClient
-from ddiloco.runtime.sync.status_reply import LEARNERS_PAGE
+from ddiloco.runtime.status_call import status_dict
+from ddiloco.runtime.status_wire import LEARNERS_PAGE
+
+
+HELP = "learners, fragment versions, rejections and bytes of a running synchronizer"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "status",
-        help="learners, fragment versions, rejections and bytes of a running synchronizer",
+        help=HELP,
         description="Ask a running synchronizer (`ddiloco sync`) for its state.",
     )
     parser.add_argument("address", metavar="HOST:PORT[,HOST:PORT...]",
@@ -42,17 +45,21 @@ def run(args: argparse.Namespace) -> int:
         raise DdilocoError(f"--page {args.page}: must be >= 0")
     addresses = [parse_address(a.strip(), option="address") for a in args.address.split(",") if a.strip()]
     token = load_token(args.token_file)
-    with ShardedClient([str(a) for a in addresses], token=token, tls_ca=args.tls_ca) as client:
-        try:
-            status = client.status_dict(timeout_s=args.timeout, learner_offset=args.page * LEARNERS_PAGE,
-                                        learner_limit=LEARNERS_PAGE)
-        except Unreachable as err:
-            for address in addresses:  # an HTTP port of the synchronizer's, given by mistake?
-                if line := wrong_port_line(address, "ddiloco status"):
-                    raise DdilocoError(line) from None
-            raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
-        except CallRefused as err:
-            raise DdilocoError(f"the synchronizer at {args.address} refused: {err.detail}") from None
+    try:
+        shards = [status_dict(str(a), token=token, tls_ca=args.tls_ca, timeout_s=args.timeout,
+                              learner_offset=args.page * LEARNERS_PAGE, learner_limit=LEARNERS_PAGE)
+                  for a in addresses]
+    except Unreachable as err:
+        for address in addresses:  # an HTTP port of the synchronizer's, given by mistake?
+            if line := wrong_port_line(address, "ddiloco status"):
+                raise DdilocoError(line) from None
+        raise DdilocoError(f"cannot reach the synchronizer at {args.address}: {err}") from None
+    if len(shards) == 1:
+        status = shards[0]
+    else:
+        from ddiloco.runtime.sharded import merge_statuses  # by the core's merge rules: torch, for a sharded run only
+
+        status = merge_statuses(shards)
     if args.json:
         json.dump(status, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -11,36 +11,29 @@ import logging
 import signal
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from ddiloco.commands.options import add_log_level_option, add_workload_options, config_from_args
-from ddiloco.config import Config
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.auth import (
-    Address,
-    load_credentials,
-    load_token,
-    parse_address,
-    require_token_beyond_loopback,
-    server_credentials,
-)
-from ddiloco.runtime.layout import layout_from_file
-from ddiloco.runtime.sync.memory import fewer_malloc_arenas, give_back_freed_memory
-from ddiloco.runtime.sync.server import serve
-from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-from ddiloco.runtime.sync.state_dir import Resume
-from ddiloco.runtime.sync.status_process import StatusPageProcess
-from ddiloco.runtime.status_wire import status_to_dict
 
+if TYPE_CHECKING:
+    import grpc
+
+    from ddiloco.config import Config
+    from ddiloco.runtime.auth import Address
+    from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+    from ddiloco.runtime.sync.status_process import StatusPageProcess
+
+HELP = "serve the synchronizer (gRPC) that learner processes connect to"
 DEFAULT_LISTEN = "127.0.0.1:7000"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ddiloco.commands.options import add_log_level_option, add_workload_options  # the presets: torch
+    from ddiloco.runtime.sync.state_dir import Resume
+
     parser = sub.add_parser(
         "sync",
-        help="serve the synchronizer (gRPC) that learner processes connect to",
+        help=HELP,
         description="Run the Decoupled DiLoCo synchronizer as a gRPC service: learners started with "
         "`ddiloco learner --connect HOST:PORT` stream their fragments to it. Give it the same workload "
         "options as the learners (--preset, --config, --set, --seed) and the number of learners.",
@@ -89,6 +82,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.commands.options import config_from_args
+    from ddiloco.runtime.auth import (
+        Address,
+        load_credentials,
+        load_token,
+        parse_address,
+        require_token_beyond_loopback,
+        server_credentials,
+    )
+    from ddiloco.runtime.sync.service import ServiceOptions
+    from ddiloco.runtime.sync.state_dir import Resume
+    from ddiloco.runtime.sync.status_process import StatusPageProcess
+
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -128,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, config: Config, listen: Address, credentials: grpc.ServerCredentials | None,
            options: ServiceOptions, page: StatusPageProcess | None) -> int:
+    from ddiloco.runtime.auth import Address
+    from ddiloco.runtime.layout import layout_from_file
+    from ddiloco.runtime.sync.memory import fewer_malloc_arenas, give_back_freed_memory
+    from ddiloco.runtime.sync.server import serve
+    from ddiloco.runtime.sync.service import SyncService
+
     fewer_malloc_arenas()  # before the model is read and the gRPC threads start
     give_back_freed_memory(every_s=1.0)
     layout = None
@@ -166,6 +178,8 @@ def _serve(args: argparse.Namespace, config: Config, listen: Address, credential
 
 async def _status_dict(service: SyncService) -> dict[str, Any] | None:
     """What the status page shows: the Status call's answer; None until the service serves."""
+    from ddiloco.runtime.status_wire import status_to_dict
+
     return None if service.host is None else status_to_dict(await service.status_reply())
 
 

@@ -11,8 +11,7 @@ learner reacts to each differently:
   callers print as one line;
 - :class:`Unreachable`: no answer (down, restarting, network) — retry later.
 
-The reason travels in the ``ddiloco-reason`` trailing metadata; a status without one is a
-transport failure (unreachable), never a refusal with a reason made up here.
+How a failed call reads (its reason, a refused credential) is :mod:`ddiloco.runtime.call_errors`.
 """
 
 from __future__ import annotations
@@ -40,13 +39,8 @@ from ddiloco.core.messages import (
 )
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import (
-    PROTOCOL_VERSION,
-    REASON_HEADER,
-    Address,
-    channel_credentials,
-    client_metadata,
-)
+from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials, client_metadata
+from ddiloco.runtime.call_errors import Unreachable, credentials_refused, refusal_reason, unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, status_to_dict
@@ -58,10 +52,6 @@ CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-
-
-class Unreachable(Exception):
-    """The synchronizer did not answer (down, restarting, deadline exceeded)."""
 
 
 class CallRefused(Exception):
@@ -111,17 +101,12 @@ def _refuse_version_skew(unknown: list[str], what: str) -> None:
 
 
 def _translate(err: grpc.RpcError, address: str) -> Exception:
-    code = err.code()
-    text = next(((v.decode() if isinstance(v, bytes) else v) for k, v in err.trailing_metadata() or ()
-                 if k == REASON_HEADER), None)
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthenticationError(
-            RejectReason.UNAUTHENTICATED,
-            f"the synchronizer at {address} refused our credentials ({err.details()}; check --token-file / "
-            "$DDILOCO_TOKEN, or --secret-file / $DDILOCO_SECRET, on both sides)", code)
+    if line := credentials_refused(address, err):
+        return AuthenticationError(RejectReason.UNAUTHENTICATED, line, err.code())
+    text = refusal_reason(err)
     if text is None:
-        return Unreachable(f"{address}: {code.name}: {err.details()}")
-    return CallRefused(RejectReason.parse(text), err.details() or text, code)
+        return unreachable(address, err)
+    return CallRefused(RejectReason.parse(text), err.details() or text, err.code())
 
 
 class SyncClient:

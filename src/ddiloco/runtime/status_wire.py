@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from ddiloco.core.run import RunPhase
-from ddiloco.core.sync_status import SyncStatus
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
+
+if TYPE_CHECKING:  # the client half (``ddiloco status``) must not import the core: it imports torch
+    from ddiloco.core.sync_status import SyncStatus
 
 
 class OnWire(NamedTuple):
@@ -44,6 +45,10 @@ _BY_FRAGMENT = ("fragments", "versions", "round_phases")
 """Per-fragment core fields: one ``FragmentStatus`` (id, version) and one ``round_phases`` entry a fragment."""
 
 
+LEARNERS_PAGE = 1000
+"""Learners per Status reply when the caller asks for no page size (and the most it may ask for)."""
+
+
 def wire_name(name: str) -> str:
     """The message field that carries core field ``name``."""
     return ON_WIRE[name].name if name in ON_WIRE else name
@@ -54,6 +59,8 @@ def wire_name(name: str) -> str:
 
 def status_to_pb(core: SyncStatus, now: float) -> pb.StatusReply:
     """Every field of ``core`` in a StatusReply (``now``: the clock of ``core``'s times)."""
+    from ddiloco.core.run import RunPhase
+
     reply = pb.StatusReply(finished=core.phase is RunPhase.FINISHED)
     to_pb(core, reply, now, skip=_BY_FRAGMENT)
     for index, version in zip(core.fragments, core.versions):

@@ -22,7 +22,7 @@ from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.layout import ModelLayout
 from ddiloco.runtime.sync.metrics import GoodputMeter
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.status_wire import status_to_pb
+from ddiloco.runtime.status_wire import LEARNERS_PAGE, status_to_pb
 
 
 class Measured(Protocol):
@@ -38,10 +38,6 @@ class Measured(Protocol):
     writer: CheckpointWriter
     first_join_s: float | None
     process_start_s: float
-
-
-LEARNERS_PAGE = 1000
-"""Learners per Status reply when the caller asks for no page size (and the most it may ask for)."""
 
 
 def status_reply(service: Measured, core: SyncStatus, now: float, learner_offset: int = 0,
