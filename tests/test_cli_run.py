@@ -47,6 +47,10 @@ def error_line(capsys, argv) -> str:
         (["--set", "cluster.late_learners=1", "--mode", "diloco"], "run.mode=decoupled"),
         (["--set", "cluster.late_learners=3", "--set", "protocol.quorum=2"], "protocol.quorum=2"),
         (["--set", "cluster.late_join_s=-1"], "cluster.late_join_s"),
+        # Issue 45: accepted and silently ignored by real processes; now refused, pointing at chaos.
+        (["--runtime", "processes", "--mtbf", "30", "--downtime", "5"], "--mtbf 30: --runtime processes takes no"),
+        (["--runtime", "processes", "--downtime", "5"], "--downtime 5: --runtime processes takes no"),
+        (["--runtime", "processes", "--set", "faults.mtbf_s=30"], "faults.mtbf_s=30: real processes take no"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value_and_creates_nothing(capsys, tmp_path, argv, needle):

@@ -270,6 +270,11 @@ class Config:
         if self.train.schedule != LrSchedule.CONSTANT:
             raise ConfigError(f"train.schedule={self.train.schedule!r} runs on the virtual cluster only: a learner "
                               "process does not know the run's progress (use train.schedule=constant)")
+        injected = [f"faults.{k}={getattr(self.faults, k):g}" for k in ("mtbf_s", *FAULT_RATES) if getattr(self.faults, k)]
+        if injected:
+            raise ConfigError(f"{', '.join(injected)}: real processes take no simulated failure trace; inject kill -9, "
+                              "SIGSTOP, cut links and synchronizer crashes into real processes with `ddiloco chaos` "
+                              "(docs/chaos.md)")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ import pytest
 from runtime_helpers import (ddiloco_session, free_port, learner_args, session_pids, stop_session, sync_args,
                              wait_for, wait_until_running)
 
+from ddiloco.commands.display import what_happened
 from ddiloco.config import build_config
 from ddiloco.reporting import SUMMARY_KEYS
 from ddiloco.runtime.checkpoint import load_checkpoint
@@ -35,6 +36,12 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0 and 0 < summary["goodput"] <= 1
     assert rows[-1]["eval_loss"] == summary["eval_loss"] < rows[0]["eval_loss"]
     assert seen and seen[-1] == 1.0
+    # Issue 45: the same "what happened" as the virtual cluster's (summary.json had events None).
+    events = summary["events"]
+    assert events["failures"] == 0 and events["rejoins"] == 0
+    assert events["merges"] == sum(summary["rounds_closed"].values()) > 0
+    assert 0 <= events["longest_pause_s"] <= rows[-1]["virtual_time_s"]
+    assert what_happened(summary, slow_factor=config.cluster.slow_factor)[0].startswith("0 learner failures")
     # Same model, same initial weights and the same evaluation as the virtual cluster's.
     workload = Workload.build(config)
     assert rows[0]["eval_loss"] == workload.evaluate(workload.new_model())

@@ -94,7 +94,7 @@ def summary_table(summaries: Sequence[dict[str, Any]], title: str, *, width: int
 
 
 def what_happened(summary: dict[str, Any], *, slow_factor: float) -> list[str] | None:
-    """The run's story in plain words, from its ``events`` (None for a run that has none: real processes)."""
+    """The run's story in plain words, from its ``events`` (None for a run that has none: an older summary)."""
     events = summary.get("events")
     if events is None:
         return None
@@ -143,8 +143,13 @@ def _diloco_story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
         f"{_plural(failures, 'learner failure')} and {_plural(rejoins, 'rejoin')}: "
         + ("a restarted learner fetches the global state and trains on." if failures else "no failures in this run."),
         f"{_plural(events['merges'], 'merge')}; the global model's longest pause without one was {pause:.1f} "
-        f"virtual s (from t={start:.0f} s) of {summary['virtual_time_s']:.0f} s.",
+        f"{_seconds(summary)} (from t={start:.0f} s) of {summary['virtual_time_s']:.0f} s.",
     ]
+
+
+def _seconds(summary: dict[str, Any]) -> str:
+    """Real processes count wall seconds where the virtual cluster counts virtual ones."""
+    return "s" if summary.get("runtime") == "processes" else "virtual s"
 
 
 def _dp_story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:

@@ -45,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.workload.device import resolve_device
 
     virtual = args.runtime == "virtual"
+    if not virtual and (args.mtbf or args.downtime is not None):  # one line, not a trace silently ignored
+        flag = f"--mtbf {args.mtbf:g}" if args.mtbf else f"--downtime {args.downtime:g}"
+        raise ConfigError(f"{flag}: --runtime processes takes no simulated failure trace; inject kill -9 (and "
+                          "SIGSTOP, cut links, synchronizer crashes) into real processes with `ddiloco chaos`")
     config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
     if virtual and args.hosts != Hosts.LOCAL:
         raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")

@@ -134,6 +134,8 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         own_steps_per_learner=list(timeline.steps().values()),
         links=timeline.link_totals(),
         stopped=stop.requested.name if stop.requested else None,
+        events=timeline.events(status, final["virtual_time_s"],
+                               failures=sum(1 for n in timeline.learners if procs.died(n))),
         **place.describe(),
     )
     return summary, evaluations.rows

@@ -43,6 +43,8 @@ class Processes:
         self.logs = logs
         self.children: dict[str, subprocess.Popen] = {}
         self._files: list[Any] = []
+        self._signalled: set[str] = set()
+        """Children this table sent a signal since their start: their exit is not a failure."""
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *,
               prefix: list[str] | None = None, module: str = "ddiloco.cli") -> subprocess.Popen:
@@ -56,11 +58,17 @@ class Processes:
                                  module, *args], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, process_group=0)
         self.children[name] = proc
+        self._signalled.discard(name)
         return proc
 
     def running(self, name: str) -> bool:
         proc = self.children.get(name)
         return proc is not None and proc.poll() is None
+
+    def died(self, name: str) -> bool:
+        """Whether ``name`` exited with an error that no signal of this table caused (a crash)."""
+        proc = self.children.get(name)
+        return proc is not None and proc.poll() not in (None, 0) and name not in self._signalled
 
     def signal(self, name: str, sig: signal.Signals) -> bool:
         """Send ``sig`` to ``name`` if it is running; SIGKILL also reaps it. Returns whether it was sent."""
@@ -68,6 +76,7 @@ class Processes:
         if proc is None or proc.poll() is not None:
             return False
         proc.send_signal(sig)
+        self._signalled.add(name)
         if sig is signal.SIGKILL:
             proc.wait()
         return True
@@ -85,6 +94,7 @@ class Processes:
     def stop_all(self, names: list[str], timeout_s: float = 10.0) -> None:
         """Stop ``names`` together: SIGCONT and SIGTERM to each, then wait up to ``timeout_s`` for all."""
         procs = [self.children[n] for n in names if n in self.children and self.children[n].poll() is None]
+        self._signalled.update(n for n in names if n in self.children)
         for proc in procs:
             proc.send_signal(signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)

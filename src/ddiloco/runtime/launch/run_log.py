@@ -5,6 +5,10 @@ steps the synchronizer may never see), what the synchronizer merged (fragment ve
 accepted contributions per learner), and the bytes so far on every link of ``--hosts
 netns``. ``benchmarks/bench_wan.py`` computes its rates from these lines; a person can
 read where a run starved.
+
+At the end it gives ``summary.json``'s ``events`` (the "what happened" panel), with the keys the
+virtual cluster's have (``sim/timeline.py``'s ``RunEvents``), from what the synchronizer counted
+and from when the polls (every ``launcher.POLL_S``) saw the global model move.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ class RunTimeline:
         self._last = -RECORD_EVERY_S
         self.first_links = placement.counters()
         self.last_links = self.first_links
+        self._merged = 0
+        self._moved_at: list[float] = []
+        """When a poll first saw the fragment versions' sum grow."""
+        self._finished_at: float | None = None
 
     def progress_file(self, learner: str) -> Path:
         return self.progress_dir / f"{learner}.json"
@@ -44,6 +52,12 @@ class RunTimeline:
     def record(self, status: dict[str, Any] | None, *, force: bool = False) -> None:
         """Append a line if a second has passed since the last one (or ``force``)."""
         t = time.monotonic() - self.started
+        merged = 0 if status is None else sum(f["version"] for f in status["fragments"])
+        if merged > self._merged:
+            self._merged = merged
+            self._moved_at.append(t)
+        if status is not None and status["finished"] and self._finished_at is None:
+            self._finished_at = t
         if not force and t - self._last < RECORD_EVERY_S:
             return
         self._last = t
@@ -60,6 +74,20 @@ class RunTimeline:
     def link_totals(self) -> dict[str, dict[str, int]]:
         """Bytes per link and direction over the run so far."""
         return {name: {d: now[d] - self.first_links[name][d] for d in now} for name, now in self.last_links.items()}
+
+    def events(self, status: dict[str, Any], end_s: float, failures: int) -> dict[str, Any]:
+        """``summary.json``'s ``events`` at the end of the run (``status``: the synchronizer's last;
+        ``failures``: learner processes that died): merges and rejoins as the synchronizer counted
+        them, the longest pause between merges to the polls' resolution, until the run finished
+        (``end_s`` if it did not)."""
+        end_s = end_s if self._finished_at is None else self._finished_at
+        moved = self._moved_at
+        gaps = list(zip(moved, [*moved[1:], end_s])) if moved else [(0.0, end_s)]
+        start_s, stop_s = max(gaps, key=lambda gap: gap[1] - gap[0])
+        return {"failures": failures, "rejoins": sum(max(0, lr["registrations"] - 1) for lr in status["learners"]),
+                "merges": sum(status["quorum"]["rounds_closed"].values()),
+                "longest_pause_s": round(stop_s - start_s, 3), "longest_pause_from_s": round(start_s, 3),
+                "slow_learners": [], "outages": [], "rejoined_at": [], "rollbacks": [], "reconfigurations": 0}
 
     def close(self) -> None:
         self._file.close()

@@ -27,9 +27,12 @@ class GoodputMeter:
 
     A merged contribution credits ``compute_s`` (the learner's measured inner-step seconds)
     times the fragment's share of the parameters — the same crediting as the virtual
-    cluster's. Goodput = credited seconds / (M × wall seconds since the first join).
-    Uptime = share of wall time covered by credited work, the work of a contribution being
-    placed in the ``compute_s`` seconds before it arrived at the synchronizer.
+    cluster's. Goodput = credited seconds / chip seconds, a learner's chip seconds counted from
+    its first join (a learner still starting is not idle) to the run's end, when its budget is
+    spent (as the run's clock, ``core/run.py``; the drain, the last evaluation and the final
+    checkpoint are not the run's), at most M × wall seconds.
+    Uptime = share of wall time, first join to the run's end, covered by credited work, the
+    work of a contribution being placed in the ``compute_s`` seconds before it arrived.
     """
 
     learners: int
@@ -37,9 +40,26 @@ class GoodputMeter:
     intervals: list[tuple[float, float]] = field(default_factory=list)
     elapsed_before_s: float = 0.0
     """Wall seconds of previous incarnations of the synchronizer (restored from a checkpoint)."""
+    chip_before_s: float = 0.0
+    """Chip seconds of previous incarnations."""
+    started_s: float | None = None
+    """The first join of this incarnation: its run clock starts."""
+    ended_s: float | None = None
+    """The run's budget was spent (or it finished without learners to drain)."""
+    joined_s: dict[str, float] = field(default_factory=dict)
+    """Each learner's first join in this incarnation."""
     _covered_s: float = 0.0
     _reach: float = float("-inf")
     max_intervals: int = 4096
+
+    def joined(self, learner_id: str, now: float) -> None:
+        if self.started_s is None:
+            self.started_s = now
+        self.joined_s.setdefault(learner_id, now)
+
+    def finished(self, now: float) -> None:
+        if self.ended_s is None:
+            self.ended_s = now
 
     def credit(self, compute_s: float, share: float, arrived_s: float) -> None:
         self.credited_s += compute_s * share
@@ -54,11 +74,24 @@ class GoodputMeter:
         self._covered_s += covered
         del self.intervals[:n]
 
-    def goodput(self, wall_s: float) -> float:
+    def measured(self, now: float) -> tuple[float, float, float]:
+        """(goodput, uptime, wall seconds of this incarnation's run) at ``now``; before the first
+        join (a resumed synchronizer) the earlier incarnations' figures, not 0."""
+        end = now if self.ended_s is None else min(now, self.ended_s)
+        start = end if self.started_s is None else self.started_s
+        return self.goodput(end - start, self._chip_s(end)), self.uptime(start, end), end - start
+
+    def _chip_s(self, end: float) -> float:
+        """This incarnation's chip seconds until ``end``: at most M × wall seconds (more learners
+        than ``run.learners`` may have joined, up to four times as many)."""
+        wall_s = 0.0 if self.started_s is None else end - self.started_s
+        return min(sum(max(0.0, end - t) for t in self.joined_s.values()), self.learners * wall_s)
+
+    def goodput(self, wall_s: float, chip_s: float | None = None) -> float:
         """Never above 1: the credited seconds are clipped to wall time per learner by the core, but
         more learners than ``run.learners`` may hold leases (up to four times as many)."""
-        total = self.elapsed_before_s + wall_s
-        return min(1.0, self.credited_s / (self.learners * total)) if total > 0 else 0.0
+        total = self.chip_before_s + (self.learners * wall_s if chip_s is None else chip_s)
+        return min(1.0, self.credited_s / total) if total > 0 else 0.0
 
     def uptime(self, started_s: float, now_s: float) -> float:
         recent, _ = covered_s(((max(start, started_s), min(end, now_s)) for start, end in self.intervals),
@@ -66,12 +99,17 @@ class GoodputMeter:
         total = self.elapsed_before_s + (now_s - started_s)
         return min(1.0, (self._covered_s + recent) / total) if total > 0 else 0.0
 
-    def state_dict(self, wall_s: float, uptime: float) -> dict[str, float]:
-        return {"credited_s": self.credited_s, "elapsed_s": self.elapsed_before_s + wall_s, "uptime": uptime}
+    def state_dict(self, now: float) -> dict[str, float]:
+        _, uptime, wall_s = self.measured(now)
+        end = now if self.ended_s is None else min(now, self.ended_s)
+        return {"credited_s": self.credited_s, "elapsed_s": self.elapsed_before_s + wall_s, "uptime": uptime,
+                "chip_s": self.chip_before_s + self._chip_s(end)}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.credited_s = float(state["credited_s"])
         self.elapsed_before_s = float(state["elapsed_s"])
+        # A checkpoint from before per-learner chip-time: every learner counted from the first join.
+        self.chip_before_s = float(state.get("chip_s", self.learners * self.elapsed_before_s))
         self._covered_s = float(state["uptime"]) * self.elapsed_before_s
         self._reach = float("-inf")
         self.intervals.clear()

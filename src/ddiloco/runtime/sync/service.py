@@ -130,7 +130,6 @@ class SyncService:
         self.goodput = GoodputMeter(learners=config.run.learners)
         self.port: int | None = None
         self.process_start_s = time.monotonic()
-        self.first_join_s: float | None = None
         self._joined: set[str] = set()
         """Learners this process admitted before: their next joins are logged as rejoins."""
         self._pending: set[asyncio.Future] = set()
@@ -173,15 +172,12 @@ class SyncService:
         return self.core.replay_round(update, plain=r.plain)
 
     def service_state(self) -> dict[str, Any]:
-        now = time.monotonic()
-        wall = 0.0 if self.first_join_s is None else now - self.first_join_s
-        uptime = 0.0 if self.first_join_s is None else self.goodput.uptime(self.first_join_s, now)
         return {
             "layout_sha256": self.layout_sha256,
             "wire_rejections": dict(self.boundary.rejections),
             "learner_wire_rejected": dict(self.boundary.learner_rejected),
             "bytes": self.ledger.state_dict(),
-            "goodput": self.goodput.state_dict(wall, uptime),
+            "goodput": self.goodput.state_dict(time.monotonic()),
             "config": self.config.to_dict(),
         }
 
@@ -218,8 +214,7 @@ class SyncService:
         for action in actions:
             if isinstance(action, Admitted):
                 self.boundary.known.add(action.learner_id)
-                if self.first_join_s is None:
-                    self.first_join_s = time.monotonic()
+                self.goodput.joined(action.learner_id, time.monotonic())
             elif isinstance(action, LearnersForgotten):
                 for name in action.learner_ids:
                     self.boundary.known.discard(name)
@@ -227,10 +222,12 @@ class SyncService:
                     self.ledger.rename(name, FORGOTTEN)
                     self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
+                self.goodput.finished(time.monotonic())  # the run's clock stops (core/run.py): so does the chip-time
                 log.info("budget spent: asking learners %s to flush and leave", ", ".join(action.recipients) or "-")
             elif isinstance(action, LeaseExpired) and action.learner_id not in left:  # a leave ends its lease too
                 log.info("learner %s: lease expired", action.learner_id)
             elif isinstance(action, Finished):
+                self.goodput.finished(time.monotonic())
                 log.info("run finished: %d tokens, fragment versions %s", view.tokens, list(view.versions))
 
     def _header(self, data_shard: int) -> pb.JoinHeader:

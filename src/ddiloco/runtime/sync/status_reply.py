@@ -36,7 +36,6 @@ class Measured(Protocol):
     boundary: Boundary
     goodput: GoodputMeter
     writer: CheckpointWriter
-    first_join_s: float | None
     process_start_s: float
 
 
@@ -66,10 +65,7 @@ def status_reply(service: Measured, core: SyncStatus, now: float, learner_offset
         shard=service.shard,
         shards=service.protocol.shards,
     ))
-    first = service.first_join_s
-    if first is not None:
-        reply.goodput = service.goodput.goodput(wall_now - first)
-        reply.model_uptime = service.goodput.uptime(first, wall_now)
+    reply.goodput, reply.model_uptime, _ = service.goodput.measured(wall_now)
     up, down = ledger.by(0, Direction.UP), ledger.by(0, Direction.DOWN)
     for learner in reply.learners:
         learner.bytes_up, learner.bytes_down = up.get(learner.id, 0), down.get(learner.id, 0)
