@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         require_token_beyond_loopback,
         server_credentials,
     )
+    from ddiloco.runtime.sync.server import check_can_listen
     from ddiloco.runtime.sync.service import ServiceOptions
     from ddiloco.runtime.sync.state_dir import Resume
     from ddiloco.runtime.sync.status_process import StatusPageProcess
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     secrets = load_credentials(args.credentials)
     require_token_beyond_loopback(listen, token, secrets)
     credentials = server_credentials(args.tls_cert, args.tls_key)
+    check_can_listen(listen)  # before the state directory and the status page exist: a failed start leaves nothing
     options = ServiceOptions(
         state_dir=Path(args.state_dir) if args.state_dir else None,
         resume=args.resume,

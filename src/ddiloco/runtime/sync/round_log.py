@@ -76,6 +76,18 @@ def segments(path: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def holds_rounds(path: Path) -> bool:
+    """Whether a segment in ``path`` holds a record: a header alone is a start that never merged
+    (before issue 45 a synchronizer that could not listen left one behind), not a run's state."""
+    for _, file in segments(path) if path.is_dir() else ():
+        with file.open("rb") as f:
+            f.seek(len(MAGIC))
+            raw = f.read(_HEADER.size)
+        if len(raw) < _HEADER.size or file.stat().st_size > len(MAGIC) + _HEADER.size + _HEADER.unpack(raw)[0]:
+            return True  # a damaged header counts as state: its restore says what is wrong with it
+    return False
+
+
 def read_rounds(path: Path, identity: dict[str, object], first: int = 0) -> Iterator[LoggedRound]:
     """The records of every segment numbered ``first`` or later, in order; a record cut short
     or damaged ends its segment (said in one line: a crash while it was written, so the next

@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 import grpc
@@ -25,6 +26,27 @@ SERVER_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
 ]
+
+
+def check_can_listen(listen: Address) -> None:
+    """Bind ``listen`` once and let it go, before the state directory or anything else is created:
+    a port in use is then one line, and leaves nothing behind. gRPC, asked to bind it, logged its
+    own error line (``add_port.cc``) and the state directory kept a lock file and an empty round
+    log, which the retry took for a run's state."""
+    if listen.port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(listen.host, listen.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ConfigError(f"cannot listen on {listen}: {err.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no obstacle
+            try:
+                probe.bind(address)
+            except OSError as err:
+                raise ConfigError(f"cannot listen on {listen}: {err.strerror} (another synchronizer, or another "
+                                  "program, holds the port: choose another --listen port)") from None
 
 
 class SyncServer:

@@ -39,6 +39,7 @@ import torch
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
+from ddiloco.runtime.sync.round_log import holds_rounds
 
 FORMAT = "ddiloco-sync-checkpoint-2"
 CURRENT = "CURRENT"
@@ -149,8 +150,8 @@ def current_checkpoint(path: Path) -> Path | None:
 
 def has_checkpoint(path: Path) -> bool:
     """Does the state directory ``path`` hold a run's state: a checkpoint (of this version or an
-    older one) or a round log?"""
-    return (path / CURRENT).exists() or (path / LEGACY_NAME).exists() or any(path.glob("rounds-*.log"))
+    older one) or a round log with a round in it?"""
+    return (path / CURRENT).exists() or (path / LEGACY_NAME).exists() or holds_rounds(path)
 
 
 class CheckpointDraft:
