@@ -47,6 +47,10 @@ def error_line(capsys, argv) -> str:
         (["--set", "cluster.late_learners=1", "--mode", "diloco"], "run.mode=decoupled"),
         (["--set", "cluster.late_learners=3", "--set", "protocol.quorum=2"], "protocol.quorum=2"),
         (["--set", "cluster.late_join_s=-1"], "cluster.late_join_s"),
+        # Issue 45: a typo listed every key and suggested none.
+        (["--set", "protocol.fragmnets=4"], "unknown key protocol.fragmnets: did you mean protocol.fragments?"),
+        (["--set", "train.fragments=4"], "unknown key train.fragments: did you mean protocol.fragments?"),
+        (["--set", "protocl.period=4"], "unknown section 'protocl': did you mean protocol?"),
         # Issue 45: accepted and silently ignored by real processes; now refused, pointing at chaos.
         (["--runtime", "processes", "--mtbf", "30", "--downtime", "5"], "--mtbf 30: --runtime processes takes no"),
         (["--runtime", "processes", "--downtime", "5"], "--downtime 5: --runtime processes takes no"),

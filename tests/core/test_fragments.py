@@ -125,12 +125,14 @@ def test_fragment_of_maps_names_and_rejects_unknown() -> None:
     ("kwargs", "match"),
     [
         ({"num_fragments": 2, "period": 0}, "period must be >= 1, got 0"),
-        ({"num_fragments": 0, "period": 2}, "num_fragments must be >= 1, got 0"),
+        ({"num_fragments": 0, "period": 2}, "protocol.fragments must be >= 1, got 0"),
         (
             {"num_fragments": 2, "period": 2, "strategy": "zigzag"},
             "'zigzag'.*balanced, layerwise, strided",
         ),
-        ({"num_fragments": 13, "period": 2}, "at least 13 non-embedding tensors, the model has 12"),
+        # Issue 45: the key as the user writes it (was "num_fragments=13"), and what would do.
+        ({"num_fragments": 13, "period": 2}, r"^protocol\.fragments=13 needs at least 13 non-embedding tensors, "
+                                             r"the model has 12 .*: set protocol\.fragments to at most 12$"),
         ({"num_fragments": 13, "period": 2, "embedding_names": EMB}, "at least 12 .* has 11"),
         ({"num_fragments": 2, "period": 2, "embedding_names": {"wte"}}, "wte"),
     ],

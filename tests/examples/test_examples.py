@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import unflatten_into
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
-from ddiloco.runtime.layout import layout_from_file
+from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE_S = 120.0
@@ -241,5 +241,5 @@ def test_hf_learner_whose_model_has_an_unserved_head_exits_2_with_one_line_namin
     assert untied.returncode == 2
     errors = [line for line in untied.stderr.splitlines() if "error" in line.lower()]
     assert errors == [("hf_causal_lm.py: error: parameters ['lm_head.weight'] are not served by the synchronizer "
-                       "(another model?)")]
+                       f"(another model?): {SERVE_YOUR_MODEL}")]
     assert "Traceback" not in untied.stderr

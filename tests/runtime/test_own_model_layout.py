@@ -19,7 +19,7 @@ from ddiloco.runtime.learner.runtime import (
     LearnerRuntime,
     save_initial_state,
 )
-from ddiloco.runtime.layout import layout_from_file, model_layout
+from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file, model_layout
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.errors import ParameterError
 
@@ -99,6 +99,19 @@ def test_a_learner_whose_model_has_an_unserved_parameter_is_refused_naming_it(tm
     try:
         with pytest.raises(LayoutMismatch, match="head.weight"):
             LearnerRuntime(TiedLM(tied=False), f"127.0.0.1:{s.port}", "learner-0", join_timeout_s=30)
+    finally:
+        s.close()
+
+
+def test_your_own_model_against_the_reference_synchronizer_is_told_about_init():
+    """Issue 45: the README's snippet against ``ddiloco sync --preset tiny`` raised a LayoutMismatch whose
+    hint ("start learner and synchronizer with the same model options") never mentioned --init."""
+    config = tiny_config()
+    s = InProcessSync(config, ServiceOptions())  # the reference model: what `ddiloco sync --preset tiny` serves
+    try:
+        with pytest.raises(LayoutMismatch) as refused:
+            LearnerRuntime(TiedLM(), f"127.0.0.1:{s.port}", "learner-0", join_timeout_s=30)
+        assert str(refused.value).endswith(SERVE_YOUR_MODEL) and "ddiloco sync --init" in SERVE_YOUR_MODEL
     finally:
         s.close()
 

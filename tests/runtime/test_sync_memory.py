@@ -30,6 +30,7 @@ from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import check_memory, memory_plan
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.state_dir import Resume, StateDir
+from ddiloco.units import human_bytes, human_count
 
 from runtime_helpers import Honest, versions, wait_for
 
@@ -201,7 +202,7 @@ def test_a_host_with_less_memory_than_the_model_needs_is_refused_at_start():
     # 1B parameters at M = 8: 7 B/param of state; the bound has every round open with 8 payloads
     assert 7.0e9 < plan.state < 7.1e9 and plan.peak < 20e9
     check_memory(plan, available=int(20e9))  # fits this 24 GB host
-    with pytest.raises(ConfigError, match=r"needs up to 1\d\.\d GB for 1B parameters .* 8\.0 GB available"):
+    with pytest.raises(ConfigError, match=r"needs up to 1\d\.\d GB for 1B parameters .* 8 GB available"):
         check_memory(plan, available=int(8e9))
 
 
@@ -250,3 +251,11 @@ def test_fragment_files_are_safetensors_any_reader_opens(tmp_path):
     assert size == (tmp_path / "f.safetensors").stat().st_size
     for read in (load_file(str(tmp_path / "f.safetensors")), read_tensors(tmp_path / "f.safetensors", sha)):
         assert set(read) == set(tensors) and all(torch.equal(read[k], tensors[k]) for k in tensors)
+
+
+def test_a_small_model_is_described_in_units_a_person_reads():
+    """Issue 45: the tiny preset's start line said 'synchronizer memory for 3.4e-05B parameters'."""
+    plan = memory_plan([20_000, 13_952], learners=2, lean=True, block_size=64, transfers=2)
+    line = plan.describe()
+    assert line.startswith("33,952 parameters: state ") and "e-0" not in line and " MB" in line, line
+    assert human_count(7e9) == "7B" and human_count(1_234_567) == "1.23M" and human_bytes(512_000) == "512 kB"

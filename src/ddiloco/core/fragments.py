@@ -117,7 +117,7 @@ def plan_fragments(
     if period < 1:
         raise ConfigError(f"period must be >= 1, got {period}")
     if num_fragments < 1:
-        raise ConfigError(f"num_fragments must be >= 1, got {num_fragments}")
+        raise ConfigError(f"protocol.fragments must be >= 1, got {num_fragments}")
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown fragment strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
     names = [name for name, _ in named_shapes]
@@ -138,8 +138,9 @@ def plan_fragments(
         bins = num_fragments - 1 if embedding else num_fragments
         if len(rest) < bins:
             raise ConfigError(
-                f"num_fragments={num_fragments} needs at least {bins} non-embedding tensors, "
-                f"the model has {len(rest)}"
+                f"protocol.fragments={num_fragments} needs at least {bins} non-embedding tensors, the model has "
+                f"{len(rest)} (a fragment holds whole tensors): set protocol.fragments to at most "
+                f"{len(rest) + (num_fragments - bins)}"
             )
         split = {"balanced": _balanced, "layerwise": _layerwise, "strided": _strided}[strategy]
         groups = ([embedding] if embedding else []) + split(rest, sizes, bins)

@@ -27,6 +27,12 @@ class LayoutMismatch(ConfigError):
     """A learner's model does not have the parameters the synchronizer serves."""
 
 
+SERVE_YOUR_MODEL = ("to train your own model, serve it: save_initial_state(model, 'init.safetensors') once, then "
+                    "ddiloco sync --init init.safetensors; with ddiloco learner, start both with the same model options")
+"""The way out of a :class:`LayoutMismatch`: a ``LearnerRuntime`` against ``ddiloco sync --preset tiny``
+raised one whose hint never said that the synchronizer serves the reference model unless given ``--init``."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLayout:
     """Fragments of the served model, their initial values and the parameters' shapes."""
@@ -148,17 +154,18 @@ def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> 
         names = []
         for p in f.params:
             if p.name not in params:
-                raise LayoutMismatch(f"the synchronizer serves parameter {p.name!r}, which this model lacks "
-                                     "(start learner and synchronizer with the same model options)")
+                raise LayoutMismatch(f"the synchronizer serves parameter {p.name!r}, which this model lacks: "
+                                     f"{SERVE_YOUR_MODEL}")
             shape = tuple(params[p.name].shape)
             if shape != tuple(p.shape):
                 raise LayoutMismatch(f"parameter {p.name!r} has shape {shape} here, {tuple(p.shape)} at the "
-                                     "synchronizer (start both with the same model options)")
+                                     f"synchronizer: {SERVE_YOUR_MODEL}")
             names.append(p.name)
             served.add(p.name)
         fragments.append(Fragment(index=f.index, param_names=tuple(names), numel=f.numel, offset=f.offset,
                                   is_embedding=f.is_embedding))
     extra = sorted(set(params) - served)
     if extra:
-        raise LayoutMismatch(f"parameters {extra[:3]} are not served by the synchronizer (another model?)")
+        raise LayoutMismatch(f"parameters {extra[:3]} are not served by the synchronizer (another model?): "
+                             f"{SERVE_YOUR_MODEL}")
     return FragmentPlan(fragments=tuple(fragments), period=header.period)

@@ -36,6 +36,7 @@ from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.replay import replay_budget
 from ddiloco.runtime.sync.call_limits import STATE_TRANSFERS
 from ddiloco.errors import ConfigError
+from ddiloco.units import human_bytes, human_count
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -66,10 +67,9 @@ class MemoryPlan:
         return self.steady + self.transients
 
     def describe(self) -> str:
-        gb = 1e9
-        return (f"{self.params / 1e9:.3g}B parameters: state {self.state / gb:.2f} GB, open rounds up to "
-                f"{self.open_rounds / gb:.2f} GB, replay {self.replay / gb:.2f} GB -> steady up to "
-                f"{self.steady / gb:.2f} GB, peak up to {self.peak / gb:.2f} GB")
+        return (f"{human_count(self.params)} parameters: state {human_bytes(self.state)}, open rounds up to "
+                f"{human_bytes(self.open_rounds)}, replay {human_bytes(self.replay)} -> steady up to "
+                f"{human_bytes(self.steady)}, peak up to {human_bytes(self.peak)}")
 
 
 def memory_plan(numels: Sequence[int], *, learners: int, lean: bool, block_size: int, transfers: int) -> MemoryPlan:
@@ -159,6 +159,6 @@ def check_memory(plan: MemoryPlan, available: int | None) -> None:
     """Log what the synchronizer will hold; :class:`ConfigError` if the host has less available."""
     log.info("synchronizer memory for %s", plan.describe())
     if available is not None and available < plan.peak:
-        raise ConfigError(f"this synchronizer needs up to {plan.peak / 1e9:.1f} GB for "
-                          f"{plan.params / 1e9:.3g}B parameters and the host has {available / 1e9:.1f} GB "
+        raise ConfigError(f"this synchronizer needs up to {human_bytes(plan.peak)} for "
+                          f"{human_count(plan.params)} parameters and the host has {human_bytes(available)} "
                           "available: run more shards (protocol.shards) or use a larger host")
