@@ -304,10 +304,35 @@ class Behind:
 
     steps_per_send: float
     period: int
+    step_s: float = 0.0
+    """This learner's recent seconds per step (0: not measured yet)."""
+    fastest_step_s: float = 0.0
+    """Its fastest seconds per step over as many steps, earlier in the run."""
+    cpu_bound: bool = False
+    """Its steps slowed as its sends did (``link_watch.CPU_SLOW_AT``): the CPU, not the link, is short."""
 
     @property
     def share(self) -> float:
         return self.period / self.steps_per_send
+
+    @property
+    def round_trip_s(self) -> float:
+        """About how long each send waited for the one before: the steps it carried, at the recent step time."""
+        return self.steps_per_send * self.step_s
+
+    def describe(self) -> str:
+        """The learner's warning: the link is blamed only when the learner's own steps kept their pace."""
+        timing = (f"; a round trip of about {self.round_trip_s:.2f} s against steps of {1e3 * self.step_s:.0f} ms"
+                  if self.step_s else "")
+        carried = (f"this learner's sends carry {100 * self.share:.0f}% of the contributions the protocol makes "
+                   f"(each carried {self.steps_per_send:.1f} steps, not H = {self.period}{timing})")
+        if self.cpu_bound:
+            return (f"{carried}: its steps slowed too, to {self.step_s / self.fastest_step_s:.1f}x its fastest "
+                    f"({1e3 * self.fastest_step_s:.0f} ms), so the CPU is short, not necessarily the link: other "
+                    "processes (the synchronizer, other learners) compete for this host's cores and its sends wait "
+                    "for them as its steps do; give each process its own cores (train.threads, --threads)")
+        return (f"{carried}: its steps keep their pace, so its link is too slow for this model and period; its work "
+                "reaches the global model that much slower (ddiloco bandwidth says what the link needs)")
 
 
 @dataclass(frozen=True, slots=True)

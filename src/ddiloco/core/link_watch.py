@@ -8,7 +8,11 @@ slow. Two signs, each said once (and again only after the link recovered):
   (its heartbeats, refusals);
 - *behind* (:class:`~ddiloco.core.actions.Behind`): some arrives, but its recent
   contributions carried ``BEHIND_AT`` periods of steps each on average, because each waited
-  for the one before it to be answered (``SendSchedule.held``);
+  for the one before it to be answered (``SendSchedule.held``). A link is blamed only if the
+  learner's own steps kept their pace: steps slowed ``CPU_SLOW_AT`` times its fastest mean a
+  CPU shared with other processes, which slows the sends (encoding, the synchronizer's merge)
+  as much as the steps (a learner on 127.0.0.1 under CPU contention was told its link was too
+  slow);
 - *stale* (:class:`~ddiloco.core.actions.Stale`): its contributions are refused as stale while
   the updates reach it in order: the round trip spans more rounds than the staleness bound.
 
@@ -37,6 +41,8 @@ BEHIND_AT = 1.5
 third of the sends waited for the one before): below what the protocol needs."""
 CAUGHT_UP_AT = 1.2
 """Caught up again under this many periods per contribution."""
+CPU_SLOW_AT = 1.5
+"""Behind with its steps this many times slower than its fastest: the CPU is short, not the link."""
 OUTAGE_AFTER_S = 5.0
 """A shard whose calls have gone unanswered, with no answer in between, for this long is unreachable
 (longer than the default heartbeat interval, so a slow link that passes heartbeats is not one)."""
@@ -53,6 +59,29 @@ class _Silent:
     joined: bool
     folded: int = 0
     next_summary_s: float | None = None
+
+
+class _Pace:
+    """The learner's seconds per step over its last ``steps`` steps, and the fastest such figure so far
+    (from the step count and the clock of each ``check``)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._marks: deque[tuple[int, float]] = deque()
+        self.step_s = 0.0
+        self.fastest_s = 0.0
+
+    def at(self, step: int, now: float) -> None:
+        marks = self._marks
+        if marks and step < marks[-1][0]:
+            marks.clear()  # a rejoin rewound the count
+        marks.append((step, now))
+        while len(marks) > 2 and step - marks[1][0] >= self.steps:
+            marks.popleft()
+        first_step, first_s = marks[0]
+        if step - first_step >= self.steps:
+            self.step_s = (now - first_s) / (step - first_step)
+            self.fastest_s = min(self.fastest_s or self.step_s, self.step_s)
 
 
 class LinkWatch:
@@ -74,6 +103,7 @@ class LinkWatch:
         """... and when."""
         self._carried: deque[int] = deque(maxlen=2 * fragments)
         """Steps carried by each of the last sends (H each when the link keeps up)."""
+        self._pace = _Pace(period)
         self.starved = False
         self.behind = False
         self.stale = False
@@ -153,6 +183,7 @@ class LinkWatch:
         outage, said by ``outages``), behind."""
         if not training:
             return []
+        self._pace.at(step, now)
         actions: list[LearnerAction] = []
         unaccepted = step - self._accepted_at_step
         # Answering: something was answered since the last acceptance, and no call has gone
@@ -168,7 +199,9 @@ class LinkWatch:
             mean = sum(self._carried) / len(self._carried)
             if not self.behind and mean >= BEHIND_AT * self.period:
                 self.behind = True
-                actions.append(Behind(mean, self.period))
+                step_s, fastest_s = self._pace.step_s, self._pace.fastest_s
+                actions.append(Behind(mean, self.period, step_s, fastest_s,
+                                      cpu_bound=0 < fastest_s and step_s >= CPU_SLOW_AT * fastest_s))
             elif self.behind and mean < CAUGHT_UP_AT * self.period:
                 self.behind = False
         return actions

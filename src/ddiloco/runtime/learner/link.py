@@ -160,10 +160,7 @@ class LearnerLink:
             elif isinstance(action, Outage):
                 self.channels[action.shard].say_outage(action)
             elif isinstance(action, Behind):
-                log.warning("this learner's link carries %.0f%% of the contributions the protocol makes (each carried "
-                            "%.1f steps, not H = %d): its work reaches the global model that much slower; the link "
-                            "is too slow for this model and period (ddiloco bandwidth says what it needs)",
-                            100 * action.share, action.steps_per_send, action.period)
+                log.warning("%s", action.describe())
 
     def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
