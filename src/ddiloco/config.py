@@ -11,7 +11,6 @@ the key and the value.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import tomllib
 import types
@@ -22,6 +21,7 @@ from typing import Any, Mapping
 
 from ddiloco.core.config import Mode, ProtocolConfig, one_of
 from ddiloco.core.run import RunLimits
+from ddiloco.did_you_mean import did_you_mean
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED, FaultKind
 from ddiloco.workload.model import ModelConfig
@@ -337,7 +337,7 @@ def apply_section(config: Config, section: str, values: Mapping[str, Any], *, or
     """Return ``config`` with ``values`` set in ``section``, type-checked against the fields."""
     if section not in {f.name for f in fields(Config)}:
         raise ConfigError(f"{origin}: unknown section {section!r}"
-                          + _suggest(section, [f.name for f in fields(Config)], "sections"))
+                          + did_you_mean(section, [f.name for f in fields(Config)], "sections"))
     current = getattr(config, section)
     hints = typing.get_type_hints(type(current))
     known = {f.name for f in fields(current)}
@@ -346,28 +346,9 @@ def apply_section(config: Config, section: str, values: Mapping[str, Any], *, or
         if key not in known:
             everywhere = [f"{s.name}.{k.name}" for s in fields(Config) for k in fields(getattr(config, s.name))]
             raise ConfigError(f"{origin}: unknown key {section}.{key}"
-                              + _suggest(f"{section}.{key}", everywhere, f"keys of [{section}]", sorted(known)))
+                              + did_you_mean(f"{section}.{key}", everywhere, f"keys of [{section}]", sorted(known)))
         changes[key] = _coerce(f"{section}.{key}", value, hints[key], origin)
     return replace(config, **{section: replace(current, **changes)})
-
-
-def _suggest(wrong: str, candidates: list[str], what: str, listed: list[str] | None = None) -> str:
-    """``: did you mean X?`` for the closest candidate, else the list a user picks from (``listed``,
-    default the candidates). For ``section.key``: a typo of a key of that section, else the same
-    key (or a typo of it) under another section (``train.fragments``: ``protocol.fragments``)."""
-    if "." in wrong:
-        section, key = wrong.split(".", 1)
-        by_key: dict[str, list[str]] = {}
-        for c in candidates:
-            by_key.setdefault(c.split(".", 1)[1], []).append(c)
-        own = [c.split(".", 1)[1] for c in candidates if c.startswith(f"{section}.")]
-        close = [f"{section}.{k}" for k in difflib.get_close_matches(key, own, n=1, cutoff=0.75)]
-        close = close or [by_key[k][0] for k in difflib.get_close_matches(key, list(by_key), n=1, cutoff=0.75)]
-    else:
-        close = difflib.get_close_matches(wrong, candidates, n=1, cutoff=0.6)
-    if close:
-        return f": did you mean {close[0]}?"
-    return f" ({what}: {', '.join(listed if listed is not None else candidates)})"
 
 
 def _coerce(key: str, value: Any, hint: Any, origin: str) -> Any:
