@@ -147,3 +147,25 @@ def test_data_parallel_says_why_its_loss_jumps(failures_dp):
     story = compare_story(failures_dp, slow_factor=1.18, mtbf_s=30.0, downtime_s=10.0)
     assert story[0].startswith("One failure trace for every mode") and story[1].startswith("dp: ")
     assert story[2].startswith("dp-elastic: ")
+
+
+def test_a_live_views_last_line_ends_before_the_next_line_in_a_log():
+    """Issue 45: in a log, ddiloco chaos's live view and its baseline's first line ran on one line
+    ("status page http://...sync: status page at http://..."): rich ends a live view's last line
+    only on a terminal."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddiloco.commands.display import live_lines
+
+    out = io.StringIO()
+    log = Console(file=out, width=100)
+    grid = Table.grid()
+    grid.add_row("status page http://127.0.0.1:1/")
+    with live_lines(grid, log) as live:
+        live.console.print("an event")
+    print("sync: status page at http://127.0.0.1:2/", file=out)
+    assert out.getvalue().splitlines()[-2:] == ["status page http://127.0.0.1:1/",
+                                                "sync: status page at http://127.0.0.1:2/"]

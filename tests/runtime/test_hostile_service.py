@@ -10,6 +10,7 @@ import concurrent.futures
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -250,6 +251,9 @@ def test_metrics_are_served_on_the_services_interface_and_behind_its_token_beyon
         for server in (local, wide):
             server.shutdown()
             server.server_close()
+    # Issue 45: operations.md said "This port does not check the token" (runtime.md, and the code, disagreed).
+    operations = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    assert "does not check the token" not in operations and "is answered `401`" in operations
 
 
 def test_a_learner_replaced_by_a_later_process_of_its_id_stops_with_one_clear_error(inproc_sync):

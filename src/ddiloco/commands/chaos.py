@@ -127,15 +127,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device: str, min_step_s: float,
          no_baseline: bool, topology: Topology | None) -> int:
-    from rich.live import Live
-
     from ddiloco.chaos.report import build_report, plot_timeline, report_table, write_events, write_report
     from ddiloco.chaos.runner import ChaosRun
-    from ddiloco.commands.display import console, print_table, progress_bar
+    from ddiloco.commands.display import console, live_lines, print_table, progress_bar
 
     console.print(f"ddiloco chaos: {len(faults)} faults in {window_s:.0f}s, run budget {config.run.time_s:.0f}s "
                   f"after the first join, M={config.run.learners}, seed {config.run.seed}; logs in {out}/logs")
-    with Live(_live_view(None), console=console, refresh_per_second=4, transient=False) as live:
+    with live_lines(_live_view(None), console) as live:
         chaos = ChaosRun(config, out, faults, window_s=window_s, device=device, min_step_s=min_step_s,
                          topology=topology, on_sample=lambda state: live.update(_live_view(state)),
                          on_event=lambda text: live.console.print(text))

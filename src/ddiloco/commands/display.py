@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from rich.columns import Columns
 from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -182,6 +183,17 @@ def report_console() -> Console:
     """stdout: the terminal's width, or :data:`PIPED_WIDTH` when piped or logged."""
     out = Console()
     return out if out.is_terminal else Console(width=PIPED_WIDTH)
+
+
+@contextlib.contextmanager
+def live_lines(renderable: RenderableType, out: Console) -> Iterator[Live]:
+    """A live view of a few lines that stays on screen, its last line ended: rich ends it only on a
+    terminal, so in a log the next line (``ddiloco chaos``'s baseline: ``sync: status page at ...``)
+    ran on after it."""
+    with Live(renderable, console=out, refresh_per_second=4, transient=False) as live:
+        yield live
+    if not out.is_terminal:
+        out.line()
 
 
 def print_table(table: Table) -> None:
