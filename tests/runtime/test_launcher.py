@@ -105,6 +105,7 @@ def test_data_parallel_on_real_processes_trains_the_same_model_from_the_same_sta
     assert set(SUMMARY_KEYS) <= set(summary) and summary["mode"] == "dp" and summary["runtime"] == "processes"
     # 12288 tokens / (2 ranks x 256 tokens per step): 24 steps, every rank the same, every step all-reduced.
     assert summary["own_steps_per_learner"] == [24, 24] and summary["fragment_versions"] == [24]
+    assert summary["events"]["merges"] == 24 and summary["events"]["failures"] == 0  # the panel's (issue 45)
     assert summary["tokens"] == 12288 and summary["bytes_up"] == summary["bytes_down"] > 0
     workload = Workload.build(config)
     assert rows[0]["eval_loss"] == workload.evaluate(workload.new_model())

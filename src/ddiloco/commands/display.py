@@ -170,7 +170,7 @@ def _dp_story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
     elif events["reconfigurations"]:
         lines.append(f"Elastic: the job went on with the replicas left, pausing to reconfigure "
                      f"{_plural(events['reconfigurations'], 'time')} (a failed replica's step in flight is lost).")
-    lines.append(f"Longest stretch without a step: {events['longest_pause_s']:.1f} virtual s "
+    lines.append(f"Longest stretch without a step: {events['longest_pause_s']:.1f} {_seconds(summary)} "
                  f"(from t={events['longest_pause_from_s']:.0f} s).")
     return lines
 

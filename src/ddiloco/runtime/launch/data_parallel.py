@@ -91,7 +91,11 @@ def run_data_parallel(config: Config, out: Path, progress: ProgressFn | None = N
                         weights_sha256=result["weights_sha256"], fragment_versions=[result["steps"]],
                         steps_per_learner=list(steps.values()), own_steps_per_learner=list(steps.values()),
                         comm_wait_s=result["comm_wait_s"], links=timeline.link_totals(),
-                        stopped=stop.requested.name if stop.requested else None, **place.describe())
+                        stopped=stop.requested.name if stop.requested else None,
+                        # A rank that dies ends a data-parallel run with an error: a summary had none.
+                        events=timeline.events(merges=result["steps"], rejoins=0, failures=0,
+                                               end_s=rows[-1]["virtual_time_s"] if rows else 0.0),
+                        **place.describe())
     if progress:
         progress(1.0, rows[-1])
     return summary, rows

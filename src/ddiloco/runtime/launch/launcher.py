@@ -134,8 +134,10 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         own_steps_per_learner=list(timeline.steps().values()),
         links=timeline.link_totals(),
         stopped=stop.requested.name if stop.requested else None,
-        events=timeline.events(status, final["virtual_time_s"],
-                               failures=sum(1 for n in timeline.learners if procs.died(n))),
+        events=timeline.events(merges=sum(status["quorum"]["rounds_closed"].values()),
+                               rejoins=sum(max(0, lr["registrations"] - 1) for lr in status["learners"]),
+                               failures=sum(1 for n in timeline.learners if procs.died(n)),
+                               end_s=final["virtual_time_s"]),
         **place.describe(),
     )
     return summary, evaluations.rows

@@ -39,7 +39,7 @@ class RunTimeline:
         self.last_links = self.first_links
         self._merged = 0
         self._moved_at: list[float] = []
-        """When a poll first saw the fragment versions' sum grow."""
+        """When a poll first saw the global model move (the fragment versions' sum, data parallel's steps)."""
         self._finished_at: float | None = None
 
     def progress_file(self, learner: str) -> Path:
@@ -52,17 +52,18 @@ class RunTimeline:
     def record(self, status: dict[str, Any] | None, *, force: bool = False) -> None:
         """Append a line if a second has passed since the last one (or ``force``)."""
         t = time.monotonic() - self.started
-        merged = 0 if status is None else sum(f["version"] for f in status["fragments"])
-        if merged > self._merged:
-            self._merged = merged
-            self._moved_at.append(t)
-        if status is not None and status["finished"] and self._finished_at is None:
-            self._finished_at = t
+        if status is not None:
+            self._progressed(t, sum(f["version"] for f in status["fragments"]))
+            if status["finished"] and self._finished_at is None:
+                self._finished_at = t
         if not force and t - self._last < RECORD_EVERY_S:
             return
         self._last = t
         self.last_links = self.placement.counters()
-        row: dict[str, Any] = {"t": round(t, 3), "time": round(time.time(), 3), "steps": self.steps(),
+        steps = self.steps()
+        if status is None:  # data parallel: the model moves with the ranks' steps (seen once a row)
+            self._progressed(t, sum(steps.values()))
+        row: dict[str, Any] = {"t": round(t, 3), "time": round(time.time(), 3), "steps": steps,
                                "links": self.last_links}
         if status is not None:
             row.update(tokens=status["tokens"], versions=[f["version"] for f in status["fragments"]],
@@ -75,17 +76,21 @@ class RunTimeline:
         """Bytes per link and direction over the run so far."""
         return {name: {d: now[d] - self.first_links[name][d] for d in now} for name, now in self.last_links.items()}
 
-    def events(self, status: dict[str, Any], end_s: float, failures: int) -> dict[str, Any]:
-        """``summary.json``'s ``events`` at the end of the run (``status``: the synchronizer's last;
-        ``failures``: learner processes that died): merges and rejoins as the synchronizer counted
-        them, the longest pause between merges to the polls' resolution, until the run finished
+    def _progressed(self, t: float, moved: int) -> None:
+        if moved > self._merged:
+            self._merged = moved
+            self._moved_at.append(t)
+
+    def events(self, *, merges: int, rejoins: int, failures: int, end_s: float) -> dict[str, Any]:
+        """``summary.json``'s ``events`` at the end of the run: ``merges`` and ``rejoins`` as the
+        synchronizer counted them (data parallel: its steps, none), ``failures`` the processes that
+        died, and the longest pause between merges to the polls' resolution, until the run finished
         (``end_s`` if it did not)."""
         end_s = end_s if self._finished_at is None else self._finished_at
         moved = self._moved_at
         gaps = list(zip(moved, [*moved[1:], end_s])) if moved else [(0.0, end_s)]
         start_s, stop_s = max(gaps, key=lambda gap: gap[1] - gap[0])
-        return {"failures": failures, "rejoins": sum(max(0, lr["registrations"] - 1) for lr in status["learners"]),
-                "merges": sum(status["quorum"]["rounds_closed"].values()),
+        return {"failures": failures, "rejoins": rejoins, "merges": merges,
                 "longest_pause_s": round(stop_s - start_s, 3), "longest_pause_from_s": round(start_s, 3),
                 "slow_learners": [], "outages": [], "rejoined_at": [], "rollbacks": [], "reconfigurations": 0}
 
