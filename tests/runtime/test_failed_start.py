@@ -24,18 +24,20 @@ RESUME_ERROR = ("ddiloco: error: --resume: --state-dir '{}' holds no run's state
 
 
 @pytest.mark.slow
-def test_a_port_in_use_is_one_line_and_creates_no_state_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("option", ["--listen", "--metrics-port"])
+def test_a_port_in_use_is_one_line_and_creates_no_state_directory(tmp_path: Path, option: str) -> None:
     state = tmp_path / "st2"
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        ports = {"--listen": "127.0.0.1:0", option: str(port) if option == "--metrics-port" else f"127.0.0.1:{port}"}
         done = subprocess.run([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--state-dir",
-                               str(state), "--listen", f"127.0.0.1:{port}", "--log-level", "warning"],
+                               str(state), *(a for pair in ports.items() for a in pair), "--log-level", "warning"],
                               capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 2
     assert done.stderr == (f"ddiloco: error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
-                           "synchronizer, or another program, holds the port: choose another --listen port)\n")
+                           f"synchronizer, or another program, holds the port: choose another {option} port)\n")
     assert not state.exists()
 
 

@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     require_token_beyond_loopback(listen, token, secrets)
     credentials = server_credentials(args.tls_cert, args.tls_key)
     check_can_listen(listen)  # before the state directory and the status page exist: a failed start leaves nothing
+    if args.metrics_port is not None:
+        check_can_listen(Address(listen.host, args.metrics_port), option="--metrics-port")
     options = ServiceOptions(
         state_dir=Path(args.state_dir) if args.state_dir else None,
         resume=args.resume,

@@ -28,7 +28,7 @@ SERVER_OPTIONS = KEEPALIVE_OPTIONS + [
 ]
 
 
-def check_can_listen(listen: Address) -> None:
+def check_can_listen(listen: Address, option: str = "--listen") -> None:
     """Bind ``listen`` once and let it go, before the state directory or anything else is created:
     a port in use is then one line, and leaves nothing behind. gRPC, asked to bind it, logged its
     own error line (``add_port.cc``) and the state directory kept a lock file and an empty round
@@ -46,7 +46,7 @@ def check_can_listen(listen: Address) -> None:
                 probe.bind(address)
             except OSError as err:
                 raise ConfigError(f"cannot listen on {listen}: {err.strerror} (another synchronizer, or another "
-                                  "program, holds the port: choose another --listen port)") from None
+                                  f"program, holds the port: choose another {option} port)") from None
 
 
 class SyncServer:
