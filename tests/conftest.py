@@ -12,3 +12,24 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+UNMARKED_SLOW_S = 5.0
+"""A test that takes longer than this without ``@pytest.mark.slow`` keeps the quick check
+(``-m "not slow"``, README) from being quick: the suite names it at its end."""
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the unmarked tests that took longer than :data:`UNMARKED_SLOW_S` (setup, call and
+    teardown together), slowest first: they belong under ``@pytest.mark.slow``. Only said, never
+    a failure: a duration depends on the machine and its load."""
+    took: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) and "slow" not in getattr(report, "keywords", {}):
+                took[report.nodeid] = took.get(report.nodeid, 0.0) + report.duration
+    unmarked = sorted(((s, nodeid) for nodeid, s in took.items() if s > UNMARKED_SLOW_S), reverse=True)
+    if unmarked:
+        terminalreporter.section(f"unmarked tests over {UNMARKED_SLOW_S:g} s (mark them slow)")
+        for seconds, nodeid in unmarked:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_round_log_benchmark_runs_and_reports_the_logs_cost(tmp_path):
     out = tmp_path / "round_log.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_round_log.py"), "--params", "48000",

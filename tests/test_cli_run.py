@@ -114,6 +114,7 @@ def test_unknown_toml_key_is_refused(capsys, tmp_path):
     assert "protocol.wibble" in error_line(capsys, ["run", "--preset", "tiny", "--config", str(bad)])
 
 
+@pytest.mark.slow
 def test_run_writes_config_metrics_plot_and_summary(tmp_path, capsys):
     corpus = tmp_path / "texts"
     corpus.mkdir()

@@ -185,7 +185,8 @@ def test_every_deadline_is_defined_once():
     synchronizer-side deadline allows (``bytes / protocol.min_link_bytes_per_s``)."""
     defined = module_level_names(ast.parse(DEADLINES.read_text()))
     assert {"call_deadline_s", "stream_deadline_s", "upload_pace_s", "admission_window_s",
-            "CLIENT_ANSWER_S", "CLIENT_UPLOAD_BYTES_PER_S", "STREAM_SLACK_LEASES"} <= defined
+            "CLIENT_ANSWER_S", "CLIENT_UPLOAD_BYTES_PER_S", "STREAM_SLACK_LEASES", "DRAIN_LEASES",
+            "drain_after_stop_s"} <= defined
     again, floor = [], []
     for path in hand_written():
         if path == DEADLINES:

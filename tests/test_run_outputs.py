@@ -58,6 +58,7 @@ def test_rows_reach_the_disk_as_they_are_recorded_and_ctrl_c_keeps_them(tmp_path
     assert what_happened(summary, slow_factor=1.18)[0].startswith(f"Interrupted at {summary['done']:.0%} of the budget")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_ddiloco_run_keeping_its_files(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(

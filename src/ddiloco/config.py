@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ddiloco.core.config import Mode, ProtocolConfig, one_of
+from ddiloco.core.deadlines import drain_after_stop_s
 from ddiloco.core.run import RunLimits
 from ddiloco.did_you_mean import did_you_mean
 from ddiloco.errors import ConfigError
@@ -260,7 +261,7 @@ class Config:
         return RunLimits(
             tokens=0 if self.run.time_s else self.run.tokens,
             time_s=self.run.time_s,
-            drain_timeout_s=2 * protocol.lease_s if drain_timeout_s is None else drain_timeout_s,
+            drain_timeout_s=drain_after_stop_s(protocol) if drain_timeout_s is None else drain_timeout_s,
             checkpoint_every_rounds=checkpoint_every_rounds,
             checkpoint_every_s=checkpoint_every_s,
             learners=self.run.learners,

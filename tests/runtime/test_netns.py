@@ -50,6 +50,7 @@ def overlimits(stats: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+@pytest.mark.slow
 def test_capped_links_hold_their_rates_own_and_shared_and_leave_nothing_behind() -> None:
     topology = Topology(Link(), (Region("a", Link(2e6, 2e6), ("learner-0",)),
                                  Region("b", Link(1e6, 1e6), ("learner-1", "learner-2"))))

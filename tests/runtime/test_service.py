@@ -198,6 +198,9 @@ def test_prometheus_gauges_follow_the_run(inproc_sync):
         runtime.close()
     # A leave is acknowledged before the service's observer has seen it: wait for the gauge.
     wait_for(lambda: registry.get_sample_value("ddiloco_learners_alive") == 0, "the gauge to count no learner")
+    status = SyncClient(f"127.0.0.1:{s.port}").status_dict()  # issue 44: the two counts disagreed by the framing
+    for direction in ("up", "down"):
+        assert registry.get_sample_value("ddiloco_wire_bytes_total", {"direction": direction}) == status[f"bytes_{direction}"]
 
 
 def test_a_model_that_does_not_match_the_served_layout_is_refused(inproc_sync):

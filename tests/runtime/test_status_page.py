@@ -178,6 +178,7 @@ def page_process(sync_pid: int) -> int:
     return int(children[0])
 
 
+@pytest.mark.slow
 def test_the_page_answers_while_the_synchronizer_is_stopped_and_goes_with_it(procs, tmp_path) -> None:
     """A SIGSTOPped synchronizer answers nothing; its page still answers, from the last status
     published, and says how old that is (the page, in a browser: "silent"). ``kill -9`` of the

@@ -17,6 +17,7 @@ bench = load_benchmark("bench_scale")
 ARGS = ["--preset", "test", "--device", "cpu", "--sizes", "7k"]
 
 
+@pytest.mark.slow
 def test_a_plan_gives_one_row_per_run_the_gaps_and_a_plot_and_resumes(tmp_path, capsys):
     out = tmp_path / "scale"
     assert bench.main([*ARGS, "--variants", "base,dp-warm-start", "--out", str(out)]) == 0

@@ -20,6 +20,7 @@ def baseline():
     return run_virtual(config)
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights_other_seed_other_weights(baseline):
     summary, _ = baseline
     again, _ = run_virtual(tiny())
@@ -38,6 +39,7 @@ def test_decoupled_run_trains_and_reports_what_happened(baseline):
     assert [r["virtual_time_s"] for r in rows] == sorted(r["virtual_time_s"] for r in rows)
 
 
+@pytest.mark.slow
 def test_failures_cost_goodput_but_the_global_model_keeps_advancing():
     config = tiny(run__learners=4, faults__mtbf_s=30.0, faults__downtime_s=10.0, run__time_s=120.0)
     summary, rows = run_virtual(config)
@@ -47,6 +49,7 @@ def test_failures_cost_goodput_but_the_global_model_keeps_advancing():
     assert any(r["alive"] < 4 for r in rows) or summary["goodput"] < 0.9
 
 
+@pytest.mark.slow
 def test_nonelastic_data_parallel_stalls_on_the_same_failures_where_decoupled_does_not():
     flags = dict(run__learners=4, faults__mtbf_s=30.0, faults__downtime_s=10.0, run__time_s=120.0)
     workload = Workload.build(tiny(**flags))
@@ -60,6 +63,7 @@ def test_nonelastic_data_parallel_stalls_on_the_same_failures_where_decoupled_do
     assert results["dp"]["uptime"] < results["decoupled"]["uptime"]
 
 
+@pytest.mark.slow
 def test_synchronous_diloco_goes_on_after_a_restart_and_waits_only_for_the_restarted_learner():
     """Blocking learners and a quorum of all: a restarted learner must send, first, the fragment
     the others wait on, and nobody may re-send out of phase after a round that waited for it.

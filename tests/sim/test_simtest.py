@@ -22,6 +22,7 @@ def first_failure() -> SeedResult:
     return failing[0]
 
 
+@pytest.mark.slow
 def test_the_protocol_holds_its_invariants_and_catches_up_on_twenty_worlds():
     report = run_simtest(20)
     assert [r.violation for r in report.violations] == []
@@ -53,6 +54,7 @@ def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):
     assert "accepted twice" in found.violation and f"seed {found.seed}" in found.violation
 
 
+@pytest.mark.slow
 def test_a_planted_bug_merging_stale_work_is_found(monkeypatch):
     from ddiloco.core.rounds import GlobalFragment
 

@@ -10,6 +10,8 @@ only, while learner-0 keeps the rounds going.
 
 from __future__ import annotations
 
+import pytest
+
 from ddiloco.config import build_config
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
@@ -29,6 +31,7 @@ def run_with_one_slow_link(seed: int) -> dict:
     return cluster.run()
 
 
+@pytest.mark.slow
 def test_a_learner_whose_round_trip_spans_more_rounds_than_the_staleness_bound_does_not_rejoin_in_a_loop():
     result = run_with_one_slow_link(seed=1)
     assert result["rejections"].get("stale", 0) >= 10  # the latency made its contributions stale ...

@@ -43,6 +43,10 @@ CLIENT_UPLOAD_BYTES_PER_S = 1e6
 """The throughput a real learner expects of its uplink for a contribution."""
 CLIENT_FETCH_S = 300.0
 """A state fetch (evaluation, operators): its caller does not know the state's size beforehand."""
+DRAIN_LEASES = 2.0
+"""After the run's stop, how long the synchronizer waits for learners to flush and leave, in leases:
+a learner that heard the stop at its last heartbeat has one lease to send its last work, and the
+send one more lease to arrive."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,11 @@ class LinkExpectation:
 
 CLIENT_UPLOAD_LINK = LinkExpectation(CLIENT_ANSWER_S, CLIENT_UPLOAD_BYTES_PER_S)
 """What a real learner's client expects for a contribution and for calls that carry nothing."""
+
+
+def drain_after_stop_s(protocol: ProtocolConfig) -> float:
+    """How long a stopped run waits for its learners' last work before the last merge."""
+    return DRAIN_LEASES * protocol.lease_s
 
 
 def client_join_link(protocol: ProtocolConfig) -> LinkExpectation:

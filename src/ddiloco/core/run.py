@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddiloco.core.claims import ClaimLimits, ProgressLedger
+from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.deadlines import drain_after_stop_s
 from ddiloco.errors import ConfigError
 
 
@@ -33,8 +35,9 @@ class RunLimits:
     """Stop once learners report this many trained tokens in all; 0 = no token budget."""
     time_s: float = 0.0
     """Stop this many seconds after the first join; 0 = no time budget."""
-    drain_timeout_s: float = 20.0
-    """After the stop, how long to wait for learners to flush and leave before the last merge."""
+    drain_timeout_s: float = drain_after_stop_s(ProtocolConfig())
+    """After the stop, how long to wait for learners to flush and leave before the last merge
+    (the run's configuration gives its own protocol's, ``Config.run_limits``)."""
     checkpoint_every_rounds: int = 0
     """Checkpoint after this many merged rounds (0 = never by count)..."""
     checkpoint_every_s: float = 0.0

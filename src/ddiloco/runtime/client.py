@@ -37,6 +37,7 @@ from ddiloco.core.messages import (
     Session,
     StopNotice,
 )
+from ddiloco.core.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials, client_metadata
@@ -48,9 +49,11 @@ from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, status_to
 CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # gRPC reconnects a channel on the core's own backoff, so a learner calls back no faster
+    # (and gives up waiting no sooner) than its core's retries.
+    ("grpc.initial_reconnect_backoff_ms", round(1000 * BACKOFF_START_S)),
+    ("grpc.min_reconnect_backoff_ms", round(1000 * BACKOFF_START_S)),
+    ("grpc.max_reconnect_backoff_ms", round(1000 * BACKOFF_MAX_S)),
 ]
 
 

@@ -168,8 +168,10 @@ class Boundary:
         self._count(learner, fragment, Direction.UP, size)
 
     def _count(self, learner: str, fragment: int, direction: Direction, size: int) -> None:
-        self.ledger.add(self.key(learner), self._fragment_key(fragment), direction, size + GRPC_FRAME_BYTES)
-        self.metrics.bytes.labels(str(direction)).inc(size)
+        """One count of a message's bytes on the wire, framed, read by the status and Prometheus alike."""
+        framed = size + GRPC_FRAME_BYTES
+        self.ledger.add(self.key(learner), self._fragment_key(fragment), direction, framed)
+        self.metrics.bytes.labels(str(direction)).inc(framed)
 
     def _fragment_key(self, fragment: int) -> int:
         return fragment if 0 <= fragment < self.fragments else -1  # a made-up index is control traffic

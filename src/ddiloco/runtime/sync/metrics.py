@@ -126,7 +126,8 @@ class ServiceMetrics:
         self.rejections = PromCounter(
             "ddiloco_rejections", "Rejected messages by reason", ["reason"], registry=self.registry)
         self.bytes = PromCounter(
-            "ddiloco_wire_bytes", "Bytes on the wire by direction", ["direction"], registry=self.registry)
+            "ddiloco_wire_bytes", "Bytes on the wire by direction, each message with its 5-byte gRPC frame (the "
+            "status' bytes_up and bytes_down)", ["direction"], registry=self.registry)
         self.rounds = PromCounter(
             "ddiloco_rounds_closed", "Rounds merged, by why they closed", ["reason"], registry=self.registry)
         self.versions = Gauge(
