@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import logging
 import os
@@ -45,8 +46,13 @@ def check_can_listen(listen: Address, option: str = "--listen") -> None:
             try:
                 probe.bind(address)
             except OSError as err:
-                raise ConfigError(f"cannot listen on {listen}: {err.strerror} (another synchronizer, or another "
-                                  f"program, holds the port: choose another {option} port)") from None
+                if err.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"cannot listen on {listen}: {err.strerror} (another synchronizer, or another "
+                                      f"program, holds the port: choose another {option} port)") from None
+                if err.errno == errno.EACCES:
+                    raise ConfigError(f"cannot listen on {listen}: {err.strerror} ({option}: a port below 1024 "
+                                      "needs root)") from None
+                # Anything else (an address family this host lacks, of several a name resolves to) is gRPC's to judge.
 
 
 class SyncServer:
