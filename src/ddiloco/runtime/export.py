@@ -1,0 +1,270 @@
+"""Taking the trained model out: the global model Θ as a plain ``state_dict`` file.
+
+The synchronizer keeps Θ as flat fp32 vectors, one per fragment, in its own layout
+(:mod:`ddiloco.core.fragments`); a checkpoint holds them as of its copies and the round log
+the rounds merged since (:mod:`ddiloco.runtime.sync.round_log`). An export rebuilds Θ the way
+a resumed synchronizer does — a core restored from the latest checkpoint, then the log
+replayed into it (:func:`~ddiloco.runtime.sync.checkpoint_writer.restore_state`) — so nothing
+merged is missing and every value is the one the synchronizer served, bit for bit. A running
+synchronizer is read over the wire instead, as an evaluator reads it: a probe (the layout,
+without registering) and a state fetch (no learner is added, none counts toward a quorum).
+
+What names the parameters is the model the run served: the reference workload's (built from
+the run's own configuration, which the checkpoint and the join header carry) or the user's,
+from the ``--init`` file written by ``save_initial_state``. From the reference model the file
+is that model's whole ``state_dict()`` (tied names and buffers included), so
+``model.load_state_dict(load_file(path))`` takes it as it is; from an ``--init`` file it is
+the parameters plus the tied names the file records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ddiloco.config import Config
+from ddiloco.core.fragments import FragmentPlan
+from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.runtime.layout import ModelLayout, layout_from_file, reference_layout
+from ddiloco.runtime.sync.checkpoint_writer import restore_state
+from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a run served: its layout, and how Θ becomes that model's ``state_dict``."""
+
+    layout: ModelLayout
+    build: Callable[[], nn.Module] | None = None
+    """The reference model (its ``state_dict`` names tied weights and buffers too); None for an ``--init`` file."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied names the ``--init`` file records: name in the model's ``state_dict`` -> the parameter it is."""
+    hf_config: str | None = None
+    """The Hugging Face configuration (JSON) the ``--init`` file records, if it was written from such a model."""
+
+    def state_dict(self, values: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Θ (flat fp32 per fragment) as the model's own tensors, each in memory of its own."""
+        params = parameters(self.layout.plan, self.layout.shapes, values)
+        if self.build is None:
+            return {**params, **{alias: params[name].clone() for alias, name in self.aliases.items()}}
+        return full_state_dict(self.build(), params)
+
+
+def full_state_dict(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with its parameters, under every name a tied one has, taken from
+    ``params`` (by ``named_parameters`` name); buffers as the model holds them. Every tensor in
+    memory of its own, on the CPU (a safetensors file holds no shared tensors)."""
+    names = {p.data_ptr(): name for name, p in model.named_parameters()}
+    out = {}
+    for key, t in model.state_dict().items():
+        src = params.get(key)
+        if src is None and t.numel():
+            src = params.get(names.get(t.data_ptr(), ""))
+        out[key] = (t if src is None else src).detach().to("cpu", copy=True)
+    return out
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """The ``state_dict`` names that are a parameter under another name (a tied output layer) -> that name."""
+    params = dict(model.named_parameters())
+    names = {p.data_ptr(): name for name, p in params.items() if p.numel()}
+    return {key: names[t.data_ptr()] for key, t in model.state_dict().items()
+            if key not in params and t.numel() and t.data_ptr() in names}
+
+
+def parameters(plan: FragmentPlan, shapes: Mapping[str, Sequence[int]],
+               values: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each fragment's flat vector cut back into its parameters (model order, the given shapes)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in plan.fragments:
+        flat, offset = values[f.index], 0
+        if flat.numel() != f.numel:
+            raise CheckpointError(f"fragment {f.index} holds {flat.numel()} values, its layout {f.numel}")
+        for name in f.param_names:
+            n = math.prod(shapes[name])
+            out[name] = flat[offset:offset + n].reshape(tuple(shapes[name])).clone()
+            offset += n
+    return out
+
+
+def served_model(config: Config, init: Path | None) -> ServedModel:
+    """The reference workload's model under ``config``, or the user's from its ``--init`` file."""
+    protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
+    if init is None:
+        from ddiloco.workload.trainer import build_model
+
+        return ServedModel(reference_layout(config, protocol), lambda: build_model(config.model, config.run.seed))
+    from safetensors import safe_open
+
+    layout = layout_from_file(init, protocol)  # one line for a file that is missing or not initial weights
+    with safe_open(str(init), framework="pt") as f:
+        metadata = f.metadata() or {}
+    return ServedModel(layout, aliases=json.loads(metadata.get("aliases", "{}")), hf_config=metadata.get("hf_config"))
+
+
+# ---- Θ from a state directory ------------------------------------------------------------------
+
+
+def from_state_dirs(paths: Sequence[Path], init: Path | None) -> tuple[ServedModel, dict[int, torch.Tensor]]:
+    """Θ as the synchronizer (every shard of it, one state directory each) would resume it."""
+    model: ServedModel | None = None
+    values: dict[int, torch.Tensor] = {}
+    for path in paths:
+        config = _config_of(path)
+        if model is None:
+            model = served_model(config, init)
+        values.update(_replayed(path, config, model))
+    assert model is not None
+    missing = sorted(set(range(len(model.layout.plan.fragments))) - set(values))
+    if missing:
+        raise ConfigError(f"the state directories given hold no fragment {missing[:5]}: a sharded synchronizer keeps "
+                          "one directory per shard; give them all, comma-separated")
+    return model, values
+
+
+def _config_of(path: Path) -> Config:
+    """The run's configuration, from the latest checkpoint in ``path``."""
+    from ddiloco.runtime.learner.process import resolve_config_of_sync
+
+    if not path.is_dir() or not has_checkpoint(path):
+        raise ConfigError(f"{str(path)!r} holds no run (no checkpoint, no round log): give the --state-dir of "
+                          "`ddiloco sync`, or runs/<mode>/sync-state of a --runtime processes run")
+    saved = load_latest(path)
+    if saved is None:
+        raise ConfigError(f"{str(path)!r} holds a round log but no checkpoint (the synchronizer died before its "
+                          "first one): resume it once with `ddiloco sync --resume`, then export")
+    try:
+        return resolve_config_of_sync(saved["service"]["config"])
+    except (KeyError, TypeError):
+        raise CheckpointError(f"the checkpoint in {str(path)!r} does not carry its run's configuration") from None
+
+
+def _replayed(path: Path, config: Config, model: ServedModel) -> dict[int, torch.Tensor]:
+    """Each fragment this state directory's shard owns: the checkpoint's value with the log replayed."""
+    protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
+    layout = model.layout
+    owned = (load_latest(path) or {}).get("core", {}).get("owned") or [0]
+    shard = protocol.shard_of(int(owned[0]))
+    core = Synchronizer(protocol, layout.initial_values,
+                        embedding_fragments=[f.index for f in layout.plan.fragments if f.is_embedding],
+                        limits=config.run_limits(checkpoint_every_rounds=0, checkpoint_every_s=0.0), shard=shard)
+    layout_sha256 = layout.sha256(protocol)
+
+    def apply(saved: dict[str, Any]) -> None:
+        core.load_state_dict(saved["core"])
+
+    def replay(r: Any) -> bool:
+        return core.replay_round(FragmentUpdate(r.fragment, r.version, protocol.downlink_codec, r.payload, 0),
+                                 plain=r.plain)
+
+    try:
+        restore_state(path, layout_sha256, {"layout_sha256": layout_sha256, "shard": shard}, apply, replay)
+    except CheckpointError as err:
+        if "another model" not in str(err):
+            raise
+        raise ConfigError(f"{str(path)!r} holds a run of another model than "
+                          + ("the reference workload: it served your own; pass the --init FILE given to `ddiloco "
+                             "sync`" if model.build else "--init's: pass the --init FILE given to `ddiloco sync`")
+                          ) from None
+    return {p: core.value(p).clone() for p in core.owned}
+
+
+# ---- Θ from a running synchronizer -------------------------------------------------------------
+
+
+def from_synchronizer(addresses: Sequence[str], init: Path | None, *, token: str | None = None,
+                      tls_ca: str | None = None) -> tuple[ServedModel, dict[int, torch.Tensor]]:
+    """Θ as the running synchronizer (every shard of it) holds it now, without registering a learner."""
+    from ddiloco.runtime.client import SyncClient
+    from ddiloco.runtime.learner.process import resolve_config_of_sync
+    from ddiloco.runtime.sharded import ShardedClient
+
+    clients = [SyncClient(a, token=token, tls_ca=tls_ca) for a in addresses]
+    with ShardedClient(list(addresses), clients=clients) as sharded:
+        probe = clients[0].probe("ddiloco-export")
+        config = resolve_config_of_sync(probe.run_config)
+        model = served_model(config, init)
+        if model.layout.sha256(config.protocol.for_mode(config.run.mode, config.run.learners)) != \
+                probe.header.layout_sha256:
+            if init is not None:
+                raise ConfigError(f"--init {str(init)!r} is not the model the synchronizer at {addresses[0]} serves")
+            model = ServedModel(_layout_of_header(probe.header))
+        state = sharded.fetch_state()
+    return model, {f.fragment: f.values for f in state.fragments}
+
+
+def _layout_of_header(header: Any) -> ModelLayout:
+    """The served layout as a join header gives it (an own model exported without its ``--init`` file)."""
+    from ddiloco.core.fragments import Fragment
+
+    plan = FragmentPlan(fragments=tuple(
+        Fragment(index=f.index, param_names=tuple(p.name for p in f.params), numel=f.numel, offset=f.offset,
+                 is_embedding=f.is_embedding) for f in header.fragments), period=header.period)
+    shapes = {p.name: tuple(p.shape) for f in header.fragments for p in f.params}
+    return ModelLayout(plan=plan, shapes=shapes, initial_values=[])
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def check_out(out: Path, *, force: bool) -> None:
+    """Refuse, before any work, an output that exists (without ``force``) or cannot be written."""
+    if out.exists() and not force:
+        raise ConfigError(f"{str(out)!r} exists: pass --force to replace it")
+    if out.exists() and out.is_dir():
+        raise ConfigError(f"{str(out)!r} is a directory")
+    parent = out.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{str(out)!r}: cannot write in {parent}")
+
+
+def save_state_dict(out: Path, tensors: Mapping[str, torch.Tensor], dtype: str = "fp32") -> None:
+    """Write ``tensors`` (floating point ones cast to ``dtype``) atomically: a temporary file renamed
+    over ``out``, so a failure leaves nothing and a reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    cast = DTYPES[dtype]
+    tensors = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_model(out: Path, model: nn.Module) -> None:
+    """A model's whole ``state_dict`` as a plain safetensors file (tied names each in memory of its own)."""
+    save_state_dict(out, full_state_dict(model, {}))
+
+
+def save_hf(folder: Path, tensors: Mapping[str, torch.Tensor], hf_config: str | None, dtype: str = "fp32") -> None:
+    """A Hugging Face folder (``config.json``, ``model.safetensors``) that ``from_pretrained`` loads."""
+    if hf_config is None:
+        raise ConfigError("--hf: the run did not start from a Hugging Face model (its --init file records no "
+                          "Hugging Face configuration; write it with save_initial_state from such a model)")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads(hf_config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
+    held = model.state_dict()
+    loaded = {held[name].data_ptr() for name in tensors if name in held}
+    untied = [name for name in missing if held[name].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ConfigError(f"--hf: the exported parameters do not fit {type(model).__name__} "
+                          f"(missing {sorted(untied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    model.to(DTYPES[dtype]).save_pretrained(str(folder))
