@@ -16,7 +16,7 @@ from ddiloco.cli import main
 from ddiloco.config import build_config
 from ddiloco.experiment import run_virtual
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.export import parameters
+from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.round_log import RoundLog

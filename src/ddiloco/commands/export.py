@@ -2,7 +2,7 @@
 
 From a state directory (the latest checkpoint with the round log replayed: every round merged
 before the synchronizer stopped or died) or from a running synchronizer (``--from``: read as an
-evaluator reads it, no learner registered). The logic is :mod:`ddiloco.runtime.export`; torch is
+evaluator reads it, no learner registered). The logic is :mod:`ddiloco.runtime.global_model`; torch is
 imported only once the arguments are checked.
 """
 
@@ -49,23 +49,23 @@ def run(args: argparse.Namespace) -> int:
     hf = Path(args.hf) if args.hf else None
     if hf is not None and hf.exists() and any(hf.iterdir()) and not args.force:
         raise ConfigError(f"--hf {args.hf!r} exists and is not empty: pass --force to write into it")
-    from ddiloco.runtime import export
+    from ddiloco.runtime import global_model, model_file
 
     if out is not None:
-        export.check_out(out, force=args.force)
+        global_model.check_out(out, force=args.force)
     if args.address:
         from ddiloco.runtime.auth import load_token, parse_address
 
         addresses = [str(parse_address(a, option="--from")) for a in args.address.split(",")]
         model, values = _from_synchronizer(addresses, init, load_token(args.token_file), args.tls_ca)
     else:
-        model, values = export.from_state_dirs(sources, init)
+        model, values = global_model.from_state_dirs(sources, init)
     tensors = model.state_dict(values)
     if hf is not None:
-        export.save_hf(hf, tensors, model.hf_config, args.dtype)
+        global_model.save_hf(hf, tensors, model.hf_config, args.dtype)
         print(f"wrote {hf}/ (Hugging Face: config.json, model.safetensors)")
     if out is not None:
-        export.save_state_dict(out, tensors, args.dtype)
+        model_file.save_state_dict(out, tensors, args.dtype)
         count = sum(t.numel() for name, t in tensors.items())
         print(f"wrote {out}: {len(tensors)} tensors, {count:,} values ({args.dtype}); load it with "
               "model.load_state_dict(safetensors.torch.load_file(...))")
@@ -87,11 +87,11 @@ def _positional(args: argparse.Namespace) -> tuple[list[Path], Path | None]:
 def _from_synchronizer(addresses: list[str], init: Path | None, token: str | None,
                        tls_ca: str | None) -> tuple[Any, dict[int, Any]]:
     """Θ from the running synchronizer; an unreachable one or refused credentials in one line."""
-    from ddiloco.runtime import export
+    from ddiloco.runtime import global_model
     from ddiloco.runtime.client import CallRefused, Unreachable
 
     try:
-        return export.from_synchronizer(addresses, init, token=token, tls_ca=tls_ca)
+        return global_model.from_synchronizer(addresses, init, token=token, tls_ca=tls_ca)
     except Unreachable as err:
         raise ConfigError(f"--from: no synchronizer answers at {','.join(addresses)} ({err})") from None
     except CallRefused as err:

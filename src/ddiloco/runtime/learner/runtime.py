@@ -92,7 +92,7 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     if embedding_names is None:
         embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         embedding_names = [n for n, p in model.named_parameters() if id(p) in embedding_ids]
-    from ddiloco.runtime.export import tied_names
+    from ddiloco.runtime.model_file import tied_names
 
     tensors = {n: p.detach().to(torch.float32).contiguous().clone() for n, p in model.named_parameters()}
     # safetensors stores tensors by sorted name; the model's own order is kept beside them, because
@@ -336,7 +336,7 @@ class LearnerRuntime:
         """Write the global model as this learner last received it (its anchors: every update merged
         so far, not its own training since) as the model's ``state_dict`` in a safetensors file,
         loadable with ``model.load_state_dict(safetensors.torch.load_file(path))``. Rank 0 writes."""
-        from ddiloco.runtime.export import full_state_dict, parameters, save_state_dict
+        from ddiloco.runtime.model_file import full_state_dict, parameters, save_state_dict
 
         if self.core is None or self.plan is None:
             return
