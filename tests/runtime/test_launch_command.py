@@ -126,3 +126,4 @@ def test_a_script_that_exits_at_once_is_one_line_exit_2_and_leaves_no_process(tm
     assert len(errors) == 1 and "exited with code 3 before it joined the run" in errors[0], err
     assert "no runtime here" in errors[0] and "Traceback" not in err
     assert not session_pids(proc.pid)
+    assert not (tmp_path / "out" / "sync-state").exists()  # no run was made: a new launch starts afresh

@@ -74,21 +74,21 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.auth import load_token
 
         token = load_token(args.token_file)
-    from ddiloco.runtime.launch.supervise import Launch
+    from ddiloco.runtime.launch.supervise import STATE_DIR, Launch
 
     out = Path(args.out)
-    with Launch(out, command, args.learners, _sync_args(args, out), token=token,
+    with Launch(out, command, args.learners, _sync_args(args, out / STATE_DIR), token=token,
                 max_restarts=args.max_restarts) as launch:
         code = launch.run()
     if code == 0:
-        print(f"the run finished; its global model: ddiloco export {out / 'sync-state'} model.safetensors"
+        print(f"the run finished; its global model: ddiloco export {out / STATE_DIR} model.safetensors"
               + (f" --init {shlex.quote(args.init)}" if args.init else ""))
     return code
 
 
-def _sync_args(args: argparse.Namespace, out: Path) -> list[str]:
+def _sync_args(args: argparse.Namespace, state_dir: Path) -> list[str]:
     """``ddiloco sync``'s command line, less where it listens and what it reports (the launcher's)."""
-    return ["--learners", str(args.learners), "--state-dir", str(out / "sync-state"), "--exit-when-finished",
+    return ["--learners", str(args.learners), "--state-dir", str(state_dir), "--exit-when-finished",
             *(["--init", args.init] if args.init else []), *(["--preset", args.preset] if args.preset else []),
             *(["--config", args.config] if args.config else []),
             *(arg for o in args.overrides for arg in ("--set", o)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from ddiloco.runtime.client import SyncClient
 
 SYNC = "sync"
+STATE_DIR = "sync-state"
+"""The synchronizer's --state-dir, under the launch's output directory."""
 STOPPED = 130
 FAILED = 1
 
@@ -38,6 +41,8 @@ class Launch:
     def __init__(self, out: Path, command: list[str], learners: int, sync_args: list[str], *,
                  token: str | None = None, max_restarts: int = 3) -> None:
         self.out = out
+        self.state_dir = out / STATE_DIR
+        self.new_state = not self.state_dir.exists()
         self.command = command
         self.names = learner_names(learners)
         self.sync_args = sync_args
@@ -58,11 +63,13 @@ class Launch:
         self._stop.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
             self.procs.close()
+            if kind is not None and issubclass(kind, ConfigError) and self.new_state:
+                shutil.rmtree(self.state_dir, ignore_errors=True)  # a launch refused leaves no run behind
         finally:
-            self._stop.__exit__(*exc)
+            self._stop.__exit__(kind, *exc)
 
     def run(self) -> int:
         """Start everything, supervise until the run ends; the run's exit code."""
@@ -171,6 +178,7 @@ class Launch:
         return 0 if finished and not failed and sync.returncode == 0 else FAILED
 
     def _last_line(self, name: str) -> str:
-        """The last line its log holds, for a one-line error."""
+        """The last line its log holds, for a one-line error (without a ``ddiloco: error:`` of its own)."""
         lines = [line for line in self.procs.tail(name, 5).splitlines() if line.strip()]
-        return lines[-1].strip() if lines else f"(nothing in {self.procs.logs}/{name}.log)"
+        return lines[-1].strip().removeprefix("ddiloco: error: ") if lines else \
+            f"(nothing in {self.procs.logs}/{name}.log)"
