@@ -100,6 +100,26 @@ def test_a_learner_killed_9_is_started_again_and_the_run_finishes(tmp_path: Path
     assert not session_pids(proc.pid)
 
 
+@pytest.mark.slow
+def test_sigterm_stops_the_learners_then_the_synchronizer_and_leaves_no_process(tmp_path: Path, init: Path) -> None:
+    proc = launch(tmp_path, init, 10**6)
+    try:
+        port_file = tmp_path / "out" / "sync.port"
+        port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), "the synchronizer's port")
+        wait_for(lambda: (s := status_of(int(port))) and all(lr["accepted"] for lr in s["learners"])
+                 and len(s["learners"]) == 2, "both learners' work merged")
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        out, err = finish(proc)
+    assert proc.returncode == 130, err
+    assert "launch: SIGTERM: stopping the learners, then the synchronizer" in err and "Traceback" not in err
+    assert not session_pids(proc.pid)
+    sync_log = (tmp_path / "out" / "logs" / "sync.log").read_text()
+    assert "final checkpoint written" in sync_log  # stopped in order: its state is whole
+    assert main(["export", str(tmp_path / "out" / "sync-state"), str(tmp_path / "m.safetensors"),
+                 "--init", str(init)]) == 0
+
+
 @pytest.mark.parametrize("args, says", [
     (["--learners", "0", "--", "python", "train.py"], "--learners must be at least 1, got 0"),
     (["--learners", "2"], "no command after --"),
