@@ -160,3 +160,34 @@ def test_an_out_that_exists_is_kept_unless_forced(run: Run, tmp_path: Path, caps
     assert "--force" in one_line_error(capsys) and out.read_bytes() == b"mine"
     assert main(["export", str(run.state), str(out), "--force"]) == 0
     assert set(load_file(out)) >= set(run.expected())
+
+
+def test_a_sharded_synchronizers_directories_export_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = build_config(preset="tiny", overrides=("run.learners=1", "protocol.shards=2"))
+    shards = [InProcessSync(config, ServiceOptions(state_dir=tmp_path / f"shard-{s}", shard=s)) for s in range(2)]
+    try:
+        addresses = [f"127.0.0.1:{s.port}" for s in shards]
+        clients = [SyncClient(a) for a in addresses]
+        workload = Workload.build(config)
+        model = workload.new_model()
+        runtime = LearnerRuntime(model, addresses, "learner-0")
+        train_steps(runtime, workload, model, 0, config.protocol.period,
+                    until=lambda: all(min(versions(c)) >= 1 for c in clients))
+        runtime.close()
+        for c in clients:
+            wait_for(lambda c=c: c.status_dict()["pending_tokens"] == 0, "every contribution merged")
+        theta = {f.fragment: f.values for c in clients for f in c.fetch_state().fragments}
+        for c in clients:
+            c.close()
+    finally:
+        for s in shards:
+            s.close()  # each writes its final checkpoint
+    out = tmp_path / "model.safetensors"
+    assert main(["export", f"{tmp_path / 'shard-0'},{tmp_path / 'shard-1'}", str(out)]) == 0
+    layout = reference_layout(config, config.protocol.for_mode(config.run.mode, 1))
+    exported = load_file(out)
+    for name, value in parameters(layout.plan, layout.shapes, theta).items():
+        assert torch.equal(exported[name], value), name
+    out.unlink()
+    assert main(["export", str(tmp_path / "shard-0"), str(out)]) == 2
+    assert "give them all, comma-separated" in one_line_error(capsys) and not out.exists()
