@@ -191,3 +191,14 @@ def test_a_sharded_synchronizers_directories_export_together(tmp_path: Path, cap
     out.unlink()
     assert main(["export", str(tmp_path / "shard-0"), str(out)]) == 2
     assert "give them all, comma-separated" in one_line_error(capsys) and not out.exists()
+
+
+def test_a_run_of_another_model_than_the_one_named_is_one_line(run: Run, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from ddiloco.runtime.learner.runtime import save_initial_state
+
+    toy = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    save_initial_state(toy, tmp_path / "toy.safetensors")
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run.state), str(out), "--init", str(tmp_path / "toy.safetensors")]) == 2
+    assert "holds a run of another model than the --init file given" in one_line_error(capsys) and not out.exists()

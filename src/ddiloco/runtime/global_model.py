@@ -29,15 +29,16 @@ import torch
 from torch import nn
 
 from ddiloco.config import Config
-from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
-from ddiloco.runtime.layout import ModelLayout, layout_from_file, reference_layout
-from ddiloco.runtime.sync.checkpoint_writer import restore_state
+from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
 from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters
+from ddiloco.runtime.sync.checkpoint_writer import restore_state
+from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -82,10 +83,11 @@ def from_state_dirs(paths: Sequence[Path], init: Path | None) -> tuple[ServedMod
     model: ServedModel | None = None
     values: dict[int, torch.Tensor] = {}
     for path in paths:
-        config = _config_of(path)
+        saved = _latest(path)
+        config = _config_of(path, saved)
         if model is None:
             model = served_model(config, init)
-        values.update(_replayed(path, config, model))
+        values.update(_replayed(path, saved, config, model))
     assert model is not None
     missing = sorted(set(range(len(model.layout.plan.fragments))) - set(values))
     if missing:
@@ -94,10 +96,8 @@ def from_state_dirs(paths: Sequence[Path], init: Path | None) -> tuple[ServedMod
     return model, values
 
 
-def _config_of(path: Path) -> Config:
-    """The run's configuration, from the latest checkpoint in ``path``."""
-    from ddiloco.runtime.learner.process import resolve_config_of_sync
-
+def _latest(path: Path) -> dict[str, Any]:
+    """The latest checkpoint in ``path`` (its fragments not read yet): what every export starts from."""
     if not path.is_dir() or not has_checkpoint(path):
         raise ConfigError(f"{str(path)!r} holds no run (no checkpoint, no round log): give the --state-dir of "
                           "`ddiloco sync`, or runs/<mode>/sync-state of a --runtime processes run")
@@ -105,39 +105,40 @@ def _config_of(path: Path) -> Config:
     if saved is None:
         raise ConfigError(f"{str(path)!r} holds a round log but no checkpoint (the synchronizer died before its "
                           "first one): resume it once with `ddiloco sync --resume`, then export")
+    return saved
+
+
+def _config_of(path: Path, saved: dict[str, Any]) -> Config:
+    """The run's configuration, which its checkpoints carry."""
+    from ddiloco.runtime.learner.process import resolve_config_of_sync
+
     try:
         return resolve_config_of_sync(saved["service"]["config"])
     except (KeyError, TypeError):
         raise CheckpointError(f"the checkpoint in {str(path)!r} does not carry its run's configuration") from None
 
 
-def _replayed(path: Path, config: Config, model: ServedModel) -> dict[int, torch.Tensor]:
-    """Each fragment this state directory's shard owns: the checkpoint's value with the log replayed."""
+def _replayed(path: Path, saved: dict[str, Any], config: Config, model: ServedModel) -> dict[int, torch.Tensor]:
+    """Each fragment this state directory's shard owns: the checkpoint's value with the log after it replayed,
+    by a synchronizer core restored as ``--resume`` restores one."""
     protocol = config.protocol.for_mode(config.run.mode, config.run.learners)
     layout = model.layout
-    owned = (load_latest(path) or {}).get("core", {}).get("owned") or [0]
-    shard = protocol.shard_of(int(owned[0]))
+    layout_sha256 = layout.sha256(protocol)
+    if saved["service"].get("layout_sha256") != layout_sha256:
+        raise ConfigError(f"{str(path)!r} holds a run of another model than " + (
+            "the reference workload: it served your own; pass the --init FILE given to `ddiloco sync`"
+            if model.build else "the --init file given: pass the one given to `ddiloco sync`"))
+    shard = protocol.shard_of(int((saved["core"].get("owned") or [0])[0]))
     core = Synchronizer(protocol, layout.initial_values,
                         embedding_fragments=[f.index for f in layout.plan.fragments if f.is_embedding],
                         limits=config.run_limits(checkpoint_every_rounds=0, checkpoint_every_s=0.0), shard=shard)
-    layout_sha256 = layout.sha256(protocol)
 
-    def apply(saved: dict[str, Any]) -> None:
-        core.load_state_dict(saved["core"])
-
-    def replay(r: Any) -> bool:
+    def replay(r: LoggedRound) -> bool:
         return core.replay_round(FragmentUpdate(r.fragment, r.version, protocol.downlink_codec, r.payload, 0),
                                  plain=r.plain)
 
-    try:
-        restore_state(path, layout_sha256, {"layout_sha256": layout_sha256, "shard": shard}, apply, replay)
-    except CheckpointError as err:
-        if "another model" not in str(err):
-            raise
-        raise ConfigError(f"{str(path)!r} holds a run of another model than "
-                          + ("the reference workload: it served your own; pass the --init FILE given to `ddiloco "
-                             "sync`" if model.build else "--init's: pass the --init FILE given to `ddiloco sync`")
-                          ) from None
+    restore_state(path, layout_sha256, {"layout_sha256": layout_sha256, "shard": shard},
+                  lambda checkpoint: core.load_state_dict(checkpoint["core"]), replay)
     return {p: core.value(p).clone() for p in core.owned}
 
 
@@ -167,13 +168,9 @@ def from_synchronizer(addresses: Sequence[str], init: Path | None, *, token: str
 
 def _layout_of_header(header: Any) -> ModelLayout:
     """The served layout as a join header gives it (an own model exported without its ``--init`` file)."""
-    from ddiloco.core.fragments import Fragment
-
-    plan = FragmentPlan(fragments=tuple(
-        Fragment(index=f.index, param_names=tuple(p.name for p in f.params), numel=f.numel, offset=f.offset,
-                 is_embedding=f.is_embedding) for f in header.fragments), period=header.period)
     shapes = {p.name: tuple(p.shape) for f in header.fragments for p in f.params}
-    return ModelLayout(plan=plan, shapes=shapes, initial_values=[])
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}  # shapes, no memory
+    return ModelLayout(plan=plan_from_layout(header, meta), shapes=shapes, initial_values=[])
 
 
 # ---- writing ----------------------------------------------------------------------------------
