@@ -72,6 +72,7 @@ def test_launch_runs_the_own_loop_example_to_the_end_and_its_model_exports(tmp_p
     for i in range(2):
         log = (tmp_path / "out" / "logs" / f"learner-{i}.log").read_text()
         assert f"learner-{i} done after" in log  # each copy got its own id from the environment
+        assert f"learner-{i}: learner-{i} done after" in out  # and its output is shown, after its name
     model_file = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "out" / "sync-state"), str(model_file), "--init", str(init)]) == 0
     sys.path.insert(0, str(EXAMPLES))

@@ -6,7 +6,8 @@ and the run's token through the environment (:mod:`ddiloco.runtime.launch.env`, 
 ``LearnerRuntime.from_env``). The children are the process launcher's
 (:class:`~ddiloco.runtime.launch.processes.Processes`): they die with the launcher even on
 ``kill -9``. A copy that crashes is started again under its id (it rejoins the run as itself),
-up to ``--max-restarts`` times; Ctrl-C or SIGTERM stops the learners (they flush and leave),
+up to ``--max-restarts`` times; their output is shown after their names and kept in their
+logs. Ctrl-C or SIGTERM stops the learners (they flush and leave),
 then the synchronizer (its final checkpoint). A copy that ends before it ever joined the run
 is a broken script or command line, which restarting cannot mend: the launch stops, in one
 line, exit 2. The exit code is 0 when the run finished and every copy exited 0, 130 when

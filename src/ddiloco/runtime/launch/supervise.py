@@ -58,6 +58,8 @@ class Launch:
             old.unlink()
         self.procs = Processes(logs)
         self._stop = StopSignals()
+        self._echoed = {name: 0 for name in self.names}
+        """How much of each learner's log is already on the launcher's stdout."""
 
     def __enter__(self) -> "Launch":
         self._stop.__enter__()
@@ -107,9 +109,31 @@ class Launch:
         self.procs.start(name, self.command, env=variables, module=EXEC)
 
     def _supervise(self, client: SyncClient, address: str, threads: int) -> int:
+        try:
+            return self._watch(client, address, threads)
+        finally:
+            self._echo()
+
+    def _echo(self) -> None:
+        """What the copies wrote since last time, on stdout, each line after its learner's name (as
+        ``torchrun`` shows its workers'); the whole of it stays in their logs."""
+        for name in self.names:
+            try:
+                with open(self.procs.logs / f"{name}.log", "rb") as log:
+                    log.seek(self._echoed[name])
+                    data = log.read()
+            except OSError:
+                continue
+            whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for its end
+            self._echoed[name] += len(whole)
+            for line in whole.decode(errors="replace").splitlines():
+                print(f"{name}: {line}", flush=True)
+
+    def _watch(self, client: SyncClient, address: str, threads: int) -> int:
         finished = False
         ended_at: float | None = None
         while True:
+            self._echo()
             if self._stop.requested is not None:
                 announce(f"launch: {self._stop.requested.name}: stopping the learners, then the synchronizer")
                 self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)
