@@ -116,6 +116,18 @@ def test_a_virtual_run_ends_with_its_model_file_which_gives_the_eval_loss_it_rep
     assert workload.evaluate(model) == pytest.approx(summary["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_run_of_real_processes_ends_with_its_model_file_which_gives_the_eval_loss_it_reported(tmp_path: Path) -> None:
+    import json
+
+    assert main(["run", "--runtime", "processes", "--preset", "tiny", "--learners", "2", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    workload = Workload.build(build_config(preset="tiny", overrides=("run.learners=2",)))
+    model = workload.new_model()
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    assert workload.evaluate(model) == pytest.approx(summary["eval_loss"], rel=1e-4)
+
+
 def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("ddiloco: error: "), err

@@ -34,7 +34,7 @@ from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
-from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters
+from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters, save_state_dict
 from ddiloco.runtime.sync.checkpoint_writer import restore_state
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
@@ -140,6 +140,12 @@ def _replayed(path: Path, saved: dict[str, Any], config: Config, model: ServedMo
     restore_state(path, layout_sha256, {"layout_sha256": layout_sha256, "shard": shard},
                   lambda checkpoint: core.load_state_dict(checkpoint["core"]), replay)
     return {p: core.value(p).clone() for p in core.owned}
+
+
+def export_run(paths: Sequence[Path], out: Path) -> None:
+    """The model file a run of real processes ends with: Θ from its synchronizers' final checkpoints."""
+    model, values = from_state_dirs(paths, None)
+    save_state_dict(out, model.state_dict(values))
 
 
 # ---- Θ from a running synchronizer -------------------------------------------------------------
