@@ -174,7 +174,8 @@ def test_an_out_that_exists_is_kept_unless_forced(run: Run, tmp_path: Path, caps
     assert set(load_file(out)) >= set(run.expected())
 
 
-def test_a_sharded_synchronizers_directories_export_together(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_sharded_synchronizers_directories_export_together(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     config = build_config(preset="tiny", overrides=("run.learners=1", "protocol.shards=2"))
     shards = [InProcessSync(config, ServiceOptions(state_dir=tmp_path / f"shard-{s}", shard=s)) for s in range(2)]
     try:

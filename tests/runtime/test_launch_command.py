@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.learner.runtime import LearnerRuntime
 from runtime_helpers import session_pids, status_of, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -32,12 +35,13 @@ def init(tmp_path: Path) -> Path:
     return path
 
 
-def launch(tmp_path: Path, init: Path, budget_steps: int, *learner: str) -> subprocess.Popen:
+def launch(tmp_path: Path, init: Path, budget_steps: int, *learner: str, options: tuple[str, ...] = ()
+           ) -> subprocess.Popen:
     """``ddiloco launch`` of the own-loop example, M = 2, in a session of its own (to find leftovers)."""
     return subprocess.Popen(
         [sys.executable, "-m", "ddiloco.cli", "launch", "--learners", "2", "--init", str(init), "--preset", "tiny",
          "--tokens", str(budget_steps * STEP_TOKENS), "--set", "protocol.heartbeat_s=0.3", "--out",
-         str(tmp_path / "out"), "--", *LEARNER, *learner],
+         str(tmp_path / "out"), *options, "--", *LEARNER, *learner],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
 
 
@@ -87,8 +91,8 @@ def test_a_learner_killed_9_is_started_again_and_the_run_finishes(tmp_path: Path
     try:
         port_file = tmp_path / "out" / "sync.port"
         port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), "the synchronizer's port")
-        wait_for(lambda: (s := status_of(int(port))) and {"learner-0", "learner-1"} <= {lr["id"] for lr in s["learners"]},
-                 "both learners to join")
+        wait_for(lambda: (s := status_of(int(port)))
+                 and {"learner-0", "learner-1"} <= {lr["id"] for lr in s["learners"]}, "both learners to join")
         victim = wait_for(lambda: learner_pid(proc.pid, "learner-1"), "learner-1's process")
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: (pid := learner_pid(proc.pid, "learner-1")) and pid != victim, "learner-1 started again")
@@ -103,12 +107,17 @@ def test_a_learner_killed_9_is_started_again_and_the_run_finishes(tmp_path: Path
 
 @pytest.mark.slow
 def test_sigterm_stops_the_learners_then_the_synchronizer_and_leaves_no_process(tmp_path: Path, init: Path) -> None:
-    proc = launch(tmp_path, init, 10**6)
+    """With a token: the synchronizer takes its file, each copy $DDILOCO_TOKEN (LearnerRuntime.from_env)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-for-this-test\n")
+    proc = launch(tmp_path, init, 10**6, options=("--token-file", str(token)))
     try:
         port_file = tmp_path / "out" / "sync.port"
         port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), "the synchronizer's port")
-        wait_for(lambda: (s := status_of(int(port))) and all(lr["accepted"] for lr in s["learners"])
-                 and len(s["learners"]) == 2, "both learners' work merged")
+        assert status_of(int(port)) is None  # refused without the token
+        wait_for(lambda: (s := status_of(int(port), "s3cret-token-for-this-test"))
+                 and all(lr["accepted"] for lr in s["learners"]) and len(s["learners"]) == 2,
+                 "both learners' work merged")
         proc.send_signal(signal.SIGTERM)
     finally:
         out, err = finish(proc)
@@ -148,3 +157,11 @@ def test_a_script_that_exits_at_once_is_one_line_exit_2_and_leaves_no_process(tm
     assert "no runtime here" in errors[0] and "Traceback" not in err
     assert not session_pids(proc.pid)
     assert not (tmp_path / "out" / "sync-state").exists()  # no run was made: a new launch starts afresh
+
+
+def test_from_env_outside_launch_says_what_to_do_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("DDILOCO_CONNECT", "DDILOCO_LEARNER_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"\$DDILOCO_CONNECT and \$DDILOCO_LEARNER_ID not set: start this script "
+                                          r"with `ddiloco launch --learners M -- python SCRIPT \.\.\.`"):
+        LearnerRuntime.from_env(torch.nn.Linear(2, 2))

@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--time", type=float, metavar="SECONDS", help="stop the run after this many wall seconds")
     parser.add_argument("--http-port", type=int, metavar="PORT", help="serve the synchronizer's status page here")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                        help=f"logs (DIR/logs/*.log) and the synchronizer's state (DIR/sync-state) (default {DEFAULT_OUT})")
+                        help=f"logs (DIR/logs/*.log) and the synchronizer's state (DIR/sync-state) "
+                        f"(default {DEFAULT_OUT})")
     parser.add_argument("--resume", action="store_true", help="continue the run in DIR/sync-state")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="start a crashed copy again up to N times (default 3)")
