@@ -83,6 +83,8 @@ def test_launch_runs_the_own_loop_example_to_the_end_and_its_model_exports(tmp_p
     from own_loop import ByteGRU
 
     ByteGRU(32, 1).load_state_dict(load_file(model_file))  # strict: the tied head is in the file
+    written = load_file(tmp_path / "out" / "model.safetensors")  # what the launch wrote at the end: the same
+    assert all(torch.equal(t, written[name]) for name, t in load_file(model_file).items())
 
 
 @pytest.mark.slow

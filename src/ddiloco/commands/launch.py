@@ -8,7 +8,8 @@ and the run's token through the environment (:mod:`ddiloco.runtime.launch.env`, 
 ``kill -9``. A copy that crashes is started again under its id (it rejoins the run as itself),
 up to ``--max-restarts`` times; their output is shown after their names and kept in their
 logs. Ctrl-C or SIGTERM stops the learners (they flush and leave),
-then the synchronizer (its final checkpoint). A copy that ends before it ever joined the run
+then the synchronizer (its final checkpoint). A finished run ends with ``model.safetensors``
+(:func:`~ddiloco.runtime.global_model.export_run`). A copy that ends before it ever joined the run
 is a broken script or command line, which restarting cannot mend: the launch stops, in one
 line, exit 2. The exit code is 0 when the run finished and every copy exited 0, 130 when
 stopped by a signal, 1 otherwise. No torch here: the children import it.
@@ -78,13 +79,22 @@ def run(args: argparse.Namespace) -> int:
         token = load_token(args.token_file)
     from ddiloco.runtime.launch.supervise import STATE_DIR, Launch
 
+    if args.http_port == 0:  # a free one now, so that the launcher can say where
+        from ddiloco.runtime.launch.local_run import free_port
+
+        args.http_port = free_port()
     out = Path(args.out)
     with Launch(out, command, args.learners, _sync_args(args, out / STATE_DIR), token=token,
-                max_restarts=args.max_restarts) as launch:
+                max_restarts=args.max_restarts, http_port=args.http_port) as launch:
         code = launch.run()
     if code == 0:
-        print(f"the run finished; its global model: ddiloco export {out / STATE_DIR} model.safetensors"
-              + (f" --init {shlex.quote(args.init)}" if args.init else ""))
+        from ddiloco.reporting import MODEL_FILE
+        from ddiloco.runtime.global_model import export_run
+
+        export_run([out / STATE_DIR], out / MODEL_FILE, Path(args.init) if args.init else None)
+        print(f"the run finished; wrote its global model to {out / MODEL_FILE} (load it with "
+              "model.load_state_dict(safetensors.torch.load_file(...)); or: ddiloco export "
+              f"{out / STATE_DIR} OUT.safetensors" + (f" --init {shlex.quote(args.init)}" if args.init else "") + ")")
     return code
 
 

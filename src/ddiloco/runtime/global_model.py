@@ -104,7 +104,8 @@ def _latest(path: Path) -> dict[str, Any]:
     saved = load_latest(path)
     if saved is None:
         raise ConfigError(f"{str(path)!r} holds a round log but no checkpoint (the synchronizer died before its "
-                          "first one): resume it once with `ddiloco sync --resume`, then export")
+                          "first one): resume it with `ddiloco sync --resume` and the run's options, stop it (its "
+                          "final checkpoint), then export")
     return saved
 
 
@@ -142,9 +143,9 @@ def _replayed(path: Path, saved: dict[str, Any], config: Config, model: ServedMo
     return {p: core.value(p).clone() for p in core.owned}
 
 
-def export_run(paths: Sequence[Path], out: Path) -> None:
+def export_run(paths: Sequence[Path], out: Path, init: Path | None = None) -> None:
     """The model file a run of real processes ends with: Θ from its synchronizers' final checkpoints."""
-    model, values = from_state_dirs(paths, None)
+    model, values = from_state_dirs(paths, init)
     save_state_dict(out, model.state_dict(values))
 
 

@@ -39,7 +39,7 @@ class Launch:
     killed when the block is left, whatever happened."""
 
     def __init__(self, out: Path, command: list[str], learners: int, sync_args: list[str], *,
-                 token: str | None = None, max_restarts: int = 3) -> None:
+                 token: str | None = None, max_restarts: int = 3, http_port: int | None = None) -> None:
         self.out = out
         self.state_dir = out / STATE_DIR
         self.new_state = not self.state_dir.exists()
@@ -48,6 +48,8 @@ class Launch:
         self.sync_args = sync_args
         self.token = token if token is not None else os.environ.get(env.TOKEN) or None
         self.max_restarts = max_restarts
+        self.http_port = http_port
+        """The synchronizer's status page (given to it in ``sync_args``), announced at the start."""
         self.restarts = {name: 0 for name in self.names}
         self.joined: set[str] = set()
         self.exited: dict[str, int] = {}
@@ -79,7 +81,8 @@ class Launch:
 
         address = self._start_sync()
         announce(f"launch: synchronizer at {address}, {len(self.names)} x `{shlex.join(self.command)}`; "
-                 f"logs in {self.procs.logs}/")
+                 f"logs in {self.procs.logs}/"
+                 + ("" if self.http_port is None else f"; status page at http://127.0.0.1:{self.http_port}/"))
         threads = learner_threads(len(self.names))
         for i, name in enumerate(self.names):
             self._start_learner(name, i, address, threads)
@@ -140,8 +143,7 @@ class Launch:
                 self.procs.stop_all([SYNC], LEAVE_TIMEOUT_S)
                 return STOPPED
             sync_code = self.procs.children[SYNC].poll()
-            # --exit-when-finished: the synchronizer exits 0 once the budget is spent and merged.
-            finished = sync_code == 0 or self._read_status(client) or finished
+            finished = finished or self._finished(client)
             if finished and ended_at is None:
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > LEAVE_TIMEOUT_S:
@@ -150,9 +152,9 @@ class Launch:
                 if name in self.exited or self.procs.running(name):
                     continue
                 code = self.procs.children[name].returncode
-                if name not in self.joined:
-                    finished = self._read_status(client) or finished  # it may have joined and left since
-                if name not in self.joined and self.restarts[name] == 0:
+                if name not in self.joined and not finished:
+                    finished = self._finished(client)  # it may have joined and left since, or the run just ended
+                if name not in self.joined and not finished and self.restarts[name] == 0:
                     raise ConfigError(f"{name}: `{shlex.join(self.command)}` exited with code {code} before it "
                                       f"joined the run (LearnerRuntime.from_env?): {self._last_line(name)}")
                 if code == 0 or finished or sync_code is not None:
@@ -173,6 +175,10 @@ class Launch:
                 self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)
                 return FAILED
             time.sleep(POLL_S)
+
+    def _finished(self, client: SyncClient) -> bool:
+        """Is the run over? ``--exit-when-finished``: the synchronizer exits 0 once the budget is spent and merged."""
+        return self.procs.children[SYNC].poll() == 0 or self._read_status(client)
 
     def _read_status(self, client: SyncClient) -> bool:
         """Note which learners the synchronizer has seen; whether the run is finished."""
