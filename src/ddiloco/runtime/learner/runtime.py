@@ -172,7 +172,7 @@ class LearnerRuntime:
         ``options`` as for the constructor. The data shard is ``$DDILOCO_DATA_SHARD`` of
         ``$DDILOCO_DATA_SHARDS``, for the script's own loader."""
         missing = [name for name in (env.CONNECT, env.LEARNER_ID) if not os.environ.get(name)]
-        if missing and not (distributed() and dist.get_rank() > 0):
+        if missing:
             raise ConfigError(f"LearnerRuntime.from_env: ${' and $'.join(missing)} not set: start this script with "
                               "`ddiloco launch --learners M -- python SCRIPT ...`, or give LearnerRuntime the address "
                               "and id itself")
