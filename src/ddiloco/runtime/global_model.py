@@ -200,6 +200,9 @@ def save_hf(folder: Path, tensors: Mapping[str, torch.Tensor], hf_config: str | 
         raise ConfigError("--hf: the run did not start from a Hugging Face model (its --init file records no "
                           "Hugging Face configuration; write it with save_initial_state from such a model)")
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line says what was written
 
     fields = json.loads(hf_config)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
