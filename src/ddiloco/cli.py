@@ -15,7 +15,8 @@ from typing import NoReturn, Sequence
 from ddiloco import __version__
 from ddiloco.errors import DdilocoError
 
-COMMAND_MODULES = ("run", "compare", "simtest", "goodput", "bandwidth", "sync", "learner", "status", "chaos")
+COMMAND_MODULES = ("run", "compare", "simtest", "goodput", "bandwidth", "sync", "learner", "status", "chaos",
+                   "export", "launch")
 
 
 class OneLineParser(argparse.ArgumentParser):
