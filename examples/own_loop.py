@@ -11,6 +11,10 @@ role of a run::
     python examples/own_loop.py learner --connect 127.0.0.1:7000 --id learner-0
     python examples/own_loop.py learner --connect 127.0.0.1:7000 --id learner-1
 
+or, the synchronizer and both learners in one command that restarts a learner that crashes::
+
+    ddiloco launch --learners 2 --init gru-init.safetensors --tokens 2000000 -- python examples/own_loop.py learner
+
 ``init`` and ``learner`` take the same model options (``--d-model``, ``--layers``).
 """
 
@@ -86,6 +90,7 @@ def learner(args: argparse.Namespace) -> None:
                            f"{args.max_steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.id = args.id or os.environ.get("DDILOCO_LEARNER_ID", "")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.id} %(levelname)s %(message)s")
     model = build_model(args)
     batches = ByteBatches(load_bytes(args.text), batch_size=args.batch_size, seq_len=args.seq_len,
@@ -95,8 +100,11 @@ def learner(args: argparse.Namespace) -> None:
     steps, loss_sum, started = 0, 0.0, time.monotonic()
     # Joining downloads the global weights into `model`, replacing its random ones, and says where this
     # learner's data resumes: a restarted one skips the batches whose work already reached the global model.
-    with LearnerRuntime(model, args.connect, args.id, token=token, join_timeout_s=args.join_timeout,
-                        on_data_position=batches.skip_to) as runtime:
+    options = {"join_timeout_s": args.join_timeout, "on_data_position": batches.skip_to}
+    # Under `ddiloco launch`, the address, id and token come from the environment it sets.
+    runtime = (LearnerRuntime(model, args.connect, args.id, token=token, **options) if args.connect
+               else LearnerRuntime.from_env(model, **options))
+    with runtime:
         print(f"{args.id} resuming data at batch {runtime.data_position}", flush=True)
         while not runtime.should_stop and (args.max_steps is None or steps < args.max_steps):
             ids = batches.next()
@@ -130,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(p_init)
     p_init.set_defaults(func=init)
     p_learn = roles.add_parser("learner", help="train one learner against `ddiloco sync`")
-    p_learn.add_argument("--connect", required=True, metavar="HOST:PORT", help="the synchronizer's address")
-    p_learn.add_argument("--id", required=True, help="this learner's id (stable across restarts)")
+    p_learn.add_argument("--connect", metavar="HOST:PORT",
+                         help="the synchronizer's address (under `ddiloco launch`: given through the environment)")
+    p_learn.add_argument("--id", help="this learner's id, stable across restarts (under `ddiloco launch`: given)")
     add_model_options(p_learn)
     p_learn.add_argument("--text", type=Path, help="training text: a file or a directory (default: Python's stdlib)")
     p_learn.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (default 128)")

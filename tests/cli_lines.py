@@ -31,7 +31,8 @@ def check_command(argv: list[str]) -> argparse.Namespace:
         raise AssertionError(f"ddiloco refuses `ddiloco {shlex.join(argv)}` (exit code {stop.code})") from None
     sub = _subcommands(parser)[argv[0]]
     defined = {flag for action in sub._actions for flag in action.option_strings}  # noqa: SLF001
-    for token in argv[1:]:
+    own = argv[1:argv.index("--")] if "--" in argv else argv[1:]  # after "--": the command `ddiloco launch` runs
+    for token in own:
         if token.startswith("--") and token.split("=", 1)[0] not in defined:
             raise AssertionError(f"`ddiloco {argv[0]}` has no flag {token.split('=', 1)[0]} (abbreviated?)")
     return args

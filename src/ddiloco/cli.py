@@ -20,10 +20,12 @@ from types import ModuleType
 from typing import NoReturn, Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import bandwidth, chaos, compare, goodput, learner, run, simtest, status, sync
+from ddiloco.commands import (bandwidth, chaos, compare, export, goodput, launch, learner, run, simtest, status,
+                              sync)
 from ddiloco.errors import DdilocoError
 
-COMMANDS: tuple[ModuleType, ...] = (run, compare, simtest, goodput, bandwidth, sync, learner, status, chaos)
+COMMANDS: tuple[ModuleType, ...] = (run, compare, simtest, goodput, bandwidth, sync, learner, status, chaos, export,
+                                    launch)
 """In the order ``ddiloco --help`` lists them."""
 NAMES = tuple(m.__name__.rsplit(".", 1)[1] for m in COMMANDS)
 

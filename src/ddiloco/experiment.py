@@ -46,7 +46,8 @@ def run_virtual(
 
     With ``out``, the run's files are written there as it goes (:class:`RunWriter`); the
     directory is created only once the workload and the cluster are built, so a run refused
-    before it starts leaves nothing. Interrupted, it writes a summary of what was done so far
+    before it starts leaves nothing; a finished run ends with ``model.safetensors``, the global
+    model as its final evaluation measured it. Interrupted, it writes a summary of what was done so far
     and raises :class:`Interrupted`.
     """
     if workload is None or workload.config.run.learners != config.run.learners:
@@ -77,7 +78,8 @@ def run_virtual(
     final = result.pop("final")
     summary = summarize(config, final, wall_s=time.perf_counter() - started, **result)
     if writer:
-        writer.finish(summary)
+        # The model the final evaluation measured: the synchronizer's Θ, or data parallel's weights.
+        writer.finish(summary, driver.eval_model if isinstance(driver, VirtualCluster) else driver.model)
     return summary, recorder.rows
 
 

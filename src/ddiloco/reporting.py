@@ -11,17 +11,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
 from ddiloco.run_plot import plot_runs
 from ddiloco.tb_log import add_row, open_run_events
 
+if TYPE_CHECKING:
+    import torch
+
 ProgressFn = Callable[[float, dict[str, Any]], None]
 """Called with the run's progress in [0, 1] and the latest metrics row."""
 RowFn = Callable[[dict[str, Any]], None]
 """Called with each metrics row as soon as it is recorded."""
+
+MODEL_FILE = "model.safetensors"
+"""The global model at the end of a run, as the model's ``state_dict``."""
 
 SUMMARY_KEYS = (
     "mode", "learners", "tokens", "eval_loss", "goodput", "uptime", "bytes_up", "bytes_down",
@@ -46,8 +52,8 @@ class RunWriter:
     """A run's files in ``out``, written as the run goes, so that an interrupted run keeps what it did.
 
     At the start: ``config.toml``, an empty ``metrics.jsonl`` and a fresh TensorBoard event
-    file (a previous run's ``summary.json`` and ``plot.png`` are removed: they would pass for
-    this run's). Every metrics row is appended to both as soon as it is recorded. At the end,
+    file (a previous run's ``summary.json``, ``plot.png`` and ``model.safetensors`` are removed:
+    they would pass for this run's). Every metrics row is appended to both as soon as it is recorded. At the end,
     :meth:`finish` writes ``summary.json`` and ``plot.png``; an interrupted run's
     :meth:`finish` writes the summary of what was done so far (``"interrupted": true``).
     """
@@ -57,7 +63,7 @@ class RunWriter:
         self.config = config
         out.mkdir(parents=True, exist_ok=True)
         write_config(out / "config.toml", config)
-        for stale in ("summary.json", "plot.png"):
+        for stale in ("summary.json", "plot.png", MODEL_FILE):
             (out / stale).unlink(missing_ok=True)
         self._metrics = (out / "metrics.jsonl").open("w")
         self._events = open_run_events(out)
@@ -70,10 +76,16 @@ class RunWriter:
         add_row(self._events, row)
         self._events.flush()
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        """Close the rows' files, then write ``summary.json`` (atomically) and ``plot.png``."""
+    def finish(self, summary: dict[str, Any], model: torch.nn.Module | None = None) -> None:
+        """Close the rows' files, then write ``model.safetensors`` (``model``'s ``state_dict``: load it
+        with ``model.load_state_dict(safetensors.torch.load_file(...))``), ``summary.json`` (atomically)
+        and ``plot.png``."""
         self._metrics.close()
         self._events.close()
+        if model is not None:
+            from ddiloco.runtime.model_file import save_model
+
+            save_model(self.out / MODEL_FILE, model)
         tmp = self.out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.out / "summary.json")

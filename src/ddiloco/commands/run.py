@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.commands.live_view import live_view
     from ddiloco.commands.options import config_from_args, topology_from_args
+    from ddiloco.core.config import Mode
     from ddiloco.experiment import Interrupted, run_virtual
-    from ddiloco.reporting import prepare_out, write_run
+    from ddiloco.reporting import MODEL_FILE, prepare_out, write_run
     from ddiloco.runtime.launch.placement import Hosts
     from ddiloco.workload.device import resolve_device
 
@@ -70,10 +71,15 @@ def run(args: argparse.Namespace) -> int:
             return 130
     else:
         from ddiloco.runtime.launch.launcher import run_processes  # grpc only when asked for
+        from ddiloco.runtime.launch.local_run import state_dirs
 
         with progress_bar(label) as progress:
             summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
         write_run(out, config, summary, rows)
+        if Mode(config.run.mode).uses_protocol:  # the model the final evaluation read, from the final checkpoints
+            from ddiloco.runtime.global_model import export_run
+
+            export_run(state_dirs(out, config.protocol.shards), out / MODEL_FILE)
     print_report([summary], f"ddiloco run ({args.preset} preset, seed {config.run.seed})",
                  what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")

@@ -61,11 +61,16 @@ def prepare_files(config: Config, out: Path) -> RunFiles:
     write_config(config_file, config)
     names = sync_names(config.protocol.shards)
     files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
-                     [out / name.replace(SYNC_HOST, "sync-state", 1) for name in names])
+                     state_dirs(out, config.protocol.shards))
     for port_file, state_dir in zip(files.port_files, files.state_dirs):
         port_file.unlink(missing_ok=True)
         (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
     return files
+
+
+def state_dirs(out: Path, shards: int) -> list[Path]:
+    """Each synchronizer's --state-dir in a run's directory: ``sync-state``, or ``sync-state-<i>`` per shard."""
+    return [out / name.replace(SYNC_HOST, "sync-state", 1) for name in sync_names(shards)]
 
 
 def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: int = 0,

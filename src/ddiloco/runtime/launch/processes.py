@@ -48,7 +48,8 @@ class Processes:
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None, *,
               prefix: list[str] | None = None, module: str = "ddiloco.cli") -> subprocess.Popen:
-        """Start ``python -m module *args`` as ``name`` (logging to ``logs/name.log``)."""
+        """Start ``python -m module *args`` as ``name`` (logging to ``logs/name.log``); ``module``
+        :data:`~ddiloco.runtime.launch.child.EXEC` runs the command ``args`` itself."""
         previous = self.children.get(name)
         if previous is not None and previous.poll() is None:
             raise DdilocoError(f"{name} is still running (pid {previous.pid}): cannot start it again")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ from ddiloco.core.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.learner_kernels import compile_learner_kernels
 from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
@@ -90,10 +92,17 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     if embedding_names is None:
         embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         embedding_names = [n for n, p in model.named_parameters() if id(p) in embedding_ids]
+    from ddiloco.runtime.model_file import tied_names
+
     tensors = {n: p.detach().to(torch.float32).contiguous().clone() for n, p in model.named_parameters()}
     # safetensors stores tensors by sorted name; the model's own order is kept beside them, because
-    # layer-wise and strided fragmentation follow it (layer 10 must not come before layer 2).
-    metadata = {"embedding_names": json.dumps(embedding_names), "param_order": json.dumps(list(tensors))}
+    # layer-wise and strided fragmentation follow it (layer 10 must not come before layer 2). The tied
+    # names and a Hugging Face model's configuration let `ddiloco export` write a file the model loads.
+    metadata = {"embedding_names": json.dumps(embedding_names), "param_order": json.dumps(list(tensors)),
+                "aliases": json.dumps(tied_names(model))}
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "to_json_string"):
+        metadata["hf_config"] = hf_config.to_json_string(use_diff=False)
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -155,6 +164,20 @@ class LearnerRuntime:
         # The first step is timed from here: the join (the whole state's download, 40 s on a
         # 1 Mbit/s link) is not a step, and the synchronizer spaces rounds by the step time.
         self._last_step_end = time.perf_counter()
+
+    @classmethod
+    def from_env(cls, model: nn.Module, **options: Any) -> "LearnerRuntime":
+        """The learner ``ddiloco launch`` started this process as: the synchronizer's address, this
+        learner's id and the run's token from the environment (:mod:`ddiloco.runtime.launch.env`);
+        ``options`` as for the constructor. The data shard is ``$DDILOCO_DATA_SHARD`` of
+        ``$DDILOCO_DATA_SHARDS``, for the script's own loader."""
+        missing = [name for name in (env.CONNECT, env.LEARNER_ID) if not os.environ.get(name)]
+        if missing:
+            raise ConfigError(f"LearnerRuntime.from_env: ${' and $'.join(missing)} not set: start this script with "
+                              "`ddiloco launch --learners M -- python SCRIPT ...`, or give LearnerRuntime the address "
+                              "and id itself")
+        options.setdefault("token", os.environ.get(env.TOKEN) or None)
+        return cls(model, os.environ.get(env.CONNECT), os.environ.get(env.LEARNER_ID, ""), **options)
 
     # ---- setup -----------------------------------------------------------------------------
 
@@ -308,6 +331,19 @@ class LearnerRuntime:
             link.close(timeout_s)
         for client in self.clients:
             client.close()
+
+    def export(self, path: str | Path, *, dtype: str = "fp32") -> None:
+        """Write the global model as this learner last received it (its anchors: every update merged
+        so far, not its own training since) as the model's ``state_dict`` in a safetensors file,
+        loadable with ``model.load_state_dict(safetensors.torch.load_file(path))``. Rank 0 writes."""
+        from ddiloco.runtime.model_file import full_state_dict, parameters, save_state_dict
+
+        if self.core is None or self.plan is None:
+            return
+        shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+        with self._lock:
+            params = parameters(self.plan, shapes, {f.index: self.core.anchor(f.index) for f in self.plan.fragments})
+        save_state_dict(Path(path), full_state_dict(self.model, params), dtype)
 
     def __enter__(self) -> "LearnerRuntime":
         return self

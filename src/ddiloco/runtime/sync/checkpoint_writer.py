@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
 from ddiloco.runtime.sync.round_log import LoggedRound, RoundLog, read_rounds
-from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.runtime.sync.state_dir import StateDir, current_checkpoint, load_latest
 
 log = logging.getLogger("ddiloco.sync")
 
@@ -63,37 +64,14 @@ class CheckpointWriter:
         if self.state_dir is None:
             return False
         try:
-            restored = self._restore_checkpoint(layout_sha256, apply)
-            first = 0 if restored is None else int(restored.get("round_log_from", 0))
-            try:
-                self.replayed = sum(replay(r) for r in read_rounds(self.state_dir.path, self.identity, first))
-            except ValueError as err:
-                raise CheckpointError(f"the round log in {self.state_dir.path} does not follow the checkpoint: "
-                                      f"{err}") from None
+            restored, self.replayed = restore_state(self.state_dir.path, layout_sha256, self.identity, apply, replay)
+            if restored is not None:
+                self.checkpoints = int(restored["checkpoints"])
             self.round_log = RoundLog(self.state_dir.path, self.identity)
             return restored is not None or self.replayed > 0
         except BaseException:
             self.state_dir.close()
             raise
-
-    def _restore_checkpoint(self, layout_sha256: str, apply: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
-        """The restored checkpoint's service state, or None when there is none."""
-        assert self.state_dir is not None
-        saved = self.state_dir.load()
-        if saved is None:
-            return None
-        where = self.state_dir.current
-        if saved["service"]["layout_sha256"] != layout_sha256:
-            raise CheckpointError(
-                f"the checkpoint {where} belongs to a run with another model, fragmentation or codec: "
-                "start with the same --preset/--config/--set/--init as the run that wrote it"
-            )
-        try:
-            apply(saved)
-        except (KeyError, ValueError, TypeError) as err:
-            raise CheckpointError(f"the checkpoint {where} does not fit this synchronizer: {err}") from None
-        self.checkpoints = int(saved["service"]["checkpoints"])
-        return saved["service"]
 
     def start(self, fetch: FetchFragment) -> None:
         """On the event loop that will run the writes; ``fetch`` copies a fragment on the core's thread."""
@@ -156,3 +134,31 @@ class CheckpointWriter:
             self.round_log = None
         if self.state_dir is not None:
             self.state_dir.close()
+
+
+def restore_state(path: Path, layout_sha256: str, identity: dict[str, object], apply: Callable[[dict[str, Any]], None],
+                  replay: Callable[[LoggedRound], bool]) -> tuple[dict[str, Any] | None, int]:
+    """The run's state in the state directory ``path``, read only: the latest checkpoint handed to
+    ``apply`` (refused if it is of another model or layout), then every round the log holds after
+    it to ``replay``. Returns the checkpoint's service state (None: no checkpoint) and the rounds
+    replayed. A resuming synchronizer and ``ddiloco export`` rebuild Θ through this one path."""
+    saved = load_latest(path)
+    restored = None
+    if saved is not None:
+        where = current_checkpoint(path)
+        if saved["service"]["layout_sha256"] != layout_sha256:
+            raise CheckpointError(
+                f"the checkpoint {where} belongs to a run with another model, fragmentation or codec: "
+                "start with the same --preset/--config/--set/--init as the run that wrote it"
+            )
+        try:
+            apply(saved)
+        except (KeyError, ValueError, TypeError) as err:
+            raise CheckpointError(f"the checkpoint {where} does not fit this synchronizer: {err}") from None
+        restored = saved["service"]
+    first = 0 if restored is None else int(restored.get("round_log_from", 0))
+    try:
+        replayed = sum(replay(r) for r in read_rounds(path, identity, first))
+    except ValueError as err:
+        raise CheckpointError(f"the round log in {path} does not follow the checkpoint: {err}") from None
+    return restored, replayed

@@ -99,30 +99,7 @@ class StateDir:
 
     def load(self) -> dict[str, Any] | None:
         """The latest checkpoint — its fragments read lazily, one at a time — or None when there is none."""
-        if (self.path / LEGACY_NAME).exists() and self.current is None:
-            raise CheckpointError(f"{self.path / LEGACY_NAME} is a checkpoint of an older ddiloco (one file, "
-                                  f"fp32 outer state), which this version does not read: resume with that version "
-                                  f"or start a new run in another --state-dir")
-        folder = self.current
-        if folder is None:
-            return None
-        manifest = folder / MANIFEST
-        try:
-            document = json.loads(manifest.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{manifest} is missing: the checkpoint named by {self.path / CURRENT} is "
-                                  "incomplete") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{manifest} is damaged: {err}") from None
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest} is not a ddiloco synchronizer checkpoint (format "
-                                  f"{document.get('format') if isinstance(document, dict) else None!r})")
-        try:
-            state = document["state"]
-            state["core"]["fragments"] = LazyFragments(folder, document["fragments"])
-        except (KeyError, TypeError) as err:
-            raise CheckpointError(f"{manifest} is damaged: no {err}") from None
-        return state
+        return load_latest(self.path)
 
     def begin(self, number: int) -> CheckpointDraft:
         """A new checkpoint folder to write fragments into (leftovers of unfinished writes removed)."""
@@ -136,6 +113,36 @@ class StateDir:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def load_latest(path: Path) -> dict[str, Any] | None:
+    """The latest checkpoint in the state directory ``path`` — its fragments read lazily, one at a
+    time — or None when there is none. Reads only: no lock is taken (``ddiloco export`` reads the
+    directory of a synchronizer that may be running)."""
+    if (path / LEGACY_NAME).exists() and current_checkpoint(path) is None:
+        raise CheckpointError(f"{path / LEGACY_NAME} is a checkpoint of an older ddiloco (one file, "
+                              f"fp32 outer state), which this version does not read: resume with that version "
+                              f"or start a new run in another --state-dir")
+    folder = current_checkpoint(path)
+    if folder is None:
+        return None
+    manifest = folder / MANIFEST
+    try:
+        document = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest} is missing: the checkpoint named by {path / CURRENT} is "
+                              "incomplete") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{manifest} is damaged: {err}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest} is not a ddiloco synchronizer checkpoint (format "
+                              f"{document.get('format') if isinstance(document, dict) else None!r})")
+    try:
+        state = document["state"]
+        state["core"]["fragments"] = LazyFragments(folder, document["fragments"])
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest} is damaged: no {err}") from None
+    return state
 
 
 def current_checkpoint(path: Path) -> Path | None:

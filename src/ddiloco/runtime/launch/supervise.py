@@ -1,0 +1,214 @@
+"""``ddiloco launch``'s supervisor: a synchronizer and M copies of the user's script, kept running.
+
+The children are :class:`~ddiloco.runtime.launch.processes.Processes` (they die with the
+launcher, even on ``kill -9``; Ctrl-C at the terminal reaches only the launcher, which stops
+them in order). Whether a copy ever joined the run is what the synchronizer's status says:
+one that ended before is a broken script or command line (refused in one line, exit 2:
+restarting it cannot help); one that crashed after is started again under its id, and rejoins
+the run as itself. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.runtime.launch import env
+from ddiloco.runtime.launch.child import EXEC
+from ddiloco.runtime.launch.local_run import LEAVE_TIMEOUT_S, POLL_S, announce, learner_names, learner_threads
+from ddiloco.runtime.launch.processes import Processes, StopSignals
+
+if TYPE_CHECKING:
+    from ddiloco.runtime.client import SyncClient
+
+SYNC = "sync"
+STATE_DIR = "sync-state"
+"""The synchronizer's --state-dir, under the launch's output directory."""
+STOPPED = 130
+FAILED = 1
+
+
+class Launch:
+    """One launched run: start with ``with``, then :meth:`run` until it ends; every child is
+    killed when the block is left, whatever happened."""
+
+    def __init__(self, out: Path, command: list[str], learners: int, sync_args: list[str], *,
+                 token: str | None = None, max_restarts: int = 3, http_port: int | None = None) -> None:
+        self.out = out
+        self.state_dir = out / STATE_DIR
+        self.new_state = not self.state_dir.exists()
+        self.command = command
+        self.names = learner_names(learners)
+        self.sync_args = sync_args
+        self.token = token if token is not None else os.environ.get(env.TOKEN) or None
+        self.max_restarts = max_restarts
+        self.http_port = http_port
+        """The synchronizer's status page (given to it in ``sync_args``), announced at the start."""
+        self.restarts = {name: 0 for name in self.names}
+        self.joined: set[str] = set()
+        self.exited: dict[str, int] = {}
+        """Copies that ended for good (the run finished, or they did), with their exit codes."""
+        logs = out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for old in logs.glob("*.log"):
+            old.unlink()
+        self.procs = Processes(logs)
+        self._stop = StopSignals()
+        self._echoed = {name: 0 for name in self.names}
+        """How much of each learner's log is already on the launcher's stdout."""
+
+    def __enter__(self) -> "Launch":
+        self._stop.__enter__()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self.procs.close()
+            if kind is not None and issubclass(kind, ConfigError) and self.new_state:
+                shutil.rmtree(self.state_dir, ignore_errors=True)  # a launch refused leaves no run behind
+        finally:
+            self._stop.__exit__(kind, *exc)
+
+    def run(self) -> int:
+        """Start everything, supervise until the run ends; the run's exit code."""
+        from ddiloco.runtime.client import SyncClient
+
+        address = self._start_sync()
+        announce(f"launch: synchronizer at {address}, {len(self.names)} x `{shlex.join(self.command)}`; "
+                 f"logs in {self.procs.logs}/"
+                 + ("" if self.http_port is None else f"; status page at http://127.0.0.1:{self.http_port}/"))
+        threads = learner_threads(len(self.names))
+        for i, name in enumerate(self.names):
+            self._start_learner(name, i, address, threads)
+        with SyncClient(address, token=self.token) as client:
+            return self._supervise(client, address, threads)
+
+    def _start_sync(self) -> str:
+        port_file = self.out / "sync.port"
+        port_file.unlink(missing_ok=True)
+        self.procs.start(SYNC, ["sync", *self.sync_args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
+                         env={"OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120.0
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self._stop.requested is not None:
+                raise KeyboardInterrupt
+            if not self.procs.running(SYNC):
+                raise ConfigError(f"the synchronizer did not start: {self._last_line(SYNC)}")
+            if time.monotonic() > deadline:
+                raise DdilocoError(f"the synchronizer did not start within 120s (its log: {self.procs.logs}/sync.log)")
+            time.sleep(0.05)
+        return f"127.0.0.1:{int(port_file.read_text())}"
+
+    def _start_learner(self, name: str, index: int, address: str, threads: int) -> None:
+        variables = {env.CONNECT: address, env.LEARNER_ID: name, env.DATA_SHARD: str(index),
+                     env.DATA_SHARDS: str(len(self.names)), "OMP_NUM_THREADS": str(threads),
+                     **({env.TOKEN: self.token} if self.token else {})}
+        self.procs.start(name, self.command, env=variables, module=EXEC)
+
+    def _supervise(self, client: SyncClient, address: str, threads: int) -> int:
+        try:
+            return self._watch(client, address, threads)
+        finally:
+            self._echo()
+
+    def _echo(self) -> None:
+        """What the copies wrote since last time, on stdout, each line after its learner's name (as
+        ``torchrun`` shows its workers'); the whole of it stays in their logs."""
+        for name in self.names:
+            try:
+                with open(self.procs.logs / f"{name}.log", "rb") as log:
+                    log.seek(self._echoed[name])
+                    data = log.read()
+            except OSError:
+                continue
+            whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for its end
+            self._echoed[name] += len(whole)
+            for line in whole.decode(errors="replace").splitlines():
+                print(f"{name}: {line}", flush=True)
+
+    def _watch(self, client: SyncClient, address: str, threads: int) -> int:
+        finished = False
+        ended_at: float | None = None
+        while True:
+            self._echo()
+            if self._stop.requested is not None:
+                announce(f"launch: {self._stop.requested.name}: stopping the learners, then the synchronizer")
+                self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)
+                self.procs.stop_all([SYNC], LEAVE_TIMEOUT_S)
+                return STOPPED
+            sync_code = self.procs.children[SYNC].poll()
+            finished = finished or self._finished(client)
+            if finished and ended_at is None:
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > LEAVE_TIMEOUT_S:
+                self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)  # told to leave, still there
+            for i, name in enumerate(self.names):
+                if name in self.exited or self.procs.running(name):
+                    continue
+                code = self.procs.children[name].returncode
+                if name not in self.joined and not finished:
+                    finished = self._finished(client)  # it may have joined and left since, or the run just ended
+                if name not in self.joined and not finished and self.restarts[name] == 0:
+                    raise ConfigError(f"{name}: `{shlex.join(self.command)}` exited with code {code} before it "
+                                      f"joined the run (LearnerRuntime.from_env?): {self._last_line(name)}")
+                if code == 0 or finished or sync_code is not None:
+                    self.exited[name] = code
+                elif self.restarts[name] >= self.max_restarts:
+                    announce(f"launch: {name} exited with code {code} {self.restarts[name] + 1} times: giving up "
+                             f"on it: {self._last_line(name)}")
+                    self.exited[name] = code
+                else:
+                    self.restarts[name] += 1
+                    announce(f"launch: {name} exited with code {code}: starting it again "
+                             f"({self.restarts[name]} of {self.max_restarts} restarts)")
+                    self._start_learner(name, i, address, threads)
+            if len(self.exited) == len(self.names):
+                return self._end(finished)
+            if sync_code is not None and not finished:
+                announce(f"launch: the synchronizer exited with code {sync_code}: {self._last_line(SYNC)}")
+                self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)
+                return FAILED
+            time.sleep(POLL_S)
+
+    def _finished(self, client: SyncClient) -> bool:
+        """Is the run over? ``--exit-when-finished``: the synchronizer exits 0 once the budget is spent and merged."""
+        return self.procs.children[SYNC].poll() == 0 or self._read_status(client)
+
+    def _read_status(self, client: SyncClient) -> bool:
+        """Note which learners the synchronizer has seen; whether the run is finished."""
+        from ddiloco.runtime.client import CallRefused, Unreachable
+
+        try:
+            status = client.status_dict()
+        except (Unreachable, CallRefused):
+            return False
+        self.joined |= {lr["id"] for lr in status["learners"]}
+        return bool(status["finished"])
+
+    def _end(self, finished: bool) -> int:
+        """Every copy ended: the synchronizer exits by itself once the run is finished (else it is stopped)."""
+        sync = self.procs.children[SYNC]
+        if finished:
+            try:
+                sync.wait(LEAVE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass  # stopped below
+        self.procs.stop_all([SYNC], LEAVE_TIMEOUT_S)
+        failed = {name: code for name, code in self.exited.items() if code != 0}
+        if failed:
+            announce(f"launch: {', '.join(f'{n} exited with code {c}' for n, c in failed.items())}")
+        if not finished:
+            announce("launch: every learner ended before the run's budget was spent")
+        return 0 if finished and not failed and sync.returncode == 0 else FAILED
+
+    def _last_line(self, name: str) -> str:
+        """The last line its log holds, for a one-line error (without a ``ddiloco: error:`` of its own)."""
+        lines = [line for line in self.procs.tail(name, 5).splitlines() if line.strip()]
+        return lines[-1].strip().removeprefix("ddiloco: error: ") if lines else \
+            f"(nothing in {self.procs.logs}/{name}.log)"
