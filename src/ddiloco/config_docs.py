@@ -74,7 +74,9 @@ codec = "int8"
 ```
 
 Integers are accepted where a float is expected; every other type mismatch, an unknown key
-or a value out of range stops the command with one line naming the key and exit code 2.
+or a value out of range stops the command with one line naming the key and exit code 2; a
+mistyped key names the closest one, in its section or under another (`--set: unknown key
+train.fragmnets: did you mean protocol.fragments?`).
 Every run writes its resolved configuration to `config.toml` in its output directory; that
 file loads again with `--config`.
 
