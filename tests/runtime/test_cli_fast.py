@@ -31,7 +31,8 @@ def probe(*argv: str) -> tuple[int, list[str], str, str]:
     return report["code"] or 0, report["heavy"], done.stdout, "\n".join(lines)
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"], ["bandwidth", "--help"]])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["status", "--help"], ["bandwidth", "--help"],
+                                  ["launch", "--help"], ["export", "--help"]])
 def test_version_and_help_import_no_torch(argv: list[str]) -> None:
     code, heavy, out, _ = probe(*argv)
     assert code == 0 and heavy == [], (argv, heavy)
