@@ -65,6 +65,7 @@ from ddiloco.core.messages import (
 from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.norm_bound import NormBound
 from ddiloco.core.outer import NesterovSGD
+from ddiloco.core.refusals import honest_total
 from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
@@ -213,6 +214,10 @@ class Synchronizer(SyncState):
             weights_capped=self._counters.weights_capped,
             claims_clipped=dict(self._counters.claims_clipped),
             link_starved_episodes=self._registry.starved_episodes,
+            refused_steps=dict(self._counters.refusals.steps),
+            refused_tokens=dict(self._counters.refusals.tokens),
+            honest_refused_steps=honest_total(self._counters.refusals.steps),
+            honest_refused_tokens=honest_total(self._counters.refusals.tokens),
         )
 
     # ---- the one entry point ---------------------------------------------------------------
@@ -243,10 +248,8 @@ class Synchronizer(SyncState):
         try:
             return handler(request, now)  # type: ignore[operator]
         except Rejected as err:
-            self._counters.rejections[str(err.reason)] += 1
-            rec = self._registry.records.get(request.learner_id)
-            if rec is not None:
-                rec.rejected += 1
+            self._counters.refused(err.reason, request)
+            self._registry.refused(request, err.reason)
             return [Refused(request.learner_id, request, err.reason, err.detail)]
 
     # ---- requests ------------------------------------------------------------------------
@@ -319,7 +322,7 @@ class Synchronizer(SyncState):
                                                           f"{self.config.shards})")
         frag.check(c, self._uplink, self.config.staleness_max)
         plausible, clipped = check_contribution(
-            c, self._claims, session_s=rec.session_started_s, now=now, tokens_per_step=rec.tokens_per_step,
+            c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
             last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
             compute_before=rec.compute_accepted.get(c.fragment, 0.0), period=self.config.period)
         return frag.accumulator.measure(c.payload), frag.round.merged(plausible, now), plausible, clipped

@@ -1,0 +1,108 @@
+"""Issue 42: no honest work refused. Every refusal is in a ledger by learner and reason, with
+the steps and tokens it held; a learner's claims follow its progress across a re-registration.
+
+The chaos case: in the every-fault-kind chaos run learner-0 came back from a partition longer
+than a lease, registered again with the same process, kept its progress (the rejoin rule) and
+sent 763-768 steps 0.04 s into its new session. Bounded from the session's start, all of it
+was refused as ``implausible``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol_helpers import make_cluster, refused
+from test_hostile_members import BASE
+from test_synchronizer import contributions_for
+
+from ddiloco.core.actions import Admitted, StateDelivered, Tick
+from ddiloco.core.messages import Join, Session
+from ddiloco.core.refusals import RefusalKind, honest_learner_steps, honest_total, kind_of
+
+CONFIG = dataclasses.replace(BASE, lease_s=10.0, min_step_s=0.01)
+PARTITION_END = 40.0
+"""Both learners joined at 0; l0 was cut off until here (four leases)."""
+KEPT_STEPS = 763
+
+
+def register_again(sync, name: str, boot: str, now: float) -> Session:
+    (reply,) = [a for a in sync.handle(Join(name, boot), now) if isinstance(a, Admitted)]
+    sync.handle(StateDelivered(name, reply.state.session), now)
+    return reply.state.session
+
+
+def after_a_partition(boot: str = "b0"):
+    """l0's contribution of fragment 1 (measured from version 0), its lease run out during a
+    partition, and its new session (opened by process ``boot``) 0.04 s before it sends."""
+    plan, sync, cores, params = make_cluster(CONFIG, learners=2)
+    (c,) = contributions_for(cores[:1], params[:1], fragment=1)
+    sync.handle(Tick(), PARTITION_END)
+    assert "l0" not in sync.alive()
+    session = register_again(sync, "l0", boot, PARTITION_END)
+    return sync, c, session
+
+
+def kept(c, session, steps: int):
+    """``c`` as the learner sends it after the re-registration: the progress it kept, ``steps`` long."""
+    return dataclasses.replace(c, session=session, seq=0, steps=steps, tokens=steps * 100,
+                               compute_s=steps * 0.05, step_time_s=0.05)
+
+
+def learner(sync, name):
+    (status,) = [lr for lr in sync.status().learners if lr.learner_id == name]
+    return status
+
+
+def test_progress_kept_across_a_re_registration_carries_its_allowance():
+    sync, c, session = after_a_partition()
+    actions = sync.handle(kept(c, session, KEPT_STEPS), PARTITION_END + 0.04)
+    assert refused(actions) is None, refused(actions)
+    assert learner(sync, "l0").accepted == 1 and sync.versions()[1] == 1  # the only live learner: merged
+    assert sync.status().honest_refused_steps == 0
+
+
+def test_a_member_still_cannot_claim_more_steps_than_wall_time_since_its_process_registered():
+    sync, c, session = after_a_partition()
+    fits = int((PARTITION_END + 0.04) / CONFIG.min_step_s) + 1
+    reply = refused(sync.handle(kept(c, session, fits + 1), PARTITION_END + 0.04))
+    assert reply is not None and reply.reason == "implausible", reply
+    l0 = learner(sync, "l0")
+    assert l0.refused == {"implausible": 1} and l0.refused_steps == {"implausible": fits + 1}
+    assert kind_of("implausible") is RefusalKind.MEMBER
+    assert sync.status().honest_refused_steps == 0  # a member's refusal, never honest work
+    # Steps accepted before the re-registration count against the same allowance.
+    assert refused(sync.handle(kept(c, session, fits // 2), PARTITION_END + 0.04)) is None
+    again = dataclasses.replace(kept(c, session, fits - fits // 2 + 1), seq=1)
+    assert refused(sync.handle(again, PARTITION_END + 0.04)).reason == "implausible"
+
+
+def test_another_process_under_the_same_id_does_not_inherit_the_allowance():
+    """A new boot has no progress to keep: its claims start from its own registration."""
+    sync, c, session = after_a_partition(boot="b0-restarted")
+    reply = refused(sync.handle(kept(c, session, KEPT_STEPS), PARTITION_END + 0.04))
+    assert reply is not None and reply.reason == "implausible"
+
+
+def test_kept_progress_of_another_synchronizer_incarnation_is_refused_and_never_merged():
+    sync, c, session = after_a_partition()
+    other = Session(session.incarnation + 1, session.number)
+    reply = refused(sync.handle(kept(c, other, KEPT_STEPS), PARTITION_END + 0.04))
+    assert reply is not None and reply.reason == "unknown_learner"
+    assert sync.pending_tokens() == 0
+
+
+def test_refused_honest_work_is_in_the_ledger_by_learner_and_reason():
+    """A stale contribution (its round closed long ago) is honest work thrown away: counted with
+    its steps and tokens for its learner, and in the run's honest figure."""
+    sync, c, session = after_a_partition()
+    sync._fragments[1].version = CONFIG.staleness_max + 1  # the fragment moved on without l0
+    reply = refused(sync.handle(kept(c, session, KEPT_STEPS), PARTITION_END + 0.04))
+    assert reply is not None and reply.reason == "stale"
+    status = sync.status()
+    l0 = learner(sync, "l0")
+    assert l0.refused_steps == {"stale": KEPT_STEPS} and l0.refused_tokens == {"stale": KEPT_STEPS * 100}
+    assert status.honest_refused_steps == KEPT_STEPS and status.honest_refused_tokens == KEPT_STEPS * 100
+    assert honest_total(status.refused_steps) == KEPT_STEPS
+    listed = [{"id": lr.learner_id, "refused_steps": lr.refused_steps} for lr in status.learners]
+    assert honest_learner_steps(listed) == KEPT_STEPS
+    assert honest_learner_steps(listed, hostile=["l0"]) == 0  # a probe's members are kept apart
