@@ -16,8 +16,8 @@ from test_hostile_members import BASE
 from test_synchronizer import contributions_for
 
 from ddiloco.core.actions import Admitted, StateDelivered, Tick
-from ddiloco.core.messages import Join, Session
-from ddiloco.core.refusals import RefusalKind, honest_learner_steps, honest_total, kind_of
+from ddiloco.core.messages import Join, RejectReason, Session
+from ddiloco.core.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
 
 CONFIG = dataclasses.replace(BASE, lease_s=10.0, min_step_s=0.01)
 PARTITION_END = 40.0
@@ -106,3 +106,8 @@ def test_refused_honest_work_is_in_the_ledger_by_learner_and_reason():
     listed = [{"id": lr.learner_id, "refused_steps": lr.refused_steps} for lr in status.learners]
     assert honest_learner_steps(listed) == KEPT_STEPS
     assert honest_learner_steps(listed, hostile=["l0"]) == 0  # a probe's members are kept apart
+
+
+def test_every_classified_code_is_a_reason_the_core_gives():
+    assert set(KIND_OF) <= {str(r) for r in RejectReason}
+    assert kind_of("a-newer-reason") is RefusalKind.RESENT

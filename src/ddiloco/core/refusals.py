@@ -32,8 +32,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddiloco.core.messages import RejectReason
-
 
 class RefusalKind(enum.StrEnum):
     HONEST = "honest"
@@ -44,27 +42,26 @@ class RefusalKind(enum.StrEnum):
     """No work lost at the refusal: sent again, merged already, or past the budget."""
 
 
-KIND_OF: dict[RejectReason, RefusalKind] = {
-    RejectReason.STALE: RefusalKind.HONEST,
-    RejectReason.NORM_BOUND: RefusalKind.HONEST,
-    RejectReason.FUTURE_VERSION: RefusalKind.HONEST,
-    RejectReason.REPLACED: RefusalKind.HONEST,
-    RejectReason.IMPLAUSIBLE: RefusalKind.MEMBER,
-    RejectReason.MALFORMED: RefusalKind.MEMBER,
-    RejectReason.BAD_CODEC: RefusalKind.MEMBER,
-    RejectReason.BAD_SIZE: RefusalKind.MEMBER,
-    RejectReason.NON_FINITE: RefusalKind.MEMBER,
-    RejectReason.UNKNOWN_FRAGMENT: RefusalKind.MEMBER,
+KIND_OF: dict[str, RefusalKind] = {
+    "stale": RefusalKind.HONEST,
+    "norm_bound": RefusalKind.HONEST,
+    "future_version": RefusalKind.HONEST,
+    "replaced": RefusalKind.HONEST,
+    "implausible": RefusalKind.MEMBER,
+    "malformed": RefusalKind.MEMBER,
+    "bad_codec": RefusalKind.MEMBER,
+    "bad_size": RefusalKind.MEMBER,
+    "non_finite": RefusalKind.MEMBER,
+    "unknown_fragment": RefusalKind.MEMBER,
 }
-"""Each core refusal's kind, where not ``RESENT``."""
+"""Each refusal's kind by its :class:`~ddiloco.core.messages.RejectReason` code, where not
+``RESENT``. Codes, not the enum: ``ddiloco status`` reads this without the core's messages
+(and torch); ``tests/core/test_refused_honest_work.py`` holds every key to a reason."""
 
 
 def kind_of(reason: str) -> RefusalKind:
-    """The kind of refusal ``reason`` (a :class:`RejectReason` code) is."""
-    try:
-        return KIND_OF.get(RejectReason(reason), RefusalKind.RESENT)
-    except ValueError:  # a code of a newer synchronizer
-        return RefusalKind.RESENT
+    """The kind of refusal ``reason`` (a reason code; an unknown one, of a newer synchronizer, is ``RESENT``)."""
+    return KIND_OF.get(reason, RefusalKind.RESENT)
 
 
 def honest_total(by_reason: Mapping[str, int]) -> int:
@@ -87,7 +84,8 @@ class Refusals:
     steps: Counter[str] = field(default_factory=Counter)
     tokens: Counter[str] = field(default_factory=Counter)
 
-    def add(self, reason: RejectReason, steps: int, tokens: int) -> None:
+    def add(self, reason: str, steps: int, tokens: int) -> None:
+        """One contribution refused for ``reason`` (a reason code), holding ``steps`` and ``tokens``."""
         self.count[str(reason)] += 1
         self.steps[str(reason)] += steps
         self.tokens[str(reason)] += tokens
