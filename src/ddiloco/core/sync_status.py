@@ -129,6 +129,8 @@ class SyncStatus:
     :class:`~ddiloco.core.claims.ClipReason`."""
     link_starved_episodes: int = merged(ShardMerge.SUM, default=0)
     """Times a live learner went several periods without an accepted contribution."""
+    norms_clipped: int = merged(ShardMerge.SUM, default=0)
+    """Contributions let in with their Δ scaled down to the norm bound (``core/norm_bound.py``)."""
     refused_steps: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
     refused_tokens: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
     """Steps and tokens of every refused contribution over the run (forgotten learners' too), by reason."""
@@ -167,6 +169,7 @@ class SyncCounters:
     claims_clipped: Counter[str] = field(default_factory=Counter)
     refusals: Refusals = field(default_factory=Refusals)
     """Every refused contribution, over the run."""
+    norms_clipped: int = 0
     last_merge_s: float | None = None
     """Not restored: a restarted synchronizer's first merge starts a new pause count."""
 
@@ -186,11 +189,12 @@ class SyncCounters:
     def state_dict(self) -> dict[str, Any]:
         return {"rejections": dict(self.rejections), "rounds_closed": dict(self.rounds_closed),
                 "longest_pause_s": self.longest_pause_s, "weights_capped": self.weights_capped,
-                "claims_clipped": dict(self.claims_clipped), "refusals": self.refusals.state_dict()}
+                "claims_clipped": dict(self.claims_clipped), "refusals": self.refusals.state_dict(),
+                "norms_clipped": self.norms_clipped}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "SyncCounters":
         return cls(Counter(state["rejections"]), Counter(state["rounds_closed"]),
                    float(state.get("longest_pause_s", 0.0)), int(state.get("weights_capped", 0)),
                    Counter({str(k): int(v) for k, v in state.get("claims_clipped", {}).items()}),
-                   Refusals.from_state(state.get("refusals")))
+                   Refusals.from_state(state.get("refusals")), int(state.get("norms_clipped", 0)))

@@ -51,7 +51,6 @@ from ddiloco.core.data_position import DataPositions
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
     Contribution,
-    FragmentUpdate,
     FragmentValue,
     GlobalState,
     Heartbeat,
@@ -213,6 +212,7 @@ class Synchronizer(SyncState):
             progress_clipped=run.progress.clipped,
             weights_capped=self._counters.weights_capped,
             claims_clipped=dict(self._counters.claims_clipped),
+            norms_clipped=self._counters.norms_clipped,
             link_starved_episodes=self._registry.starved_episodes,
             refused_steps=dict(self._counters.refusals.steps),
             refused_tokens=dict(self._counters.refusals.tokens),
@@ -295,18 +295,16 @@ class Synchronizer(SyncState):
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
         norm, pending, plausible, clipped = self._validate(c, rec, now)
         frag = self._fragments[c.fragment]
-        bound = frag.norm_bound.bound(self.config.delta_norm_ratio_max)
         key = (c.learner_id, c.session)
-        frag.norm_bound.measured(key, c.seq, norm, bound)  # refused or not: it follows what learners send
-        if norm > bound:
-            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
+        clip = frag.norm_bound.admit(key, c.seq, norm, self.config.delta_norm_ratio_max)
         # Valid whole: from here on nothing refuses it.
+        self._counters.norms_clipped += int(clip < 1.0)
         self._report(rec, c.learner_id, c, now)
         self._counters.claims_clipped.update(str(reason) for reason in clipped)
         self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
         merged = pending.contribution
-        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm, clip)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
@@ -434,15 +432,3 @@ class Synchronizer(SyncState):
         self._run.rounds_since_checkpoint += 1
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
         return [record, LogRound(update, plain=reason is CloseReason.DRAIN), Broadcast(update, tuple(self.alive()))]
-
-    def replay_round(self, update: FragmentUpdate, *, plain: bool) -> bool:
-        """Redo a logged round after a restart (:class:`LogRound`): False if the checkpoint already
-        holds it; ValueError if it does not follow the fragment's version (a gap in the log)."""
-        frag = self._fragments[update.fragment]
-        if update.version <= frag.version:
-            return False
-        if update.version != frag.version + 1:
-            raise ValueError(f"fragment {update.fragment}: the log goes from version {frag.version} "
-                             f"to {update.version} (a gap)")
-        frag.replay(update.payload, self._outer, self._downlink, plain=plain)
-        return True
