@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from protocol_helpers import deliver, make_cluster, refused
+from protocol_helpers import deliver, make_cluster, make_sync, refused
 from test_hostile_members import BASE
 from test_synchronizer import contributions_for
 
@@ -144,3 +144,26 @@ def test_an_honest_warm_up_jump_past_the_norm_bound_is_never_refused():
 def test_a_norm_far_beyond_any_change_of_scale_is_still_refused_as_norm_bound():
     sync = warm_up_rounds(WARM, (0.04, 0.04, 40.0))  # 1000x: no warm-up does that
     assert sync.status().rejections.get("norm_bound", 0) >= 1
+
+
+def after_a_synchronizer_restart(boot: str = "b0"):
+    """l0's contribution measured from version 0, the synchronizer restarted from its checkpoint
+    (a new incarnation, the same value: the learner keeps its progress) and l0's new session."""
+    plan, sync, cores, params = make_cluster(CONFIG, learners=2)
+    (c,) = contributions_for(cores[:1], params[:1], fragment=1)
+    _, restarted = make_sync(CONFIG, incarnation=sync.incarnation + 1)
+    restarted.load_state_dict(sync.state_dict(5.0))
+    return restarted, c, register_again(restarted, "l0", boot, PARTITION_END)
+
+
+def test_progress_kept_across_a_synchronizer_restart_is_accepted_up_to_what_a_learner_keeps():
+    """A learner keeps at most ``staleness_max`` periods of progress when it registers again with
+    a synchronizer that holds its value (``core/learner.py``): that much is plausible at once."""
+    keeps = CONFIG.staleness_max * CONFIG.period
+    sync, c, session = after_a_synchronizer_restart()
+    assert refused(sync.handle(kept(c, session, keeps), PARTITION_END + 0.04)) is None
+    sync, c, session = after_a_synchronizer_restart()
+    fits = keeps + int(0.04 / CONFIG.min_step_s) + 1
+    assert refused(sync.handle(kept(c, session, fits + 1), PARTITION_END + 0.04)).reason == "implausible"
+    sync, c, session = after_a_synchronizer_restart(boot="b0-restarted")  # a new process keeps nothing
+    assert refused(sync.handle(kept(c, session, keeps), PARTITION_END + 0.04)).reason == "implausible"

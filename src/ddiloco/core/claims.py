@@ -23,9 +23,13 @@ session, all of learner-0's work of the partition thrown away. So the origin of 
 contribution's claims is the start of its boot's *first* session at this incarnation (when
 its global state arrived), and the steps and compute seconds accepted since are summed across
 its sessions: a re-registration moves no allowance either way, and a member still cannot
-claim more steps than wall time allows since its progress could have begun. Progress kept
-from another synchronizer incarnation has no origin here (the clocks differ): it is bounded
-from the new registration, as before, and refused as ``implausible`` when it claims more.
+claim more steps than wall time allows since its progress could have begun. A synchronizer
+restarted from its checkpoint has no origin for a boot (another incarnation's clock), yet the
+learner keeps its progress where the restored value is the one it holds (the round log): the
+boot the checkpoint lists starts with a head start of what a learner may keep,
+``staleness_max`` periods at ``min_step_s`` (``Registry.kept_s``), once; a new process has
+none. Claims beyond these are refused as ``implausible``: a member's refusal, never honest
+work (``core/refusals.py``).
 
 The sequence number of a contribution is held to the same clock: a learner sends a
 fragment at most once per period, so ``seq`` (counted from 0 in each session) may not exceed

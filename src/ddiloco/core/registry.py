@@ -75,6 +75,9 @@ class LearnerRecord:
     """Since when this boot's claims are bounded: the start of its first session at this
     synchronizer incarnation (None until it registered here). A learner keeps its progress across
     a re-registration, so its allowance follows the boot, not the session (``core/claims.py``)."""
+    claims_head_s: float = 0.0
+    """How much earlier than :attr:`claims_since_s` its claims may have begun: the progress a learner
+    may keep across a synchronizer restart, for the boot a restored checkpoint lists (``core/claims.py``)."""
     steps_accepted: dict[int, int] = field(default_factory=dict)
     """Steps of the contributions accepted per fragment since :attr:`claims_since_s` (what they may
     claim is bounded by the wall time since: ``core/claims.py``)."""
@@ -97,7 +100,7 @@ class LearnerRecord:
 
     def claims_origin_s(self) -> float:
         """Since when its contributions' claims are bounded (:attr:`claims_since_s`, set by every registration)."""
-        return self.session_started_s if self.claims_since_s is None else self.claims_since_s
+        return (self.session_started_s if self.claims_since_s is None else self.claims_since_s) - self.claims_head_s
 
     def last_progress_s(self) -> float:
         """When this learner's work last reached the synchronizer (or its session began)."""
@@ -116,8 +119,11 @@ class Forgotten:
 
 class Registry:
     def __init__(self, incarnation: int, lease_s: float, *, period: int = 1, salt: int = 0, max_learners: int = 0,
-                 data_shards: int = 0, forget_after_s: float = 0.0) -> None:
+                 data_shards: int = 0, forget_after_s: float = 0.0, kept_s: float = 0.0) -> None:
         self.incarnation = incarnation
+        self.kept_s = kept_s
+        """The wall time the most progress a learner keeps across a registration takes at the fastest
+        plausible step (``staleness_max`` periods at ``min_step_s``): a restored boot's head start."""
         self.lease_s = lease_s
         self.data_shards = data_shards
         self.period = period
@@ -152,6 +158,7 @@ class Registry:
                                                        "(at most four times run.learners)")
         session = self._new_session()
         same_boot = rec is not None and rec.boot == join.boot and rec.claims_since_s is not None
+        restored = rec is not None and rec.boot == join.boot and rec.claims_since_s is None  # a checkpoint's boot
         if rec is None:
             rec = self.records[join.learner_id] = LearnerRecord(session=session,
                                                                  data_shard=self.data_shard(join.learner_id))
@@ -168,6 +175,7 @@ class Registry:
         rec.last_seq.clear()  # a new session numbers its contributions from 0
         rec.accepted_at.clear()
         if not same_boot:  # another process, or the first registration here: its claims start now
+            rec.claims_head_s = self.kept_s if restored else 0.0  # it may keep what the previous incarnation held
             rec.claims_since_s = now
             rec.steps_accepted.clear()
             rec.compute_accepted.clear()

@@ -115,7 +115,8 @@ class Synchronizer(SyncState):
         """The fp32 size of the fragments this synchronizer owns (what a join transfers)."""
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
                                   max_learners=limits.max_learners, data_shards=limits.learners,
-                                  forget_after_s=config.forget_after_s)
+                                  forget_after_s=config.forget_after_s,
+                                  kept_s=config.staleness_max * config.period * config.min_step_s)
         self._positions = DataPositions(self.owned)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
