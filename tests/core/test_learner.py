@@ -155,7 +155,7 @@ def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_jo
     payload = torch.zeros(plan.fragments[c.fragment].numel).numpy().tobytes()
     assert core.on_update(update(core, c.fragment, c.base_version + 1, payload), 3.0) == []  # an update since
     (said,) = core.on_refused(c, RejectReason.STALE, 3.0)
-    assert said == Stale(c.fragment, c.base_version, c.base_version + 1) and not core.rejoining()
+    assert said == Stale(c.fragment, c.base_version, c.base_version + 1, config.period) and not core.rejoining()
     assert core.on_refused(c, RejectReason.STALE, 3.5) == []  # said once
     assert core.phase is LearnerPhase.TRAINING and core.between_steps(3.5) is LoopMove.STEP
     core.on_accepted(sent[1], 4.0)  # work accepted again: a later episode is said again

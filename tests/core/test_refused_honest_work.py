@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from protocol_helpers import deliver, make_cluster, make_sync, refused
+from protocol_helpers import deliver, local_step, make_cluster, make_sync, refused, step
 from test_hostile_members import BASE
 from test_synchronizer import contributions_for
 
-from ddiloco.core.actions import Admitted, StateDelivered, Tick
-from ddiloco.core.messages import Join, RejectReason, Session
+from ddiloco.core.actions import Admitted, Stale, StateDelivered, Tick
+from ddiloco.core.messages import FragmentUpdate, Join, RejectReason, Session
 from ddiloco.core.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
+from ddiloco.core.staleness import period_that_fits, staleness_limit, staleness_weight
 
 CONFIG = dataclasses.replace(BASE, lease_s=10.0, min_step_s=0.01)
 PARTITION_END = 40.0
@@ -93,10 +94,10 @@ def test_kept_progress_of_another_synchronizer_incarnation_is_refused_and_never_
 
 
 def test_refused_honest_work_is_in_the_ledger_by_learner_and_reason():
-    """A stale contribution (its round closed long ago) is honest work thrown away: counted with
-    its steps and tokens for its learner, and in the run's honest figure."""
+    """A contribution too late to merge at all (beyond the staleness reach) is honest work thrown
+    away: counted with its steps and tokens for its learner, and in the run's honest figure."""
     sync, c, session = after_a_partition()
-    sync._fragments[1].version = CONFIG.staleness_max + 1  # the fragment moved on without l0
+    sync._fragments[1].version = staleness_limit(CONFIG.staleness_max, CONFIG.staleness_reach) + 1
     reply = refused(sync.handle(kept(c, session, KEPT_STEPS), PARTITION_END + 0.04))
     assert reply is not None and reply.reason == "stale"
     status = sync.status()
@@ -167,3 +168,35 @@ def test_progress_kept_across_a_synchronizer_restart_is_accepted_up_to_what_a_le
     assert refused(sync.handle(kept(c, session, fits + 1), PARTITION_END + 0.04)).reason == "implausible"
     sync, c, session = after_a_synchronizer_restart(boot="b0-restarted")  # a new process keeps nothing
     assert refused(sync.handle(kept(c, session, keeps), PARTITION_END + 0.04)).reason == "implausible"
+
+
+def test_late_work_beyond_staleness_max_is_merged_with_a_weight_falling_with_its_lag():
+    """The long-link learner: every contribution arrives more than ``staleness_max`` versions late.
+    It was refused (all its work thrown away); it is now merged, weighted down, up to the reach."""
+    sync, c, session = after_a_partition()
+    frag = sync._fragments[1]
+    late = CONFIG.staleness_max + 3
+    frag.version = late  # the fragment moved on while l0's work was on its way
+    assert refused(sync.handle(kept(c, session, KEPT_STEPS), PARTITION_END + 0.04)) is None
+    assert sync.status().honest_refused_steps == 0 and sync.pending_tokens() == KEPT_STEPS * 100
+    sync.handle(Tick(), sync.next_deadline())  # late work alone: merged when its grace window ends
+    assert frag.version == late + 1
+    assert staleness_weight(late, CONFIG.staleness_max) == (CONFIG.staleness_max + 1) / (late + 1)
+    assert staleness_weight(CONFIG.staleness_max, CONFIG.staleness_max) == 1.0  # within the bound: full weight
+
+
+def test_beyond_the_reach_late_work_is_refused_and_the_learner_told_which_period_fits():
+    config = dataclasses.replace(BASE, downlink_codec="fp32", staleness_max=2, staleness_reach=2.0)
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    sent = []
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        sent += step(core, 10, 1.0)
+    c = sent[0]
+    payload = torch.zeros(plan.fragments[c.fragment].numel).numpy().tobytes()
+    lag = 6  # rounds its round trip spans: beyond the limit of 2 x 2
+    for v in range(c.base_version + 1, c.base_version + lag + 1):  # the updates came in order meanwhile
+        core.on_update(FragmentUpdate(c.fragment, v, "fp32", payload, sync.incarnation, 0.0), 3.0)
+    (said,) = core.on_refused(c, RejectReason.STALE, 3.0)
+    assert said == Stale(c.fragment, c.base_version, c.base_version + lag, period_that_fits(config.period, lag, 4))
+    assert said.period_fits == 2 * config.period  # rounds half as often: the round trip spans 3, within 4

@@ -68,6 +68,7 @@ from ddiloco.core.refusals import honest_total
 from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
+from ddiloco.core.staleness import staleness_limit, staleness_weight
 from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
 
@@ -305,7 +306,8 @@ class Synchronizer(SyncState):
         self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
         merged = pending.contribution
-        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm, clip)
+        late = staleness_weight(frag.version - merged.base_version, self.config.staleness_max)
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps) * late, norm, clip)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
@@ -319,7 +321,7 @@ class Synchronizer(SyncState):
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
-        frag.check(c, self._uplink, self.config.staleness_max)
+        frag.check(c, self._uplink, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
         plausible, clipped = check_contribution(
             c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
             last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),

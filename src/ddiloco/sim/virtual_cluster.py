@@ -32,6 +32,7 @@ from ddiloco.core.deadlines import LinkExpectation, call_deadline_s
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
 from ddiloco.core.refusals import honest_total
+from ddiloco.core.staleness import staleness_limit
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.measures import Direction, fragment_shares
 from ddiloco.fault_kinds import FaultKind
@@ -102,7 +103,8 @@ class VirtualCluster:
         self.tokens_per_step = workload.tokens_per_step
         self._share = fragment_shares(f.numel for f in self.plan.fragments)
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
-        self.checker = (InvariantChecker(seed=run.seed, staleness_max=protocol.staleness_max, quorum=protocol.quorum,
+        self.checker = (InvariantChecker(seed=run.seed, quorum=protocol.quorum,
+                                         staleness_max=staleness_limit(protocol.staleness_max, protocol.staleness_reach),
                                          strict_quorum=protocol.strict_quorum, initial_values=initial)
                         if check_invariants else None)
         self.queue = EventQueue()
