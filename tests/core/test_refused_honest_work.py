@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from protocol_helpers import deliver, local_step, make_cluster, make_sync, refused, step
+from protocol_helpers import deliver, make_cluster, make_sync, refused
 from test_hostile_members import BASE
+from test_learner import one_learner_sent
 from test_synchronizer import contributions_for
 
 from ddiloco.core.actions import Admitted, Stale, StateDelivered, Tick
@@ -187,13 +188,8 @@ def test_late_work_beyond_staleness_max_is_merged_with_a_weight_falling_with_its
 
 def test_beyond_the_reach_late_work_is_refused_and_the_learner_told_which_period_fits():
     config = dataclasses.replace(BASE, downlink_codec="fp32", staleness_max=2, staleness_reach=2.0)
-    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
-    sent = []
-    for s in range(1, 4):
-        local_step(params, seed=s)
-        sent += step(core, 10, 1.0)
+    plan, sync, core, sent, payload = one_learner_sent(config)
     c = sent[0]
-    payload = torch.zeros(plan.fragments[c.fragment].numel).numpy().tobytes()
     lag = 6  # rounds its round trip spans: beyond the limit of 2 x 2
     for v in range(c.base_version + 1, c.base_version + lag + 1):  # the updates came in order meanwhile
         core.on_update(FragmentUpdate(c.fragment, v, "fp32", payload, sync.incarnation, 0.0), 3.0)
