@@ -37,6 +37,8 @@ FAR = "learner-3"
 RULES = {"refuse": ("protocol.staleness_reach=1",), "weighted": ("protocol.staleness_reach=1000",)}
 STEP_S = 0.01
 """The virtual step time: a fragment's round every period x this."""
+EVAL_BATCHES = 16
+"""The tiny preset evaluates on 2 batches: its eval loss moved by ±0.5 between seeds of one setting."""
 PERIOD = 3
 """H: shorter than the tiny preset's 6, so that a round trip of 8 x staleness_max rounds (0.96 s)
 fits four times in a run of 4 virtual seconds."""
@@ -47,6 +49,7 @@ def run_one(preset: str, rule: str, spans: int, seed: int, time_s: float) -> dic
     learners = 3 if rule == "without" else 4
     overrides = (f"run.learners={learners}", f"run.seed={seed}", f"run.time_s={time_s}", "run.tokens=0",
                  f"cluster.step_time_s={STEP_S}", f"protocol.period={PERIOD}", "faults.mtbf_s=0",
+                 f"train.eval_batches={EVAL_BATCHES}",
                  *RULES.get(rule, ()))
     config = build_config(preset=preset, overrides=overrides)
     round_s = config.protocol.period * STEP_S
