@@ -8,7 +8,8 @@ virtual time for every run. Three ways to run it:
   rule before issue 42: ``protocol.staleness_reach=1``); the far learner's work is burnt;
 - ``weighted``: late work is merged with weight (staleness_max + 1) / (lag + 1), never refused
   (``protocol.staleness_reach`` far above the lag);
-- ``without``: the three near learners alone (the far learner's chip left out).
+- ``without``: the three near learners alone (the far learner's chip left out);
+- ``near``: four learners, the fourth on the default link too (what the far learner's link costs).
 
 Each row: eval loss, goodput, the far learner's accepted contributions and refused steps, mean
 and spread over seeds. ``--json FILE`` writes them.
@@ -55,14 +56,14 @@ def run_one(preset: str, rule: str, spans: int, seed: int, time_s: float) -> dic
     round_s = config.protocol.period * STEP_S
     workload = Workload.build(config, None)
     cluster = VirtualCluster(workload, Recorder(config, workload))
-    if rule != "without":
+    if rule in RULES:
         cluster.network.set_latency(FAR, spans * config.protocol.staleness_max * round_s / 2)
     result = cluster.run()
     far = [lr for sync in cluster.syncs for lr in sync.core.status().learners if lr.learner_id == FAR]
     return {"eval_loss": result["final"]["eval_loss"], "goodput": result["final"]["goodput"],
             "far_accepted": sum(lr.accepted for lr in far),
             "far_refused_steps": sum(sum(lr.refused_steps.values()) for lr in far),
-            "honest_refused_steps": result["honest_refused_steps"]}
+            "honest_refused_steps": result["honest_refused_steps"], "merge_width": result["merge_width"] or 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default 3)")
     parser.add_argument("--spans", default="2,4,8", help="the far round trip in staleness_max rounds (default 2,4,8)")
     parser.add_argument("--time-s", type=float, default=4.0, help="virtual seconds per run (default 4)")
+    parser.add_argument("--rules", default="without,near,refuse,weighted",
+                        help="which runs (default without,near,refuse,weighted)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = parser.parse_args(argv)
     stamped = stamp(__file__, argv)
@@ -81,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset not in PRESETS or args.seeds < 1 or args.time_s <= 0 or min(spans) < 1:
         raise SystemExit("bench_long_link: error: --preset must be a preset, --seeds, --time-s and --spans positive")
     console = Console()
-    cases = [("without", 0)] + [(rule, k) for k in spans for rule in RULES]
+    rules = args.rules.split(",")
+    if not set(rules) <= {"without", "near", *RULES}:
+        raise SystemExit(f"bench_long_link: error: --rules {args.rules!r}: choose from without, near, {', '.join(RULES)}")
+    cases = [(rule, 0) for rule in ("without", "near") if rule in rules]
+    cases += [(rule, k) for k in spans for rule in RULES if rule in rules]
     rows = []
     for rule, k in cases:
         runs = [run_one(args.preset, rule, k, seed, args.time_s) for seed in range(args.seeds)]
