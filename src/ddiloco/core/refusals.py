@@ -1,5 +1,6 @@
 """The ledger of refused work: every refused contribution, by learner and reason, with the
-steps and tokens it held (docs/design.md, "Refused honest work").
+steps and tokens it held (docs/design.md, "Decisions the paper leaves open": *Refused honest
+work*).
 
 Goodput counts chip-time whose work reached the global model. Work an honest learner trained
 and sent, and that the synchronizer then refused, is thrown away as surely as a crash; this
