@@ -16,8 +16,9 @@ from ddiloco.fault_kinds import FaultKind
 
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),
            pause: float = 0.1, rejected: dict[str, int] | None = None, phase: str = "running",
-           registered: tuple[int, ...] = (1, 1)) -> Sample:
-    counts = ShardCounts(instance, rejected or {}, {f"learner-{i}": n for i, n in enumerate(registered)})
+           registered: tuple[int, ...] = (1, 1), refused_steps: dict[str, int] | None = None) -> Sample:
+    counts = ShardCounts(instance, rejected or {}, {f"learner-{i}": n for i, n in enumerate(registered)},
+                         refused_steps or {})
     return Sample(t_s=t, instance_id=instance, phase=phase, versions=versions,
                   alive={f"learner-{i}": a for i, a in enumerate(alive)}, tokens=100 * int(t), grace_window_s=0.2,
                   longest_pause_s=pause, shards=(counts,))
@@ -37,9 +38,12 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
                        ended_s=3.0)
     restart = SyncRestart(target="sync", killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200,
                           answering_at_s=6.0, versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
-    samples = [sample(0, "a", (0, 0)), sample(1, "a", (5, 5), pause=0.4, rejected={"stale": 2}),
-               sample(6, "b", (3, 4), pause=0.0, rejected={"stale": 1, "unknown_learner": 2}),
-               sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4}, registered=(2, 2))]
+    samples = [sample(0, "a", (0, 0)),
+               sample(1, "a", (5, 5), pause=0.4, rejected={"stale": 2}, refused_steps={"stale": 60}),
+               sample(6, "b", (3, 4), pause=0.0, rejected={"stale": 1, "unknown_learner": 2},
+                      refused_steps={"stale": 30, "unknown_learner": 40}),
+               sample(8, "b", (9, 8), pause=0.3, rejected={"stale": 1, "unknown_learner": 4}, registered=(2, 2),
+                      refused_steps={"stale": 30, "unknown_learner": 90})]
     report = build_report(outcome(tmp_path, samples, [kill], [restart]), config, window_s=10, seed=3, baseline=None)
     assert report["faults"]["sync_crash"] == 1 and sum(report["faults"].values()) == 1
     assert report["longest_pause_s"] == 1.5  # the restart's own pause is the longest
@@ -47,6 +51,9 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
     assert report["sync_restarts"][0]["rounds_lost"] == 3
     # 4 after the restart (restored 0 of them is unknowable) plus the 1 stale lost to the crash.
     assert report["rejected"] == {"stale": 2, "unknown_learner": 4}
+    # The ledger's steps the same way; only the stale ones are honest work thrown away (core/refusals.py).
+    assert report["refused_steps"] == {"stale": 60, "unknown_learner": 90}
+    assert report["honest_refused_steps"] == 60
     assert report["rejoins"] == 2 and report["learners_alive_at_end"] == 2 and report["violations"] == []
     plot_timeline(tmp_path / "chaos.png", outcome(tmp_path, samples, [kill], [restart]), 2, title="t")
     assert (tmp_path / "chaos.png").stat().st_size > 0

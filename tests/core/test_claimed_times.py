@@ -78,7 +78,7 @@ def test_plausible_timing(elapsed, compute_before, steps, claimed, kept):
     plan, sync, cores, params = make_cluster(CONFIG, learners=1)
     (c,) = contributions_for(cores, params, fragment=1)
     c = dataclasses.replace(c, compute_s=claimed[0], step_time_s=claimed[1])
-    plausible, clipped = plausible_timing(c, ClaimLimits(CONFIG.min_step_s), session_s=0.0, now=elapsed,
+    plausible, clipped = plausible_timing(c, ClaimLimits(CONFIG.min_step_s), since_s=0.0, now=elapsed,
                                           steps_before=steps - c.steps, compute_before=compute_before)
     assert (plausible.compute_s, plausible.step_time_s) == kept
     assert bool(clipped) == (kept != claimed)

@@ -120,6 +120,7 @@ def test_a_contribution_claiming_more_work_than_fits_its_time_is_refused_and_cha
         assert reply.reason == "implausible", reply.detail
     assert counters(sync, "l0") == (before[0], before[1] + 2, before[2])
     assert sync.pending_tokens() == 0
+    assert sync.status().honest_refused_steps == 0  # a member's refusals, never honest work (core/refusals.py)
     accepted = sync.handle(c, 1.0)[0]
     assert not isinstance(accepted, Refused), accepted  # the real one still goes through
 

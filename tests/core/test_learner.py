@@ -141,21 +141,27 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
 
 
-def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_join_again():
-    """Issue 29, item 1: on a link whose round trip spans more rounds than the staleness bound,
-    every contribution comes back stale although the updates reach the learner in order; a new
-    registration would come over the same link as late. The learner says so once and trains on."""
-    config = dataclasses.replace(BASE, downlink_codec="fp32")
+def one_learner_sent(config):
+    """One learner after three steps: the synchronizer, the learner, what it sent, and a zero
+    update's payload for the fragment of its first send."""
     plan, sync, (core,), (params,) = make_cluster(config, learners=1)
     sent = []
     for s in range(1, 4):
         local_step(params, seed=s)
         sent += step(core, 10, 1.0)
+    return plan, sync, core, sent, torch.zeros(plan.fragments[sent[0].fragment].numel).numpy().tobytes()
+
+
+def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_join_again():
+    """Issue 29, item 1: on a link whose round trip spans more rounds than the staleness bound,
+    every contribution comes back stale although the updates reach the learner in order; a new
+    registration would come over the same link as late. The learner says so once and trains on."""
+    config = dataclasses.replace(BASE, downlink_codec="fp32")
+    plan, sync, core, sent, payload = one_learner_sent(config)
     c = sent[0]
-    payload = torch.zeros(plan.fragments[c.fragment].numel).numpy().tobytes()
     assert core.on_update(update(core, c.fragment, c.base_version + 1, payload), 3.0) == []  # an update since
     (said,) = core.on_refused(c, RejectReason.STALE, 3.0)
-    assert said == Stale(c.fragment, c.base_version, c.base_version + 1) and not core.rejoining()
+    assert said == Stale(c.fragment, c.base_version, c.base_version + 1, config.period) and not core.rejoining()
     assert core.on_refused(c, RejectReason.STALE, 3.5) == []  # said once
     assert core.phase is LearnerPhase.TRAINING and core.between_steps(3.5) is LoopMove.STEP
     core.on_accepted(sent[1], 4.0)  # work accepted again: a later episode is said again

@@ -20,9 +20,9 @@ from ddiloco.workload.workload import Workload
 LATENCY_S = 0.2
 
 
-def run_with_one_slow_link(seed: int) -> dict:
+def run_with_one_slow_link(seed: int, *overrides: str) -> dict:
     config = build_config(preset="tiny", overrides=(
-        "cluster.step_time_s=0.01", "run.learners=2", f"run.seed={seed}", "run.tokens=98304"))
+        "cluster.step_time_s=0.01", "run.learners=2", f"run.seed={seed}", "run.tokens=98304", *overrides))
     round_s = config.protocol.period * config.cluster.step_time_s
     assert 2 * LATENCY_S > config.protocol.staleness_max * round_s  # the round trip spans more rounds than the bound
     workload = Workload.build(config, None)
@@ -33,9 +33,20 @@ def run_with_one_slow_link(seed: int) -> dict:
 
 @pytest.mark.slow
 def test_a_learner_whose_round_trip_spans_more_rounds_than_the_staleness_bound_does_not_rejoin_in_a_loop():
-    result = run_with_one_slow_link(seed=1)
+    result = run_with_one_slow_link(1, "protocol.staleness_reach=1")  # late work refused, as before issue 42
     assert result["rejections"].get("stale", 0) >= 10  # the latency made its contributions stale ...
     assert result["events"]["rejoins"] == 0  # ... and none of those refusals made it register again
     slow, fast = result["steps_per_learner"][1], result["steps_per_learner"][0]
     assert slow >= 0.9 * fast  # it trained on, following the global model
     assert min(result["fragment_versions"]) >= 20
+
+
+def test_a_long_link_learners_late_work_reaches_the_model_instead_of_being_refused():
+    """Issue 42: the same learner, with late work merged at a weight falling with its lag
+    (``core/staleness.py``): none of its work is refused, and its steps are credited."""
+    refusing = run_with_one_slow_link(1, "protocol.staleness_reach=1")
+    result = run_with_one_slow_link(1)
+    assert refusing["honest_refused_steps"] > 0  # before: all of its work thrown away
+    assert result["rejections"] == {} and result["honest_refused_steps"] == 0
+    assert result["events"]["rejoins"] == 0
+    assert result["final"]["goodput"] > refusing["final"]["goodput"]  # its chip's work now counts

@@ -30,11 +30,14 @@ class ShardCounts:
     rejections: dict[str, int]
     registrations: dict[str, int]
     """Per learner, its registrations at this process (the status's own counter)."""
+    refused_steps: dict[str, int] = field(default_factory=dict)
+    """Steps of the contributions this process refused, by reason (``core/refusals.py``)."""
 
     @classmethod
     def from_status(cls, status: dict[str, Any]) -> ShardCounts:
         return cls(instance_id=status["instance_id"], rejections=dict(status["rejections"]),
-                   registrations={lr["id"]: lr["registrations"] for lr in status["learners"]})
+                   registrations={lr["id"]: lr["registrations"] for lr in status["learners"]},
+                   refused_steps=dict(status.get("refused_steps", {})))
 
 
 @dataclass(frozen=True)

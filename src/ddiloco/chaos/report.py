@@ -14,6 +14,7 @@ from ddiloco.chaos.outcome import ChaosOutcome, Sample, ShardCounts
 from ddiloco.chaos.schedule import is_sync_target, learner_name
 from ddiloco.config import Config
 from ddiloco.core.liveness import pause_bound_s
+from ddiloco.core.refusals import honest_total
 from ddiloco.core.run import RunPhase
 from ddiloco.fault_kinds import REAL, FaultKind
 from ddiloco.tb_log import STEP_KEY, TIME_KEY, write_run_events
@@ -73,12 +74,17 @@ def _peak(group: list[ShardCounts], counts: Callable[[ShardCounts], dict[str, in
     return peak
 
 
-def rejections(samples: list[Sample]) -> dict[str, int]:
-    """Rejections per reason over the run, summed over the shards."""
+def by_reason(samples: list[Sample], counts: Callable[[ShardCounts], dict[str, int]]) -> dict[str, int]:
+    """A count per reason over the run (``counts`` of each poll), summed over the shards."""
     total: collections.Counter[str] = collections.Counter()
-    for shard in across_incarnations(samples, lambda c: c.rejections):
+    for shard in across_incarnations(samples, counts):
         total.update(shard)
     return {reason: n for reason, n in sorted(total.items()) if n}
+
+
+def rejections(samples: list[Sample]) -> dict[str, int]:
+    """Rejections per reason over the run, summed over the shards."""
+    return by_reason(samples, lambda c: c.rejections)
 
 
 def rejoins_by_learner(samples: list[Sample]) -> dict[str, int]:
@@ -154,6 +160,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
         "learners_expected_at_end": config.run.learners - len(left_down),
         "learners": config.run.learners,
         "rejected": rejections(outcome.samples),
+        "refused_steps": by_reason(outcome.samples, lambda c: c.refused_steps),
         "goodput": status.get("goodput"),
         "uptime": status.get("model_uptime"),
         "eval_loss": outcome.eval_loss,
@@ -177,6 +184,7 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
                       "ended_s": None if r.ended_s is None else round(r.ended_s, 2),
                       **({"skipped": r.skipped} if r.skipped else {})} for r in outcome.records],
     }
+    report["honest_refused_steps"] = honest_total(report["refused_steps"])  # every chaos learner is honest
     report["violations"] = violations(report, outcome.failure)
     return report
 
@@ -235,6 +243,8 @@ def report_table(report: dict[str, Any], title: str) -> Table:
         ("learners alive at the end", f"{report['learners_alive_at_end']} of {report['learners']}"),
         ("rejected", ", ".join(f"{k} {v}" for k, v in report["rejected"].items()) or "none"),
         ("goodput / model uptime", f"{num(report['goodput'], '.1%')} / {num(report['uptime'], '.1%')}"),
+        ("honest steps refused (all refused, by reason)", f"{report.get('honest_refused_steps', 0):,} ("
+         + (", ".join(f"{k} {v:,}" for k, v in report.get("refused_steps", {}).items()) or "none") + ")"),
         ("tokens (baseline)", f"{num(report['tokens'], ',')} ({num(report['baseline_tokens'], ',')})"),
         ("eval loss (baseline)", f"{num(report['eval_loss'], '.4f')} ({num(report['baseline_eval_loss'], '.4f')})"),
         ("verdict", "ok" if not report["violations"] else "; ".join(report["violations"])),

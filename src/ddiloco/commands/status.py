@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
+from ddiloco.core.refusals import honest_total
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.call_errors import Unreachable
@@ -73,7 +74,7 @@ def print_status(s: dict) -> None:
     state = s["phase"]
     shards = f" ({s['shards']} shards)" if s.get('shards', 1) > 1 else ""
     out.print(f"[bold]synchronizer[/bold]{shards} {s['instance_id'][:25]}  {s['mode']}  {state}  up {s['uptime']:.0f}s  "
-              f"{budgets(s)}  goodput {s['goodput']:.1%}  "
+              f"{budgets(s)}  goodput {s['goodput']:.1%}  honest steps refused {s.get('honest_refused_steps', 0):,}  "
               f"MB up {s['bytes_up'] / 1e6:.2f}  MB down {s['bytes_down'] / 1e6:.2f}  "
               f"checkpoints {s['checkpoints']}")
     q, g = s["quorum"], s["grace"]
@@ -87,14 +88,15 @@ def print_status(s: dict) -> None:
         out.print(f"[red]failed checkpoint writes: {s['checkpoint_failures']}[/red] (last: {s['last_checkpoint_error']})")
     learners = Table(title=f"learners ({len(s['learners'])} of {s.get('learners_total', len(s['learners']))}; "
                            f"{s.get('learners_forgotten', 0)} forgotten)")
-    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "joins", "tokens", "data at", "step ms",
-                "MB up", "MB down"):
+    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "honest steps refused", "joins", "tokens",
+                "data at", "step ms", "MB up", "MB down"):
         learners.add_column(col, justify="left" if col == "id" else "right")
     for lr in s["learners"]:
         seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
         state = "no" if not lr["alive"] else "joining" if lr["joining"] else "starved" if lr["link_starved"] else "yes"
         learners.add_row(lr["id"], state, seen, str(lr["accepted"]), str(lr["accepted_per_min"]), str(lr["rejected"]),
-                         str(lr["registrations"]), f"{lr['tokens']:,}", f"{lr['data_position']:,}",
+                         f"{honest_total(lr.get('refused_steps', {})):,}", str(lr["registrations"]),
+                         f"{lr['tokens']:,}", f"{lr['data_position']:,}",
                          f"{lr['step_time_s'] * 1e3:.0f}",
                          f"{lr['bytes_up'] / 1e6:.2f}", f"{lr['bytes_down'] / 1e6:.2f}")
     print_table(learners)

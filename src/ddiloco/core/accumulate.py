@@ -37,6 +37,9 @@ class _Entry:
     payload: bytes
     weight: float
     norm: float
+    """Of the Δ as summed: the payload's norm times :attr:`clip`."""
+    clip: float = 1.0
+    """What the payload's Δ and its weight are scaled by at the close (below 1: a norm above the bound)."""
 
 
 class Accumulated(NamedTuple):
@@ -108,9 +111,10 @@ class RoundAccumulator:
             raise Rejected(RejectReason.NON_FINITE, "NaN or Inf in the outer gradient")
         return norm
 
-    def add(self, key: Hashable, payload: bytes, weight: float, norm: float) -> None:
-        """Count a (measured) contribution; one with the same key is replaced by it."""
-        self._entries[key] = _Entry(payload, weight, norm)
+    def add(self, key: Hashable, payload: bytes, weight: float, norm: float, clip: float = 1.0) -> None:
+        """Count a (measured) contribution, its Δ and (after :meth:`cap_weights`) its weight scaled by
+        ``clip`` (the norm bound's, ``core/norm_bound.py``); one with the same key is replaced by it."""
+        self._entries[key] = _Entry(payload, weight, norm * clip, clip)
 
     def discard(self, key: Hashable) -> None:
         del self._entries[key]
@@ -125,7 +129,7 @@ class RoundAccumulator:
         capped = 0
         for key, entry in list(self._entries.items()):
             if entry.weight > cap:
-                self._entries[key] = _Entry(entry.payload, cap, entry.norm)
+                self._entries[key] = _Entry(entry.payload, cap, entry.norm, entry.clip)
                 capped += 1
         return capped
 
@@ -141,7 +145,7 @@ class RoundAccumulator:
             self._acc = self._pool.take(self.numel)
         else:  # asked again: sum afresh (an entry may have changed since)
             self._acc.fill(0.0)
-        summands = [Summand(e.weight, e.norm) for e in self._entries.values()]
+        summands = [Summand(e.weight * e.clip, e.norm) for e in self._entries.values()]
         if not summands or sum(s.weight for s in summands) <= 0:
             return Accumulated(self._acc, 0.0, 0.0)
         length = math.sqrt(self._sum())
@@ -151,7 +155,7 @@ class RoundAccumulator:
         """Σ scale(w, ‖Δ‖)·Δ into the buffer, in the order the contributions came; returns its ‖·‖²."""
         assert self._acc is not None
         for entry in self._entries.values():
-            alpha = self.rule.scale(entry.weight, entry.norm)
+            alpha = self.rule.scale(entry.weight * entry.clip, entry.norm) * entry.clip
             if alpha == 0.0:
                 continue
             if self._fast:

@@ -339,14 +339,17 @@ class Behind:
 class Stale:
     """A contribution of ``fragment`` measured from version ``base_version`` was refused as stale
     although updates reach this learner in order (it holds ``held_version`` by now): its link's
-    round trip spans more rounds than ``protocol.staleness_max``. Registering again would bring
-    no fresher state (the state takes the same link), so the learner trains on, following the
-    global model through its updates; its own work is not merged until the link is faster or
-    the rounds slower. Said once, and again only after a contribution was accepted."""
+    round trip spans more rounds than the synchronizer merges late work from (``core/staleness.py``).
+    Registering again would bring no fresher state (the state takes the same link), so the learner
+    trains on, following the global model through its updates; its own work is not merged until
+    the link is faster or the rounds slower. Said once, and again only after a contribution was
+    accepted."""
 
     fragment: int
     base_version: int
     held_version: int
+    period_fits: int = 0
+    """The period H at which this round trip would span few enough rounds (0: not known)."""
 
 
 class OutagePhase(enum.StrEnum):

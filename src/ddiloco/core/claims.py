@@ -3,11 +3,10 @@
 A learner reports its training progress (cumulative tokens and steps per process boot)
 and, with every contribution, the tokens and steps behind it; the first feeds the run's
 budget, the second the merge weights. Both come from a member the synchronizer cannot
-watch, so both are trusted only as far as time allows: since a fixed origin (its session's
-start, or the first time this synchronizer counted that process) a learner can have taken at
-most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the fastest inner step the run
-believes possible), each of at most ``tokens_per_step`` tokens (what it declared when it
-joined, never above the run's own cap). What lies beyond is not counted — a progress report
+watch, so both are trusted only as far as time allows: since a fixed origin a learner can
+have taken at most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the fastest inner step
+the run believes possible), each of at most ``tokens_per_step`` tokens (what it declared when
+it joined, never above the run's own cap). What lies beyond is not counted — a progress report
 is clipped (and counted as clipped), a contribution refused as ``implausible`` — so one
 member's message can neither end a run nor outweigh the others by claiming work it could
 not have done. The bound is on totals since the origin, not on what one message adds since
@@ -15,18 +14,34 @@ the previous one: messages arrive late and back to back (a slow link, a busy syn
 and an honest learner's totals never outrun the clock, whereas two reports a millisecond
 apart may well carry seconds of work between them.
 
+*The origin follows the learner's progress, not its session.* A learner that registers
+again with the same process (same boot, same synchronizer incarnation: after a partition
+longer than a lease, say) keeps its progress where the synchronizer still holds the version
+it was measured from, and sends it at once. Bounded from the new session's start, that work
+was refused: in the every-fault-kind chaos run, 763-768 steps claimed 0.04 s into the new
+session, all of learner-0's work of the partition thrown away. So the origin of a
+contribution's claims is the start of its boot's *first* session at this incarnation (when
+its global state arrived), and the steps and compute seconds accepted since are summed across
+its sessions: a re-registration moves no allowance either way, and a member still cannot
+claim more steps than wall time allows since its progress could have begun. A synchronizer
+restarted from its checkpoint has no origin for a boot (another incarnation's clock), yet the
+learner keeps its progress where the restored value is the one it holds (the round log): the
+boot the checkpoint lists starts with a head start of what a learner may keep,
+``staleness_max`` periods at ``min_step_s`` (``Registry.kept_s``), once; a new process has
+none. Claims beyond these are refused as ``implausible``: a member's refusal, never honest
+work (``core/refusals.py``).
+
 The sequence number of a contribution is held to the same clock: a learner sends a
 fragment at most once per period, so ``seq`` (counted from 0 in each session) may not exceed
-the periods that fit since the session began. A far-future ``seq`` (which would lock the
+the periods that fit since the origin. A far-future ``seq`` (which would lock the
 real learner out of the fragment as ``duplicate``) is refused the same way.
 
 Claimed times are held to the same clock, but clipped rather than refused (they are
 measurements, and an honest learner's may be a little off): the compute seconds a learner
-claims for one fragment in a session add up to at most the wall time since the session
-began (they feed the reported goodput), and its step time lies between ``min_step_s`` and
-the session's wall time per step claimed (it feeds the grace window and the spacing of
-rounds, which one far-off claim would otherwise set for everyone). What was clipped is
-counted by :class:`ClipReason`.
+claims for one fragment add up to at most the wall time since the origin (they feed the
+reported goodput), and its step time lies between ``min_step_s`` and the wall time per step
+claimed since the origin (it feeds the grace window and the spacing of rounds, which one
+far-off claim would otherwise set for everyone). What was clipped is counted by :class:`ClipReason`.
 """
 
 from __future__ import annotations
@@ -59,27 +74,27 @@ class ClaimLimits:
         return int(max(0.0, seconds) / self.min_step_s) + 1
 
 
-def check_contribution(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float, tokens_per_step: int,
+def check_contribution(c: Contribution, limits: ClaimLimits, *, since_s: float, now: float, tokens_per_step: int,
                        last_seq: int, steps_before: int, compute_before: float,
                        period: int) -> tuple[Contribution, tuple[ClipReason, ...]]:
     """:class:`Rejected` unless ``c`` is new (``duplicate``) and, with the ``steps_before`` already
-    accepted for its fragment in this session, claims work that fits since the session began
-    at ``session_s`` (``implausible``); else ``c`` with its times clipped (:func:`plausible_timing`)."""
+    accepted for its fragment since the origin ``since_s`` (its boot's first session here), claims
+    work that fits since then (``implausible``); else ``c`` with its times clipped (:func:`plausible_timing`)."""
     if c.seq <= last_seq:
         raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-    steps = limits.steps_in(now - session_s)
+    steps = limits.steps_in(now - since_s)
     if steps_before + c.steps > steps:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"{steps_before + c.steps} steps claimed for fragment {c.fragment} "
-                                                 f"in {now - session_s:.3g}s of this session (at most {steps} at "
-                                                 f"one per {limits.min_step_s:g}s)")
+                                                 f"in {now - since_s:.3g}s since this process registered (at most "
+                                                 f"{steps} at one per {limits.min_step_s:g}s)")
     if c.tokens > c.steps * tokens_per_step:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"{c.tokens} tokens in {c.steps} steps "
                                                  f"(at most {tokens_per_step} per step)")
     sends = 1 + steps // period
     if c.seq > sends:
-        raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - session_s:.3g}s of this session "
-                                                 f"(at most {sends} sends fit)")
-    return plausible_timing(c, limits, session_s=session_s, now=now, steps_before=steps_before,
+        raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - since_s:.3g}s since this process "
+                                                 f"registered (at most {sends} sends fit)")
+    return plausible_timing(c, limits, since_s=since_s, now=now, steps_before=steps_before,
                             compute_before=compute_before)
 
 
@@ -87,20 +102,20 @@ class ClipReason(enum.StrEnum):
     """Which claimed time of a contribution was clipped to what the clock allows (a status counter's key)."""
 
     COMPUTE = "compute_s"
-    """More compute seconds for a fragment than wall time since the session began."""
+    """More compute seconds for a fragment than wall time since the claims' origin."""
     STEP_TIME = "step_time_s"
-    """A step time below ``min_step_s``, or above the session's wall time per claimed step."""
+    """A step time below ``min_step_s``, or above the wall time per claimed step since the origin."""
 
 
-def plausible_timing(c: Contribution, limits: ClaimLimits, *, session_s: float, now: float, steps_before: int,
+def plausible_timing(c: Contribution, limits: ClaimLimits, *, since_s: float, now: float, steps_before: int,
                      compute_before: float) -> tuple[Contribution, tuple[ClipReason, ...]]:
-    """``c`` with its compute and step time clipped to what fits since the session began at
-    ``session_s`` (with the ``steps_before`` and ``compute_before`` already accepted for its
-    fragment in this session), and which of them were clipped.
+    """``c`` with its compute and step time clipped to what fits since the origin ``since_s``
+    (with the ``steps_before`` and ``compute_before`` already accepted for its fragment since),
+    and which of them were clipped.
 
     A step time of 0 says "not measured yet" (a learner's first steps) and is kept: it is
     no claim, and the synchronizer does not learn from it."""
-    elapsed = max(0.0, now - session_s)
+    elapsed = max(0.0, now - since_s)
     compute = min(c.compute_s, max(0.0, elapsed - compute_before))
     step = c.step_time_s
     if step:

@@ -89,17 +89,22 @@ class ProtocolConfig:
     grace_max_s: float = 30.0
     """Upper bound on the grace window, seconds."""
     staleness_max: int = 4
-    """Contributions whose base version lags the current one by more than this are rejected."""
+    """Contributions whose base version lags the current one by at most this are merged at full
+    weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/staleness.py``)."""
+    staleness_reach: float = 4.0
+    """Contributions lagging more than this many times ``staleness_max`` versions are refused as
+    stale (1 = every one beyond ``staleness_max``, the rule before issue 42)."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
     heartbeat_s: float = 2.0
     """Interval between a learner's heartbeats (never more than a third of the lease)."""
     delta_norm_ratio_max: float = 10.0
-    """Reject an outer gradient whose norm exceeds this multiple of the fragment's recent norms
-    (the lower median of the last 32 measured, refused ones included at the bound they exceeded,
-    once per sequence number; before 8 are known, of max(‖Θ_p‖ at the start, 1)). Measured against what most learners sent, so no one member can
-    raise its own bound, and refused norms count, so a warm-up that grows every learner's norm
-    past the bound does not lock the fragment out (``core/norm_bound.py``)."""
+    """The norm bound: this multiple of the fragment's recent norms (the lower median of the last
+    32 measured, those above the bound included at the bound, once per sequence number; before 8
+    are known, of max(‖Θ_p‖ at the start, 1)). An outer gradient above it is let in scaled down to
+    the lower median, its weight with it; one above this multiple of the bound is refused. Measured
+    against what most learners sent, so no one member can raise its own bound, and a warm-up that
+    grows every learner's norm past it is neither refused nor locked out (``core/norm_bound.py``)."""
     max_weight_ratio: float = 4.0
     """In a merge, no learner's token weight counts for more than this multiple of the round's
     lower-median weight (0 = no cap): a member claiming far more work than the others cannot
@@ -165,6 +170,8 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.staleness_max < 0:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
+        if not self.staleness_reach >= 1.0:
+            raise ConfigError(f"protocol.staleness_reach must be >= 1, got {self.staleness_reach}")
         for key, value in (("protocol.max_weight_ratio", self.max_weight_ratio),
                            ("protocol.forget_after_s", self.forget_after_s)):
             if not value >= 0:

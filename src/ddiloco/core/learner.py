@@ -31,6 +31,7 @@ from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import FlatFragment
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.grace import MovingAverage
+from ddiloco.core.staleness import period_that_fits, staleness_limit
 from ddiloco.core.learner_phase import FATAL, REJOIN_ON, LearnerPhase, LoopMove, UpdateResult
 from ddiloco.core.link_watch import LinkWatch
 from ddiloco.core.send_schedule import SendSchedule
@@ -374,7 +375,10 @@ class Learner:
             self.schedule.answered(request.fragment, request.seq)
             self.schedule.landed(request.fragment)
         if self._stale_on_its_link(request, reason):
-            return self.watch.refused_stale(request.fragment, request.base_version, self.versions[request.fragment])
+            held = self.versions[request.fragment]
+            limit = staleness_limit(self.config.staleness_max, self.config.staleness_reach)
+            return self.watch.refused_stale(request.fragment, request.base_version, held,
+                                            period_that_fits(self.plan.period, held - request.base_version, limit))
         target = self._shard_of(request)
         if ((reason in REJOIN_ON or self._impossible_duplicate(request, reason)) and target is not None
                 and self.phase is LearnerPhase.TRAINING and not self.links[target].joining):

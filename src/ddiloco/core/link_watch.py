@@ -116,14 +116,15 @@ class LinkWatch:
         self.starved = False
         self.stale = False
 
-    def refused_stale(self, fragment: int, base_version: int, held_version: int) -> list[LearnerAction]:
+    def refused_stale(self, fragment: int, base_version: int, held_version: int,
+                      period_fits: int) -> list[LearnerAction]:
         """A contribution measured from ``base_version`` came back stale while the learner holds
-        ``held_version`` of its fragment: said once per episode (an episode ends when work is
-        accepted again, or a state adopted)."""
+        ``held_version`` of its fragment (``period_fits``: the period at which it would not):
+        said once per episode (an episode ends when work is accepted again, or a state adopted)."""
         if self.stale:
             return []
         self.stale = True
-        return [Stale(fragment, base_version, held_version)]
+        return [Stale(fragment, base_version, held_version, period_fits)]
 
     def sent(self, fragment: int, steps: int) -> None:
         """A contribution carrying ``steps`` steps went out (one carrying an outage's folds tells nothing of the link)."""

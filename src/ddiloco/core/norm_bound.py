@@ -1,10 +1,10 @@
 """The largest outer gradient a fragment accepts, learnt from what its learners send.
 
 The bound is ``protocol.delta_norm_ratio_max`` times the lower median of the last
-``NORMS_KEPT`` norms measured for the fragment: the contributions it let in *and* those it
-refused for their norm, each refused one counted at the bound it exceeded.
+``NORMS_KEPT`` norms measured for the fragment: the contributions within it *and* those
+above it, each of these counted at the bound it exceeded.
 
-*Refused norms count.* A bound learnt only from the norms it let in cannot follow the honest
+*Norms above the bound count.* A bound learnt only from the norms it let in cannot follow the honest
 scale once that grows by more than the ratio, which an inner-lr warm-up does: a fragment's
 first round holds a few steps at a small rate, the next a whole period at a larger one.
 Every later contribution of every learner is then refused, no new norm is let in, and the
@@ -22,6 +22,22 @@ counted once. So refused contributions move the bound no faster than accepted on
 checks must let through): a member cannot raise the bound in one go by sending one huge
 contribution many times.
 
+*Above the bound: let in small, not refused.* Even counting refused norms, the bound reaches
+a new honest scale only once half its window was sent at it, and every honest contribution
+sent before then was refused: one per 2.8M-parameter GPU run (docs/results.md section 7), one
+in the stalled-uploads run, the first rounds after a warm-up or a learning-rate step. That
+work was thrown away although nothing in it was wrong but its scale. So a contribution above
+the bound is let in with its Δ scaled down to the lower median (what most learners send) and
+its merge weight (after the cap, ``protocol.max_weight_ratio``) scaled by the same factor
+(:meth:`NormBound.admit`): an honest learner's direction still counts, and a member gains less
+than by sending just below the bound, which the bound always let in whole. Scaling to the
+bound itself, at full weight, was tried first: it let the member of
+``tests/core/test_hostile_members.py`` (three honest learners and one sending at 0.9 times
+its estimate of the bound) grow the fragment's norm from 9.8 to 173 in ten rounds, against the
+test's limit of 3 times; scaled and weighted down as here, it stays within it. A norm beyond
+``ratio`` times the bound (``ratio²`` times what most learners send: no honest change of scale,
+a bug or an attack) is still refused as ``norm_bound``.
+
 *A window and its lower median, not the latest norms.* The bound follows a change of scale
 only as fast as half the window fills with it. That lag is what keeps one member from
 growing the model round after round: an update it pushes in makes the honest learners' next
@@ -36,6 +52,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable
 from typing import Any
+
+from ddiloco.core.messages import RejectReason, Rejected
 
 NORMS_KEPT = 32
 """Measured norms the bound is the lower median of."""
@@ -67,6 +85,17 @@ class NormBound:
             return ratio * scale
         recent = sorted(self._norms)
         return ratio * max(recent[(len(recent) - 1) // 2], NORM_FLOOR * scale)
+
+    def admit(self, sender: Hashable, seq: int, norm: float, ratio: float) -> float:
+        """Measure contribution ``seq`` of ``sender`` at ``norm`` (:meth:`measured`) and say how it
+        is let in: the factor its Δ and its weight are scaled by (1 within the bound; above it, the
+        lower median over ``norm``), or :class:`Rejected` (``norm_bound``) beyond ``ratio`` times the bound."""
+        bound = self.bound(ratio)
+        self.measured(sender, seq, norm, bound)  # refused or not: it follows what learners send
+        if norm > ratio * bound:
+            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds {ratio:g} times the "
+                                                    f"bound {bound:.3g}")
+        return 1.0 if norm <= bound else bound / ratio / norm
 
     def measured(self, sender: Hashable, seq: int, norm: float, bound: float) -> None:
         """Contribution ``seq`` of ``sender`` (a learner id and its session: a learner that

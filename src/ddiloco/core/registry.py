@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddiloco.core.link_watch import STARVED_LEASES, STARVED_PERIODS
-from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Session
+from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Request, Session
+from ddiloco.core.refusals import Refusals
 from ddiloco.core.sync_status import LearnerStatus
 
 RETIRED_BOOTS = 8
@@ -70,11 +71,20 @@ class LearnerRecord:
     """Last accepted sequence number per fragment, in the current session."""
     accepted_at: dict[int, float] = field(default_factory=dict)
     """When a contribution of each fragment was last accepted, in the current session."""
+    claims_since_s: float | None = None
+    """Since when this boot's claims are bounded: the start of its first session at this
+    synchronizer incarnation (None until it registered here). A learner keeps its progress across
+    a re-registration, so its allowance follows the boot, not the session (``core/claims.py``)."""
+    claims_head_s: float = 0.0
+    """How much earlier than :attr:`claims_since_s` its claims may have begun: the progress a learner
+    may keep across a synchronizer restart, for the boot a restored checkpoint lists (``core/claims.py``)."""
     steps_accepted: dict[int, int] = field(default_factory=dict)
-    """Steps of the contributions accepted per fragment in the current session (what they may claim
-    is bounded by the session's length: ``core/claims.py``)."""
+    """Steps of the contributions accepted per fragment since :attr:`claims_since_s` (what they may
+    claim is bounded by the wall time since: ``core/claims.py``)."""
     compute_accepted: dict[int, float] = field(default_factory=dict)
-    """Compute seconds accepted per fragment in the current session (bounded the same way)."""
+    """Compute seconds accepted per fragment since :attr:`claims_since_s` (bounded the same way)."""
+    refusals: Refusals = field(default_factory=Refusals)
+    """Its refused contributions by reason, with the steps and tokens they held (``core/refusals.py``)."""
     accept_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ACCEPT_TIMES))
     retired_boots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RETIRED_BOOTS))
 
@@ -87,6 +97,10 @@ class LearnerRecord:
         if len(recent) == ACCEPT_TIMES and now > recent[0]:  # more than we keep: scale the ones we have
             return round(len(recent) * RATE_WINDOW_S / (now - recent[0]))
         return len(recent)
+
+    def claims_origin_s(self) -> float:
+        """Since when its contributions' claims are bounded (:attr:`claims_since_s`, set by every registration)."""
+        return (self.session_started_s if self.claims_since_s is None else self.claims_since_s) - self.claims_head_s
 
     def last_progress_s(self) -> float:
         """When this learner's work last reached the synchronizer (or its session began)."""
@@ -105,8 +119,11 @@ class Forgotten:
 
 class Registry:
     def __init__(self, incarnation: int, lease_s: float, *, period: int = 1, salt: int = 0, max_learners: int = 0,
-                 data_shards: int = 0, forget_after_s: float = 0.0) -> None:
+                 data_shards: int = 0, forget_after_s: float = 0.0, kept_s: float = 0.0) -> None:
         self.incarnation = incarnation
+        self.kept_s = kept_s
+        """The wall time the most progress a learner keeps across a registration takes at the fastest
+        plausible step (``staleness_max`` periods at ``min_step_s``): a restored boot's head start."""
         self.lease_s = lease_s
         self.data_shards = data_shards
         self.period = period
@@ -140,6 +157,8 @@ class Registry:
             raise Rejected(RejectReason.REGISTRY_FULL, f"{self.max_learners} learners hold a lease already "
                                                        "(at most four times run.learners)")
         session = self._new_session()
+        same_boot = rec is not None and rec.boot == join.boot and rec.claims_since_s is not None
+        restored = rec is not None and rec.boot == join.boot and rec.claims_since_s is None  # a checkpoint's boot
         if rec is None:
             rec = self.records[join.learner_id] = LearnerRecord(session=session,
                                                                  data_shard=self.data_shard(join.learner_id))
@@ -155,8 +174,11 @@ class Registry:
         rec.session_started_s = now
         rec.last_seq.clear()  # a new session numbers its contributions from 0
         rec.accepted_at.clear()
-        rec.steps_accepted.clear()
-        rec.compute_accepted.clear()
+        if not same_boot:  # another process, or the first registration here: its claims start now
+            rec.claims_head_s = self.kept_s if restored else 0.0  # it may keep what the previous incarnation held
+            rec.claims_since_s = now
+            rec.steps_accepted.clear()
+            rec.compute_accepted.clear()
         rec.admitting_until_s = now + admission_s
         rec.last_seen_s = now
         rec.lease_until_s = now + admission_s + self.lease_s
@@ -183,6 +205,8 @@ class Registry:
         if rec is None or rec.session != session or rec.admitting_until_s is None:
             return
         rec.admitting_until_s = None
+        if rec.claims_since_s == rec.session_started_s:  # the boot's first session: its work starts now
+            rec.claims_since_s = now
         rec.session_started_s = now
         rec.lease_until_s = now + (self.lease_s if ok else 0.0)
 
@@ -218,6 +242,15 @@ class Registry:
         except Rejected as err:
             return err
         return None
+
+    def refused(self, request: Request, reason: RejectReason) -> None:
+        """A request of a listed learner refused: counted, a contribution's work in its ledger."""
+        rec = self.records.get(request.learner_id)
+        if rec is None:
+            return
+        rec.rejected += 1
+        if isinstance(request, Contribution):
+            rec.refusals.add(reason, request.steps, request.tokens)
 
     def accepted(self, rec: LearnerRecord, c: Contribution, now: float) -> None:
         """Record ``c`` (its times already clipped to what is plausible) as accepted at ``now``."""
@@ -309,14 +342,15 @@ class Registry:
         return tuple(
             LearnerStatus(name, r.alive, r.last_seen_s, r.accepted, r.rejected, r.registrations, r.step_time_s,
                           tokens_of(name), r.accepted_per_min(r.last_seen_s if now is None else now), r.starved,
-                          r.admitting_until_s is not None, position_of(name))
+                          r.admitting_until_s is not None, position_of(name), dict(r.refusals.count),
+                          dict(r.refusals.steps), dict(r.refusals.tokens))
             for name, r in sorted(self.records.items())
         )
 
     def state_dict(self) -> dict[str, dict]:
         return {name: {"accepted": r.accepted, "rejected": r.rejected, "registrations": r.registrations,
                        "retired_boots": list(r.retired_boots) + ([r.boot] if r.boot else []),
-                       "data_shard": r.data_shard}
+                       "data_shard": r.data_shard, "refusals": r.refusals.state_dict()}
                 for name, r in self.records.items()}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
@@ -328,7 +362,8 @@ class Registry:
         for name, v in state.items():
             rec = LearnerRecord(session=Session(self.incarnation, 0), alive=False, accepted=int(v["accepted"]),
                                 rejected=int(v["rejected"]), registrations=int(v.get("registrations", 0)),
-                                data_shard=int(v.get("data_shard", 0)))
+                                data_shard=int(v.get("data_shard", 0)),
+                                refusals=Refusals.from_state(v.get("refusals")))
             boots = [str(b) for b in v.get("retired_boots", [])]
             rec.retired_boots.extend(boots[:-1])
             rec.boot = boots[-1] if boots else ""

@@ -184,8 +184,9 @@ class GlobalFragment:
     norm_bound: NormBound = field(default_factory=NormBound)
     """The largest ‖Δ‖ this fragment accepts, and the recent norms behind it."""
 
-    def check(self, c: Contribution, uplink: Codec, staleness_max: int) -> None:
-        """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured from."""
+    def check(self, c: Contribution, uplink: Codec, limit: int) -> None:
+        """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured
+        from, at most ``limit`` versions behind (``core/staleness.py``)."""
         if c.codec != uplink.name:
             raise Rejected(RejectReason.BAD_CODEC, f"codec {c.codec!r}, expected {uplink.name!r}")
         expected = uplink.encoded_size(self.value.numel())
@@ -194,9 +195,9 @@ class GlobalFragment:
                                                   f"{self.value.numel()} values")
         if c.base_version > self.version:
             raise Rejected(RejectReason.FUTURE_VERSION, f"base version {c.base_version} > current {self.version}")
-        if self.version - c.base_version > staleness_max:
+        if self.version - c.base_version > limit:
             raise Rejected(RejectReason.STALE, f"base version {c.base_version} lags {self.version} by more "
-                                               f"than {staleness_max}")
+                                               f"than {limit}")
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
         """Merge the round, apply the outer step to Θ, return the compressed update and the

@@ -16,7 +16,8 @@ from typing import Any
 
 from ddiloco.core.codecs import Codec, fused_int4
 from ddiloco.core.data_position import DataPositions
-from ddiloco.core.messages import FragmentValue, GlobalState
+from ddiloco.core.messages import FragmentUpdate, FragmentValue, GlobalState
+from ddiloco.core.outer import NesterovSGD
 from ddiloco.core.registry import Forgotten, Registry
 from ddiloco.core.rounds import GlobalFragment
 from ddiloco.core.run import RunState
@@ -31,6 +32,7 @@ class SyncState:
     _counters: SyncCounters
     _run: RunState
     _downlink: Codec
+    _outer: NesterovSGD
 
     def fragment_value(self, fragment: int) -> FragmentValue:
         """A copy of one fragment's value with its version: what a transfer sends of it.
@@ -87,3 +89,14 @@ class SyncState:
         self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})
         self._registry.starved_episodes = int(state.get("starved_episodes", 0))
 
+    def replay_round(self, update: FragmentUpdate, *, plain: bool) -> bool:
+        """Redo a logged round after a restart (:class:`LogRound`): False if the checkpoint already
+        holds it; ValueError if it does not follow the fragment's version (a gap in the log)."""
+        frag = self._fragments[update.fragment]
+        if update.version <= frag.version:
+            return False
+        if update.version != frag.version + 1:
+            raise ValueError(f"fragment {update.fragment}: the log goes from version {frag.version} "
+                             f"to {update.version} (a gap)")
+        frag.replay(update.payload, self._outer, self._downlink, plain=plain)
+        return True

@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddiloco.core.messages import Contribution, RejectReason, Request
+from ddiloco.core.refusals import Refusals
 from ddiloco.core.rounds import RoundPhase
 from ddiloco.core.run import RunPhase
 
@@ -71,6 +73,11 @@ class LearnerStatus:
     data_position: int = merged(ShardMerge.MIN, default=0)
     """The batch at which its data resumes if it starts again (``core/data_position.py``): in a
     sharded run, the position every shard's fragments have reached."""
+    refused: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
+    """Its contributions refused, by reason (``core/refusals.py`` says which reasons are honest work lost)."""
+    refused_steps: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
+    refused_tokens: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
+    """The steps and tokens those refused contributions held, by reason."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,14 @@ class SyncStatus:
     :class:`~ddiloco.core.claims.ClipReason`."""
     link_starved_episodes: int = merged(ShardMerge.SUM, default=0)
     """Times a live learner went several periods without an accepted contribution."""
+    norms_clipped: int = merged(ShardMerge.SUM, default=0)
+    """Contributions let in with their Δ scaled down to the norm bound (``core/norm_bound.py``)."""
+    refused_steps: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
+    refused_tokens: dict[str, int] = merged(ShardMerge.SUM, default_factory=dict)
+    """Steps and tokens of every refused contribution over the run (forgotten learners' too), by reason."""
+    honest_refused_steps: int = merged(ShardMerge.SUM, default=0)
+    honest_refused_tokens: int = merged(ShardMerge.SUM, default=0)
+    """Of those, the honest work thrown away (``RefusalKind.HONEST`` reasons): goodput's loss to refusals."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +167,17 @@ class SyncCounters:
     """The longest time between two merges while the run was running."""
     weights_capped: int = 0
     claims_clipped: Counter[str] = field(default_factory=Counter)
+    refusals: Refusals = field(default_factory=Refusals)
+    """Every refused contribution, over the run."""
+    norms_clipped: int = 0
     last_merge_s: float | None = None
     """Not restored: a restarted synchronizer's first merge starts a new pause count."""
+
+    def refused(self, reason: RejectReason, request: Request) -> None:
+        """A request refused: counted, and a contribution's work in the ledger (``core/refusals.py``)."""
+        self.rejections[str(reason)] += 1
+        if isinstance(request, Contribution):
+            self.refusals.add(reason, request.steps, request.tokens)
 
     def merged(self, reason: str, now: float, running: bool) -> None:
         """A round closed at ``now``."""
@@ -165,10 +189,12 @@ class SyncCounters:
     def state_dict(self) -> dict[str, Any]:
         return {"rejections": dict(self.rejections), "rounds_closed": dict(self.rounds_closed),
                 "longest_pause_s": self.longest_pause_s, "weights_capped": self.weights_capped,
-                "claims_clipped": dict(self.claims_clipped)}
+                "claims_clipped": dict(self.claims_clipped), "refusals": self.refusals.state_dict(),
+                "norms_clipped": self.norms_clipped}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "SyncCounters":
         return cls(Counter(state["rejections"]), Counter(state["rounds_closed"]),
                    float(state.get("longest_pause_s", 0.0)), int(state.get("weights_capped", 0)),
-                   Counter({str(k): int(v) for k, v in state.get("claims_clipped", {}).items()}))
+                   Counter({str(k): int(v) for k, v in state.get("claims_clipped", {}).items()}),
+                   Refusals.from_state(state.get("refusals")), int(state.get("norms_clipped", 0)))

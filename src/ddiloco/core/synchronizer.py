@@ -51,7 +51,6 @@ from ddiloco.core.data_position import DataPositions
 from ddiloco.core.grace import GraceWindow, effective_quorum
 from ddiloco.core.messages import (
     Contribution,
-    FragmentUpdate,
     FragmentValue,
     GlobalState,
     Heartbeat,
@@ -65,9 +64,11 @@ from ddiloco.core.messages import (
 from ddiloco.core.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.norm_bound import NormBound
 from ddiloco.core.outer import NesterovSGD
+from ddiloco.core.refusals import honest_total
 from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
+from ddiloco.core.staleness import staleness_limit, staleness_weight
 from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
 
@@ -115,7 +116,8 @@ class Synchronizer(SyncState):
         """The fp32 size of the fragments this synchronizer owns (what a join transfers)."""
         self._registry = Registry(incarnation, config.lease_s, period=config.period, salt=session_salt,
                                   max_learners=limits.max_learners, data_shards=limits.learners,
-                                  forget_after_s=config.forget_after_s)
+                                  forget_after_s=config.forget_after_s,
+                                  kept_s=config.staleness_max * config.period * config.min_step_s)
         self._positions = DataPositions(self.owned)
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
@@ -212,7 +214,12 @@ class Synchronizer(SyncState):
             progress_clipped=run.progress.clipped,
             weights_capped=self._counters.weights_capped,
             claims_clipped=dict(self._counters.claims_clipped),
+            norms_clipped=self._counters.norms_clipped,
             link_starved_episodes=self._registry.starved_episodes,
+            refused_steps=dict(self._counters.refusals.steps),
+            refused_tokens=dict(self._counters.refusals.tokens),
+            honest_refused_steps=honest_total(self._counters.refusals.steps),
+            honest_refused_tokens=honest_total(self._counters.refusals.tokens),
         )
 
     # ---- the one entry point ---------------------------------------------------------------
@@ -243,10 +250,8 @@ class Synchronizer(SyncState):
         try:
             return handler(request, now)  # type: ignore[operator]
         except Rejected as err:
-            self._counters.rejections[str(err.reason)] += 1
-            rec = self._registry.records.get(request.learner_id)
-            if rec is not None:
-                rec.rejected += 1
+            self._counters.refused(err.reason, request)
+            self._registry.refused(request, err.reason)
             return [Refused(request.learner_id, request, err.reason, err.detail)]
 
     # ---- requests ------------------------------------------------------------------------
@@ -292,18 +297,17 @@ class Synchronizer(SyncState):
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
         norm, pending, plausible, clipped = self._validate(c, rec, now)
         frag = self._fragments[c.fragment]
-        bound = frag.norm_bound.bound(self.config.delta_norm_ratio_max)
         key = (c.learner_id, c.session)
-        frag.norm_bound.measured(key, c.seq, norm, bound)  # refused or not: it follows what learners send
-        if norm > bound:
-            raise Rejected(RejectReason.NORM_BOUND, f"outer-gradient norm {norm:.3g} exceeds bound {bound:.3g}")
+        clip = frag.norm_bound.admit(key, c.seq, norm, self.config.delta_norm_ratio_max)
         # Valid whole: from here on nothing refuses it.
+        self._counters.norms_clipped += int(clip < 1.0)
         self._report(rec, c.learner_id, c, now)
         self._counters.claims_clipped.update(str(reason) for reason in clipped)
         self._registry.accepted(rec, plausible, now)
         self._registry.renew(rec, now)
         merged = pending.contribution
-        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps), norm)
+        late = staleness_weight(frag.version - merged.base_version, self.config.staleness_max)
+        frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps) * late, norm, clip)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
@@ -317,9 +321,9 @@ class Synchronizer(SyncState):
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
-        frag.check(c, self._uplink, self.config.staleness_max)
+        frag.check(c, self._uplink, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
         plausible, clipped = check_contribution(
-            c, self._claims, session_s=rec.session_started_s, now=now, tokens_per_step=rec.tokens_per_step,
+            c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
             last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
             compute_before=rec.compute_accepted.get(c.fragment, 0.0), period=self.config.period)
         return frag.accumulator.measure(c.payload), frag.round.merged(plausible, now), plausible, clipped
@@ -431,15 +435,3 @@ class Synchronizer(SyncState):
         self._run.rounds_since_checkpoint += 1
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
         return [record, LogRound(update, plain=reason is CloseReason.DRAIN), Broadcast(update, tuple(self.alive()))]
-
-    def replay_round(self, update: FragmentUpdate, *, plain: bool) -> bool:
-        """Redo a logged round after a restart (:class:`LogRound`): False if the checkpoint already
-        holds it; ValueError if it does not follow the fragment's version (a gap in the log)."""
-        frag = self._fragments[update.fragment]
-        if update.version <= frag.version:
-            return False
-        if update.version != frag.version + 1:
-            raise ValueError(f"fragment {update.fragment}: the log goes from version {frag.version} "
-                             f"to {update.version} (a gap)")
-        frag.replay(update.payload, self._outer, self._downlink, plain=plain)
-        return True

@@ -1,7 +1,7 @@
 """Swarm simulation testing of the protocol (TigerBeetle's VOPR, FoundationDB's simulator).
 
 Every seed draws its own world — learners, quorum, fragments, period, overlap, staleness
-bound, waiting, leases, speeds, latency, and which faults attack it at what rates (swarm
+bound and reach, waiting, leases, speeds, latency, and which faults attack it at what rates (swarm
 testing: each seed explores a different mix) — and runs it on the virtual cluster with the
 synthetic workload (:mod:`ddiloco.sim.synthetic`) in two phases:
 
@@ -121,6 +121,8 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
         },
     }
     safety_s = float(rng.uniform(120.0, 200.0))
+    # Drawn last, so every earlier draw of a seed is what it was before this key existed.
+    sections["protocol"]["staleness_reach"] = float(rng.choice([1.0, 4.0]))
     config = Config()
     for section, values in sections.items():
         config = apply_section(config, section, values, origin=f"simtest seed {seed}")

@@ -31,6 +31,8 @@ from ddiloco.core.actions import RoundClosed
 from ddiloco.core.deadlines import LinkExpectation, call_deadline_s
 from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner import Learner
+from ddiloco.core.refusals import honest_total
+from ddiloco.core.staleness import staleness_limit
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.measures import Direction, fragment_shares
 from ddiloco.fault_kinds import FaultKind
@@ -101,7 +103,8 @@ class VirtualCluster:
         self.tokens_per_step = workload.tokens_per_step
         self._share = fragment_shares(f.numel for f in self.plan.fragments)
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
-        self.checker = (InvariantChecker(seed=run.seed, staleness_max=protocol.staleness_max, quorum=protocol.quorum,
+        self.checker = (InvariantChecker(seed=run.seed, quorum=protocol.quorum,
+                                         staleness_max=staleness_limit(protocol.staleness_max, protocol.staleness_reach),
                                          strict_quorum=protocol.strict_quorum, initial_values=initial)
                         if check_invariants else None)
         self.queue = EventQueue()
@@ -326,12 +329,14 @@ class VirtualCluster:
     def finish(self) -> dict[str, Any]:
         rounds: Counter[str] = Counter()
         rejections: Counter[str] = Counter()
+        refused: Counter[str] = Counter()
         for sync in self.syncs:
             if self.checker and sync.up:
                 self.checker.at_end(sync.incarnation, sync.core.pending_tokens())
             status = sync.core.status()
             rounds.update(status.rounds_closed)
             rejections.update(status.rejections)
+            refused.update(status.refused_steps)
         final = self.evaluate()
         return {
             "final": final,
@@ -339,6 +344,8 @@ class VirtualCluster:
             "fragment_versions": self.versions(),
             "rounds_closed": dict(rounds),
             "rejections": dict(rejections),
+            "refused_steps": dict(refused),
+            "honest_refused_steps": honest_total(refused),  # no virtual learner is hostile
             "steps_per_learner": [self.recorder.accounting.steps(m) for m in range(len(self.learners))],
             "finished": self.finished,
             "faults": {str(k): v for k, v in self.injected.items()},

@@ -153,10 +153,11 @@ class LearnerLink:
             elif isinstance(action, Stale):
                 log.warning("this learner's contributions arrive stale: fragment %d, measured from version %d, was "
                             "refused although updates reach it in order (it holds version %d by now): its link's "
-                            "round trip spans more rounds than protocol.staleness_max. It trains on, following the "
+                            "round trip spans more rounds than the synchronizer merges late work from "
+                            "(protocol.staleness_max x protocol.staleness_reach). It trains on, following the "
                             "global model, without registering again; its own work is merged again once the link "
-                            "is faster or the rounds slower (a larger protocol.period or protocol.staleness_max)",
-                            action.fragment, action.base_version, action.held_version)
+                            "is faster or the rounds slower: protocol.period = %d would fit",
+                            action.fragment, action.base_version, action.held_version, action.period_fits)
             elif isinstance(action, Outage):
                 self.channels[action.shard].say_outage(action)
             elif isinstance(action, Behind):

@@ -235,7 +235,7 @@ class StatusRequest(_message.Message):
     def __init__(self, learner_offset: _Optional[int] = ..., learner_limit: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "step_time_s", "bytes_up", "bytes_down", "accepted_per_min", "link_starved", "joining", "data_position")
+    __slots__ = ("id", "alive", "last_seen_s_ago", "accepted", "rejected", "registrations", "tokens", "step_time_s", "bytes_up", "bytes_down", "accepted_per_min", "link_starved", "joining", "data_position", "refused", "refused_steps", "refused_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,9 @@ class LearnerStatus(_message.Message):
     LINK_STARVED_FIELD_NUMBER: _ClassVar[int]
     JOINING_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     alive: bool
     last_seen_s_ago: float
@@ -264,7 +267,10 @@ class LearnerStatus(_message.Message):
     link_starved: bool
     joining: bool
     data_position: int
-    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ..., data_position: _Optional[int] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    refused_steps: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    refused_tokens: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    def __init__(self, id: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s_ago: _Optional[float] = ..., accepted: _Optional[int] = ..., rejected: _Optional[int] = ..., registrations: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., accepted_per_min: _Optional[int] = ..., link_starved: _Optional[bool] = ..., joining: _Optional[bool] = ..., data_position: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., refused_steps: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., refused_tokens: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
     __slots__ = ("id", "version", "numel", "bytes_up", "bytes_down")
@@ -289,7 +295,7 @@ class CountEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("incarnation", "shard", "shards", "protocol_version", "mode", "phase", "uptime_s", "finished", "tokens", "token_budget", "tokens_left", "time_budget_s", "elapsed_s", "time_left_s", "pending_tokens", "learners", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "claims_clipped", "link_starved_episodes", "fragments", "round_phases", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "longest_pause_s", "goodput", "model_uptime", "checkpoints", "last_checkpoint_s_ago", "checkpoint_failures", "last_checkpoint_error")
+    __slots__ = ("incarnation", "shard", "shards", "protocol_version", "mode", "phase", "uptime_s", "finished", "tokens", "token_budget", "tokens_left", "time_budget_s", "elapsed_s", "time_left_s", "pending_tokens", "learners", "learners_total", "learners_forgotten", "progress_clipped", "weights_capped", "claims_clipped", "link_starved_episodes", "norms_clipped", "refused_steps", "refused_tokens", "honest_refused_steps", "honest_refused_tokens", "fragments", "round_phases", "quorum", "effective_quorum", "rounds_closed", "grace_window_s", "grace_quorum_s", "grace_sync_s", "rejections", "bytes_up", "bytes_down", "longest_pause_s", "goodput", "model_uptime", "checkpoints", "last_checkpoint_s_ago", "checkpoint_failures", "last_checkpoint_error")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +318,11 @@ class StatusReply(_message.Message):
     WEIGHTS_CAPPED_FIELD_NUMBER: _ClassVar[int]
     CLAIMS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     LINK_STARVED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    NORMS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HONEST_REFUSED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HONEST_REFUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_PHASES_FIELD_NUMBER: _ClassVar[int]
     QUORUM_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +363,11 @@ class StatusReply(_message.Message):
     weights_capped: int
     claims_clipped: _containers.RepeatedCompositeFieldContainer[CountEntry]
     link_starved_episodes: int
+    norms_clipped: int
+    refused_steps: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    refused_tokens: _containers.RepeatedCompositeFieldContainer[CountEntry]
+    honest_refused_steps: int
+    honest_refused_tokens: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     round_phases: _containers.RepeatedScalarFieldContainer[str]
     quorum: int
@@ -370,4 +386,4 @@ class StatusReply(_message.Message):
     last_checkpoint_s_ago: float
     checkpoint_failures: int
     last_checkpoint_error: str
-    def __init__(self, incarnation: _Optional[int] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., protocol_version: _Optional[int] = ..., mode: _Optional[str] = ..., phase: _Optional[str] = ..., uptime_s: _Optional[float] = ..., finished: _Optional[bool] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tokens_left: _Optional[int] = ..., time_budget_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., time_left_s: _Optional[float] = ..., pending_tokens: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., link_starved_episodes: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., round_phases: _Optional[_Iterable[str]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., longest_pause_s: _Optional[float] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., checkpoints: _Optional[int] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...
+    def __init__(self, incarnation: _Optional[int] = ..., shard: _Optional[int] = ..., shards: _Optional[int] = ..., protocol_version: _Optional[int] = ..., mode: _Optional[str] = ..., phase: _Optional[str] = ..., uptime_s: _Optional[float] = ..., finished: _Optional[bool] = ..., tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tokens_left: _Optional[int] = ..., time_budget_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., time_left_s: _Optional[float] = ..., pending_tokens: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., learners_total: _Optional[int] = ..., learners_forgotten: _Optional[int] = ..., progress_clipped: _Optional[int] = ..., weights_capped: _Optional[int] = ..., claims_clipped: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., link_starved_episodes: _Optional[int] = ..., norms_clipped: _Optional[int] = ..., refused_steps: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., refused_tokens: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., honest_refused_steps: _Optional[int] = ..., honest_refused_tokens: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., round_phases: _Optional[_Iterable[str]] = ..., quorum: _Optional[int] = ..., effective_quorum: _Optional[int] = ..., rounds_closed: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., grace_window_s: _Optional[float] = ..., grace_quorum_s: _Optional[float] = ..., grace_sync_s: _Optional[float] = ..., rejections: _Optional[_Iterable[_Union[CountEntry, _Mapping]]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., longest_pause_s: _Optional[float] = ..., goodput: _Optional[float] = ..., model_uptime: _Optional[float] = ..., checkpoints: _Optional[int] = ..., last_checkpoint_s_ago: _Optional[float] = ..., checkpoint_failures: _Optional[int] = ..., last_checkpoint_error: _Optional[str] = ...) -> None: ...
