@@ -56,14 +56,13 @@ class HelperProcess:
             helper.pipe.send(Msg.INIT, spec)
             ours.settimeout(START_S)
             reply = helper.pipe.recv()
+            ours.settimeout(None)
         except (PipeClosed, socket.timeout, EOFError) as err:
             helper.kill()
             code = proc.poll()
             raise HelperError(f"the learner's link helper (pid {proc.pid}) "
                               + (f"exited ({describe_exit(code)}) before it was ready (its stderr says why)"
                                  if code is not None else f"did not answer in {START_S:g} s ({err})")) from None
-        finally:
-            ours.settimeout(None)
         if reply[0] is Msg.FATAL:
             helper.kill()
             raise HelperError(reply[1])

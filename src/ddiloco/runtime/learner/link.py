@@ -245,7 +245,8 @@ class LearnerLink:
         while True:
             try:
                 helper = HelperProcess.start(self._spec(), self.slots.fd)
-            except HelperError as err:
+            except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
+                err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
                 if not self._started.is_set():
                     self._start_error = err
                     self._started.set()

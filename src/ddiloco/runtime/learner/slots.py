@@ -137,7 +137,7 @@ class SlotArea:
         """A copy of slot p as written at number ``seq``; None if it was written again since (or
         is being written): the copy could be torn."""
         header, payload = self._slots[p][kind]
-        if int(header[0]) != seq:
+        if seq % 2 or int(header[0]) != seq:  # odd: announced mid-write, which a writer never does
             return None
         data = payload[: int(header[1])].tobytes()
         return data if int(header[0]) == seq else None
