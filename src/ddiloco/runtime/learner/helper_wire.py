@@ -8,7 +8,10 @@ shared file whose descriptor follows its message (``SCM_RIGHTS``).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import mmap
+import os
 import pickle
 import socket
 import struct
@@ -16,8 +19,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.core.messages import Session
-from ddiloco.runtime.client import ClientSpec
+import numpy as np
+import torch
+
+from ddiloco.core.messages import GlobalState, Session
+from ddiloco.runtime.client import ClientSpec, JoinResult
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.learner.slots import SlotLayout
 
 _LENGTH = struct.Struct("<I")
@@ -145,3 +152,17 @@ class Pipe:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def receive_state(header: bytes, skeleton: GlobalState, offsets: list[int], size: int, fd: int) -> JoinResult:
+    """A join's reply as the helper sent it (``helper.send_state``): the values are views of the
+    shared file, mapped here and closed once the last view is gone (no copy)."""
+    try:
+        region = mmap.mmap(fd, size) if size else None
+    finally:
+        os.close(fd)
+    ends = offsets[1:] + [size]
+    fragments = tuple(dataclasses.replace(frag, values=torch.from_numpy(
+        np.frombuffer(region, dtype=np.float32, count=(end - at) // 4, offset=at)) if region is not None
+        else torch.empty(0)) for frag, at, end in zip(skeleton.fragments, offsets, ends))
+    return JoinResult(pb.JoinHeader.FromString(header), dataclasses.replace(skeleton, fragments=fragments))

@@ -28,7 +28,6 @@ import dataclasses
 import enum
 import itertools
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -40,19 +39,19 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ddiloco.core.actions import Fail, LearnerAction, Outage, OutagePhase, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.actions import Fail, LearnerAction, Outage, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Leave, Request
+from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
-from ddiloco.runtime.client import ClientSpec, JoinResult
+from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed
-from ddiloco.runtime.learner.link_lines import say_warning
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, receive_state
+from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
-from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
+from ddiloco.runtime.learner.link_layout import helper_decodes, slot_layout
+from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
-from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -77,24 +76,6 @@ class LinkStats:
     joins: int = 0
     unreachable: int = 0
     helpers_lost: int = 0
-
-
-def slot_layout(core: Learner, staging: HostStaging) -> SlotLayout:
-    """Each fragment's slots, sized for the most they hold: out, the payload (or Δ as float32 where
-    the helper compresses it); in, the payload (or the values, where the helper decodes them)."""
-    uplink, downlink = core._uplink, core._downlink
-    outs, ins = [], []
-    for f in core.plan.fragments:
-        fused_up = core._flat[f.index].fused_up or staging.asynchronous
-        outs.append(uplink.encoded_size(f.numel) if fused_up else max(uplink.encoded_size(f.numel), 4 * f.numel))
-        ins.append(max(downlink.encoded_size(f.numel), 4 * f.numel if helper_decodes(core, staging, f.index) else 0))
-    return SlotLayout(tuple(outs), tuple(ins))
-
-
-def helper_decodes(core: Learner, staging: HostStaging, fragment: int) -> bool:
-    """Does the helper decode this fragment's updates (into float32 in the slot)? Not where the core
-    applies them from the payload in one pass, nor on a GPU (decoded there, ``staging.py``)."""
-    return not core.decodes_updates(fragment) and not staging.asynchronous
 
 
 class LearnerLink:
@@ -177,7 +158,7 @@ class LearnerLink:
             elif isinstance(action, SendLeave):
                 self._leaves.append(action)  # once the helper has delivered what is queued
             elif isinstance(action, Outage):
-                self.say_outage(action)
+                say_outage(action, self.clients[action.shard].address, self.last_error[action.shard])
             else:
                 say_warning(action, self.backlog)
 
@@ -369,31 +350,18 @@ class LearnerLink:
                     p = -1
         self.inbox.put((Inbox.UPDATE, (update, values, p)))
 
-    def _on_admitted(self, rid: int, header: bytes, skeleton: GlobalState, offsets: list[int], size: int,
-                     fd: int) -> None:
+    def _on_admitted(self, rid: int, *state: Any) -> None:
         """A join's state, mapped from its shared file (no copy: the core adopts from it)."""
-        try:
-            region = mmap.mmap(fd, size) if size else None
-        finally:
-            os.close(fd)
-        fragments = []
-        for frag, offset in zip(skeleton.fragments, offsets):
-            numel = self.core.plan.fragments[frag.fragment].numel if frag.fragment < len(self.core.plan.fragments) \
-                else 0
-            values = torch.from_numpy(np.frombuffer(region, dtype=np.float32, count=numel, offset=offset)) \
-                if region is not None else torch.empty(0)
-            fragments.append(dataclasses.replace(frag, values=values))
         entry = self._done(rid)
         shard = entry[1] if entry is not None else 0
-        state = dataclasses.replace(skeleton, fragments=tuple(fragments))
+        result = receive_state(*state)
         self.stats.joins += 1
-        session = state.session
+        session, joins = result.state.session, self.stats.joins
         assert session is not None
-        joins = self.stats.joins
         log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s%s", session.incarnation,
-                 shard, session.number, list(state.versions()),
+                 shard, session.number, list(result.state.versions()),
                  f": a rejoin, registration {joins} of this process" if joins > len(self.clients) else "")
-        self.inbox.put((Inbox.ADMITTED, (shard, JoinResult(pb.JoinHeader.FromString(header), state))))
+        self.inbox.put((Inbox.ADMITTED, (shard, result)))
 
     # ---- the core ------------------------------------------------------------------------------
 
@@ -413,23 +381,6 @@ class LearnerLink:
             actions = fn(self.core)
         self.dispatch(actions)
         self._tick_wake.set()  # its deadlines may have moved
-
-    def say_outage(self, outage: Outage) -> None:
-        """One line when the shard stops answering, a summary at intervals, one line when it is back."""
-        where = f"the synchronizer at {self.clients[outage.shard].address} (shard {outage.shard})"
-        error = self.last_error[outage.shard]
-        if outage.phase is OutagePhase.ENDED:
-            log.warning("%s answers again after %.0f s%s", where, outage.for_s,
-                        f"; {outage.folded} contributions were folded into later ones" if outage.joined else "")
-        elif not outage.joined:
-            log.warning("no answer from %s for %.0f s (%s): is it running, and is this its gRPC port (not the status "
-                        "page's)? Still trying", where, outage.for_s, error)
-        elif outage.phase is OutagePhase.BEGAN:
-            log.warning("%s does not answer (%s): training goes on, contributions are folded into later ones until "
-                        "it is back", where, error)
-        else:
-            log.warning("%s unreachable for %.0f s; %d contributions folded so far, training goes on", where,
-                        outage.for_s, outage.folded)
 
     def fail(self, err: BaseException) -> None:
         if self.fatal is None:

@@ -1,11 +1,11 @@
 """The warnings a learner's link says for the core's actions about its own health (starved,
-behind, stale): the lines an operator looks for when a learner's work does not reach the model."""
+behind, stale, an outage): the lines an operator looks for when a learner's work does not reach the model."""
 
 from __future__ import annotations
 
 import logging
 
-from ddiloco.core.actions import Behind, LearnerAction, Stale, Starved
+from ddiloco.core.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -28,3 +28,21 @@ def say_warning(action: LearnerAction, backlog: int) -> None:
                     "%.1f steps, not H = %d): its work reaches the global model that much slower; the link "
                     "is too slow for this model and period (ddiloco bandwidth says what it needs)",
                     100 * action.share, action.steps_per_send, action.period)
+
+
+def say_outage(outage: Outage, address: str, error: str) -> None:
+    """One line when the shard stops answering, a summary at intervals, one line when it is back
+    (``error``: why its last call went unanswered)."""
+    where = f"the synchronizer at {address} (shard {outage.shard})"
+    if outage.phase is OutagePhase.ENDED:
+        log.warning("%s answers again after %.0f s%s", where, outage.for_s,
+                    f"; {outage.folded} contributions were folded into later ones" if outage.joined else "")
+    elif not outage.joined:
+        log.warning("no answer from %s for %.0f s (%s): is it running, and is this its gRPC port (not the status "
+                    "page's)? Still trying", where, outage.for_s, error)
+    elif outage.phase is OutagePhase.BEGAN:
+        log.warning("%s does not answer (%s): training goes on, contributions are folded into later ones until "
+                    "it is back", where, error)
+    else:
+        log.warning("%s unreachable for %.0f s; %d contributions folded so far, training goes on", where,
+                    outage.for_s, outage.folded)
