@@ -118,21 +118,22 @@ class Helper:
                 threading.Thread(target=self.close, args=(msg[1],), name="ddiloco-close", daemon=True).start()
 
     def close(self, timeout_s: float) -> None:
-        """Deliver what is queued, leave, say CLOSED."""
-        for shard in self.shards:
-            shard.outbox.put(None)
-        for shard in self.shards:
-            shard.threads[0].join(timeout_s)
-        for rid, shard, leave in self._leaves:
-            worker = self.shards[shard]
-            reply = worker.outcome(rid, lambda: worker.client.leave(leave))
-            if reply is not None:
-                self.pipe.send(Msg.ACCEPTED, rid, reply.stop, 0)
-        self.closing.set()
-        for shard in self.shards:
-            shard.stop()
-        self.pipe.send(Msg.CLOSED)
-        self.pipe.sock.shutdown(socket.SHUT_RDWR)  # the serving loop ends, and with it the process
+        """Deliver what is queued, leave, say CLOSED (whatever happens on the way: the trainer waits for it)."""
+        try:
+            for shard in self.shards:
+                shard.outbox.put(None)
+            for shard in self.shards:
+                shard.threads[0].join(timeout_s)
+            for rid, shard, leave in self._leaves:
+                worker = self.shards[shard]
+                if worker.outcome(rid, lambda: worker.client.leave(leave)) is not None:
+                    self.pipe.send(Msg.ACCEPTED, rid, False, 0)
+        finally:
+            self.closing.set()
+            for shard in self.shards:
+                shard.stop()
+            self.pipe.send(Msg.CLOSED)
+            self.pipe.sock.shutdown(socket.SHUT_RDWR)  # the serving loop ends, and with it the process
 
 
 class ShardWorker:

@@ -306,6 +306,8 @@ class LearnerLink:
         clock = self.clock
         if kind is Msg.ACCEPTED:
             stop, nbytes = fields
+            if isinstance(request, Leave):
+                return  # the core left already (``Learner.close``)
             if isinstance(request, Contribution):
                 self.stats.contributions_sent += 1
                 self.stats.bytes_up += nbytes
