@@ -1,25 +1,16 @@
 """A learner's link to the synchronizer, as the training process sees it: a helper process,
-shared slots, and two small threads.
-
-The core (:class:`~ddiloco.core.learner.Learner`) decides; the link carries its actions out
-and reports how they ended, so compute never waits for the network. Everything that talks to
-the network — gRPC, protobuf, chunking, compression, decoding, retries, update streams — runs
-in a helper process of its own (``helper.py``), so none of it takes the training thread's
-interpreter lock. What is left here:
-
-- *dispatch* (on whichever thread the core answered): a due fragment's Δ is written into its
-  out slot (one copy, ``slots.py``) and announced; joins and heartbeats are sent as messages;
-- the *relay* thread: it waits on the helper's socket (releasing the interpreter lock) and
-  feeds the core each outcome under the lock — accepted, refused, undelivered, joined, an
-  update ready in its slot, stop — O(1) work per message. It also starts the helper, and
-  starts it again if it dies: a helper that dies is a link failure, its calls in flight count
-  as undelivered, and the core's usual rules (fold, retry, rejoin) take it from there;
-- the *ticker*, which ticks the core at its ``next_deadline()`` (heartbeats, join retries);
-- on a GPU, a *finisher* that waits for each Δ's copy from the device before announcing it.
-
-Whatever changes the model's parameters — adopting a joined state, applying an update — is
-queued for the training thread, which hands it to the core between two steps
-(:attr:`LearnerLink.inbox`), the update straight from its slot.
+shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner`) decides; the link carries its actions out and
+reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
+streams run in a helper process (``helper.py``), so none of it takes the training thread's
+interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
+``slots.py``) and announces it, and sends joins and heartbeats as messages; the *relay* thread
+waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
+message), and starts the helper again if it dies (its calls in flight count as undelivered;
+the core's usual rules take it from there); the *ticker* ticks the core at its
+``next_deadline()``; on a GPU a *finisher* waits for each Δ's copy from the device before
+announcing it. What changes the parameters (a joined state, an update, straight from its slot)
+is queued for the training thread (:attr:`LearnerLink.inbox`), which hands it to the core
+between two steps.
 """
 
 from __future__ import annotations
@@ -46,10 +37,10 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, receive_state
+from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, receive_state
 from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
-from ddiloco.runtime.learner.link_layout import helper_decodes, slot_layout
+from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
 from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 
@@ -125,15 +116,6 @@ class LearnerLink:
         if self._start_error is not None:
             raise self._start_error
         self._ticker.start()
-
-    def _spec(self) -> HelperSpec:
-        core = self.core
-        with self.lock:
-            sessions = tuple(link.session for link in core.links)
-        return HelperSpec(core.learner_id, tuple(self.clients), self.slots.layout, core._uplink.name,
-                          core._downlink.name, core.config.block_size, tuple(f.numel for f in core.plan.fragments),
-                          tuple(helper_decodes(core, self.staging, f.index) for f in core.plan.fragments), sessions,
-                          tuple(self._holding), os.getpid(), log.getEffectiveLevel())
 
     # ---- training process → helper ---------------------------------------------------------
 
@@ -225,7 +207,8 @@ class LearnerLink:
     def _relay_loop(self) -> None:
         while True:
             try:
-                helper = HelperProcess.start(self._spec(), self.slots.fd)
+                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout,
+                                                             self._holding), self.slots.fd)
             except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
                 err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
                 if not self._started.is_set():
