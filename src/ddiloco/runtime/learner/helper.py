@@ -55,6 +55,8 @@ WAIT_S = 1.0
 def die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel sends SIGKILL when the thread that started this process dies; then check
     that it is still alive (it may have died before the call). Elsewhere the closed socket does it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a signal to the process group is for the trainer,
+        signal.signal(sig, signal.SIG_IGN)      # which closes this helper as it stops
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
