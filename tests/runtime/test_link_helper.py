@@ -115,6 +115,27 @@ def test_a_helper_killed_mid_upload_is_replaced_and_the_next_contribution_accept
     assert learner.accepted >= 2
 
 
+@pytest.mark.slow
+def test_a_delta_the_helper_compresses_and_updates_it_decodes_reach_both_sides(inproc_sync):
+    """Codecs the core does not fuse (fp32 up, int8 down): Δ travels raw in its slot and the helper
+    compresses it; updates come back decoded into their slot."""
+    config = build_config(preset="tiny", overrides=("run.learners=1", "protocol.codec=fp32",
+                                                    "protocol.downlink_codec=int8"))
+    s = inproc_sync(config)
+    workload = Workload.build(config)
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0", join_timeout_s=60)
+    assert not any(runtime.core.decodes_updates(p) for p in range(len(runtime.plan.fragments)))
+    try:
+        train_steps(runtime, workload, model, 0, 2 * config.protocol.period, deadline_s=90,
+                    until=lambda: runtime.stats.updates_applied >= 2)
+    finally:
+        runtime.close()
+    assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
+    numels = {f.numel for f in runtime.plan.fragments}
+    assert runtime.stats.bytes_up >= 4 * min(numels) * runtime.stats.contributions_sent  # fp32 on the wire
+
+
 TRAINER = textwrap.dedent("""
     import sys, time
     from ddiloco.config import build_config
