@@ -4,14 +4,17 @@
     python benchmarks/bench_runtime.py --only upload,wire
     python benchmarks/bench_runtime.py --only throughput --device cuda [--precision bf16]
     python benchmarks/bench_runtime.py --only profile [--model large]   # the training thread's profile
-    python benchmarks/bench_runtime.py --only throughput --model medium --repeats 5 --json docs/results/learner_tax_medium.json
+    python benchmarks/bench_runtime.py --only throughput --model dispatch --repeats 5 --json docs/results/learner_tax_dispatch.json
 
 1. learner throughput: the same training loop with a synchronizer attached (LearnerRuntime,
-   synchronizer in its own CPU process on 127.0.0.1) and alone, interleaved in one run;
-   target ratio >= 0.95 on the CPU, >= 0.98 on a GPU (``--device cuda``: the learner's model
-   and AdamW on the GPU, a ~32M-parameter model; the loop reads no loss, so a runtime that
-   synchronized the device would cost the queue the GPU runs ahead on). Also printed: the
-   training thread's time inside ``runtime.step`` per step.
+   synchronizer in its own CPU process on 127.0.0.1) and alone, each measurement in a fresh
+   process, in pairs whose order alternates; target per-pair median >= 0.98 (``--device cuda``:
+   the learner's model and AdamW on the GPU, a ~32M-parameter model; the loop reads no loss, so
+   a runtime that synchronized the device would cost the queue the GPU runs ahead on). Also
+   printed: how long the training thread was blocked per step (waiting for the interpreter
+   lock, which the learner's threads take from it: ``thread_schedstat``), its wait for a CPU
+   (the machine's load), and its time inside ``runtime.step``. ``--model dispatch`` is the CPU
+   model whose steps are Python dispatch, as a GPU step is.
 2. upload: fragment upload throughput over loopback (chunked client stream), for a payload
    rejected after assembly (transport only) and for an accepted one (plus validation, merge
    and broadcast).
@@ -70,7 +73,16 @@ BIG = ("model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.seq_le
 GPU = ("model.d_model=512", "model.n_layers=10", "model.n_heads=8", "model.seq_len=256", "train.batch_size=32",
        "run.learners=1", "protocol.fragments=4", "protocol.period=12")
 """~32M parameters, 8192 tokens a step: the throughput benchmark on a GPU (the protocol's default P and H)."""
-MODELS = {"small": SMALL, "medium": MEDIUM, "large": LARGE, "gpu": GPU}
+DISPATCH = ("model.d_model=32", "model.n_layers=16", "model.n_heads=4", "model.seq_len=16", "train.batch_size=4",
+            "run.learners=1", "protocol.fragments=4", "protocol.period=8")
+"""~0.21M parameters in 16 layers of tiny matrices: steps of ~30 ms on one CPU thread made of thousands of small
+ops, dominated by Python dispatch as a GPU step is (its host thread only launches kernels): here a learner that
+takes the interpreter lock from the training thread shows, on any machine."""
+GPU100M = ("model.d_model=768", "model.n_layers=16", "model.n_heads=12", "model.seq_len=256", "train.batch_size=16",
+           "run.learners=1", "protocol.fragments=4", "protocol.period=12", "protocol.codec=int4",
+           "protocol.downlink_codec=int4")
+"""~113M parameters, int4 both ways: the issue's >= 100M-parameter check on a GPU (``scripts/gpu_check.sh``)."""
+MODELS = {"dispatch": DISPATCH, "small": SMALL, "medium": MEDIUM, "large": LARGE, "gpu": GPU, "gpu100m": GPU100M}
 
 
 class SyncProcess:
@@ -108,9 +120,10 @@ def _wait_for_device(device: torch.device) -> None:
 
 
 def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_id: str,
-          profile: cProfile.Profile | None = None) -> tuple[float, dict]:
-    """Steps per second of the reference training loop (after 20 warm-up steps); ``profile``
-    records the timed steps (on this thread only: the training thread)."""
+          profile: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Steps per second of the reference training loop (after 20 warm-up steps), and how long the
+    training thread was blocked per step (``thread_blocked_s``); ``profile`` records the timed steps
+    (on this thread only: the training thread)."""
     model = workload.new_model()
     trainer = workload.new_trainer(model)
     sampler = workload.sampler(0)
@@ -124,7 +137,7 @@ def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_i
     overhead_before = runtime.stats.step_overhead_s if runtime else 0.0
     if profile:
         profile.enable()
-    started = time.perf_counter()
+    started, sched = time.perf_counter(), thread_schedstat()
     for _ in range(steps):
         x, y = sampler.next_batch()
         trainer.step(x, y)
@@ -133,52 +146,90 @@ def _loop(workload: Workload, steps: int, runtime_address: str | None, learner_i
     _wait_for_device(workload.device)
     if profile:
         profile.disable()
-    elapsed = time.perf_counter() - started
-    stats = {}
+    elapsed, sched_end = time.perf_counter() - started, thread_schedstat()
+    figures: dict[str, Any] = {"steps_per_s": steps / elapsed}
+    if sched is not None and sched_end is not None:
+        cpu_s, queued_s = sched_end[0] - sched[0], sched_end[1] - sched[1]
+        figures |= {"blocked_ms_per_step": 1e3 * max(0.0, elapsed - cpu_s - queued_s) / steps,
+                    "queued_ms_per_step": 1e3 * queued_s / steps}
     if runtime:
         runtime.close()
         s = runtime.stats
-        stats = {"sent": s.contributions_sent, "applied": s.updates_applied,
-                 "overhead_ms_per_step": 1e3 * (s.step_overhead_s - overhead_before) / steps}
-    return steps / elapsed, stats
+        figures |= {"sent": s.contributions_sent, "applied": s.updates_applied,
+                    "overhead_ms_per_step": 1e3 * (s.step_overhead_s - overhead_before) / steps}
+    return figures
 
 
-def bench_throughput(steps: int, repeats: int, overrides: tuple[str, ...], device: torch.device) -> dict[str, Any]:
-    """Prints the ratio and returns every figure behind it (steps/s in the order run)."""
+def thread_schedstat() -> tuple[float, float] | None:
+    """This thread's seconds on a CPU and waiting for one (runnable), from Linux's schedstat; None elsewhere.
+
+    The rest of the wall time the thread was *blocked*: asleep, not runnable. A training loop with
+    one torch thread does no I/O and never sleeps, so its blocked time is the time it waited for
+    the interpreter lock (CPython parks a thread that waits for it on a condition variable) or for
+    the runtime's lock: what the learner's other threads take from it. Waiting for a CPU is not
+    counted there (that is the machine's load, reported beside it)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu_ns, queued_ns, _ = f.read().split()
+    except OSError:
+        return None
+    return int(on_cpu_ns) / 1e9, int(queued_ns) / 1e9
+
+
+def _one(args: argparse.Namespace, overrides: tuple[str, ...], device: torch.device) -> None:
+    """One measurement in this fresh process (``--one``): a JSON line for :func:`bench_throughput`."""
     if device.type == "cpu":
         torch.set_num_threads(1)
+    workload = Workload.build(build_config(preset="tiny", overrides=overrides), device)
+    attached = args.one == "attached"
+    figures = _loop(workload, args.steps, args.address if attached else None, args.id)
+    print(json.dumps(figures))
+
+
+def _fresh(args: argparse.Namespace, which: str, address: str, learner_id: str) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", which, "--model", args.model, "--steps", str(args.steps),
+               "--device", args.device, "--precision", args.precision, "--address", address, "--id", learner_id]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{which} measurement failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_throughput(args: argparse.Namespace, overrides: tuple[str, ...], device: torch.device) -> dict[str, Any]:
+    """The loop alone and attached, each in a fresh process, in pairs whose order alternates (so that
+    a drift of the machine's load hits both alike); prints the per-pair ratios and returns every figure."""
     config = build_config(preset="tiny", overrides=overrides)
-    workload = Workload.build(config, device)
+    alone: list[dict[str, Any]] = []
+    attached: list[dict[str, Any]] = []
     with SyncProcess(overrides) as sync:
-        alone, attached, last = [], [], {}
-        for r in range(repeats):  # interleaved, so that load changes hit both alike
-            alone.append(_loop(workload, steps, None, "")[0])
-            rate, last = _loop(workload, steps, sync.address, f"bench-{r}")
-            attached.append(rate)
-    # Best of the repeats: on a shared machine, interference only ever slows a run down. The
-    # ratio of each pair (alone, then attached, back to back) shows the spread.
-    a, b = max(alone), max(attached)
-    pairs = sorted(t / s for s, t in zip(alone, attached))
-    params = sum(p.numel() for p in workload.new_model().parameters())
+        for r in range(args.repeats):
+            for which in (("alone", "attached") if r % 2 == 0 else ("attached", "alone")):
+                figures = _fresh(args, which, sync.address, f"bench-{r}")
+                (alone if which == "alone" else attached).append(figures)
+                print(f"  pair {r} {which}: {json.dumps(figures)}", flush=True)  # kept if a timeout cuts the run
+    pairs = [t["steps_per_s"] / s["steps_per_s"] for s, t in zip(alone, attached)]
+    med = statistics.median
+    rate = med(s["steps_per_s"] for s in alone)
+    blocked = {k: med(f.get("blocked_ms_per_step", float("nan")) for f in runs)
+               for k, runs in (("alone", alone), ("attached", attached))}
+    queued = {k: med(f.get("queued_ms_per_step", float("nan")) for f in runs)
+              for k, runs in (("alone", alone), ("attached", attached))}
+    params = sum(p.numel() for p in Workload.build(config, device).new_model().parameters())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu, 1 thread"
-    target = 0.98 if device.type == "cuda" else 0.95
-    print(f"[throughput] {where}, {config.train.precision}: {params / 1e6:.2f}M params, "
-          f"{workload.tokens_per_step} tokens/step, {steps} steps, best of {repeats}: alone {a:.2f} steps/s, "
-          f"with synchronizer {b:.2f} steps/s -> ratio {b / a:.3f} (target >= {target}; medians "
-          f"{statistics.median(alone):.2f} / {statistics.median(attached):.2f} -> "
-          f"{statistics.median(attached) / statistics.median(alone):.3f}; per pair median {statistics.median(pairs):.3f}, "
-          f"range {pairs[0]:.3f}-{pairs[-1]:.3f}); training thread inside "
-          f"runtime.step: {last['overhead_ms_per_step']:.2f} ms of a {1e3 / a:.0f} ms step "
-          f"({last['overhead_ms_per_step'] * a / 1e3:.1%}); "
-          f"{last['sent']} contributions sent, "
-          f"{last['applied']} updates applied")
-    return {"device": where, "precision": config.train.precision, "params": params,
-            "tokens_per_step": workload.tokens_per_step, "steps": steps, "repeats": repeats,
-            "alone_steps_per_s": alone, "attached_steps_per_s": attached, "best_of_ratio": b / a,
-            "median_ratio": statistics.median(attached) / statistics.median(alone),
-            "per_pair_median": statistics.median(pairs), "per_pair_range": [pairs[0], pairs[-1]], "target": target,
-            "runtime_step_ms_per_step": last["overhead_ms_per_step"], "step_ms": 1e3 / a,
-            "contributions_sent": last["sent"], "updates_applied": last["applied"]}
+    target = 0.98
+    last = attached[-1]
+    print(f"[throughput] {args.model}, {where}, {config.train.precision}: {params / 1e6:.2f}M params, "
+          f"{args.steps} steps, {args.repeats} pairs of fresh processes: alone {rate:.2f} steps/s "
+          f"({1e3 / rate:.1f} ms), attached/alone per pair median {med(pairs):.3f} (target >= {target}), "
+          f"pairs {' '.join(f'{p:.3f}' for p in pairs)}; training thread blocked (GIL or lock waits) "
+          f"{blocked['attached']:.2f} ms/step attached ({blocked['attached'] * rate / 1e3:.1%} of a step), "
+          f"{blocked['alone']:.2f} alone; waiting for a CPU {queued['attached']:.2f} / {queued['alone']:.2f} ms; "
+          f"inside runtime.step {last['overhead_ms_per_step']:.2f} ms/step; {last['sent']} contributions sent, "
+          f"{last['applied']} updates applied (last run); load {load_now()}")
+    return {"model": args.model, "device": where, "precision": config.train.precision, "params": params,
+            "steps": args.steps, "pairs": args.repeats, "alone": alone, "attached": attached,
+            "per_pair_ratios": pairs, "per_pair_median": med(pairs), "per_pair_range": [min(pairs), max(pairs)],
+            "blocked_ms_per_step": blocked, "queued_ms_per_step": queued, "target": target}
 
 
 def profile_training_thread(steps: int, overrides: tuple[str, ...], device: torch.device) -> None:
@@ -307,11 +358,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="training steps per throughput measurement")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", choices=tuple(MODELS), default=None,
-                        help="model of the throughput benchmark (small: ~20 ms CPU steps, medium: ~100 ms, large: ~400 ms; "
+                        help="model of the throughput benchmark (dispatch: ~30 ms CPU steps of tiny ops, small: ~20 ms CPU steps, medium: ~100 ms, large: ~400 ms; "
                              "gpu: ~32M parameters); default medium on the CPU, gpu on a GPU")
     add_device_option(parser)
     parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="train.precision of the learner")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the throughput figures, stamped, to PATH")
+    parser.add_argument("--one", choices=("alone", "attached"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--id", default="bench", help=argparse.SUPPRESS)
     args = parser.parse_args()
     chosen = set(args.only.split(","))
     if args.json and "throughput" not in chosen:
@@ -319,12 +373,15 @@ def main() -> None:
     stamped = stamp(__file__)
     try:
         device = resolve_device(args.device)
-        model = args.model or ("medium" if device.type == "cpu" else "gpu")
+        model = args.model = args.model or ("medium" if device.type == "cpu" else "gpu")
         overrides = MODELS[model] + (f"train.precision={args.precision}",)
+        if args.one:
+            _one(args, overrides, device)
+            return
         if "profile" in chosen:
             profile_training_thread(args.steps, overrides, device)
         if "throughput" in chosen:
-            figures = bench_throughput(args.steps, args.repeats, overrides, device)
+            figures = bench_throughput(args, overrides, device)
             if args.json:
                 Path(args.json).write_text(json.dumps({**stamped, "model": model, "throughput": figures,
                                                        "load_at_end": load_now()}, indent=2) + "\n")

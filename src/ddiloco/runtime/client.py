@@ -112,6 +112,19 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
     return CallRefused(RejectReason.parse(text), err.details() or text, err.code())
 
 
+@dataclass(frozen=True, slots=True)
+class ClientSpec:
+    """What makes a :class:`SyncClient`: another process (a learner's link helper) makes its own from it."""
+
+    address: str
+    token: str | None = None
+    tls_ca: str | None = None
+    learner_id: str | None = None
+
+    def connect(self) -> "SyncClient":
+        return SyncClient(self.address, token=self.token, tls_ca=self.tls_ca, learner_id=self.learner_id)
+
+
 class SyncClient:
     """One channel to a synchronizer; thread-safe (gRPC channels are)."""
 
@@ -119,6 +132,7 @@ class SyncClient:
                  learner_id: str | None = None) -> None:
         """``token``: the shared token, or with ``learner_id`` that learner's own secret (per-learner credentials)."""
         self.address = str(address)
+        self.spec = ClientSpec(self.address, token, tls_ca, learner_id)
         credentials = channel_credentials(tls_ca)
         if credentials is None:
             self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)

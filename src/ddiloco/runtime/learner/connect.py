@@ -14,7 +14,7 @@ from ddiloco.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import parse_address
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
-from ddiloco.runtime.learner.link import next_delay
+from ddiloco.runtime.learner.repeats import next_delay
 
 log = logging.getLogger("ddiloco.learner")
 

@@ -1,46 +1,47 @@
-"""A learner's link to the synchronizer: the background threads that carry out its core's actions.
-
-The core (:class:`~ddiloco.core.learner.Learner`) decides; these threads only execute and
-report back, so compute never waits for the network. For every synchronizer shard (one,
-unless the synchronizer is sharded by fragment) there are three:
-
-- *sender*: compresses and uploads contributions (``Send``), and tells the core how each
-  call ended — accepted, refused with a reason, or undelivered;
-- *control*: carries out joins and heartbeats (``SendJoin``, ``SendHeartbeat``);
-- *receiver*: holds the update stream of the shard's current session, resubscribing (with
-  the versions held, so recent updates are replayed) whenever it breaks or the session
-  changes.
-
-One more thread ticks the core at its ``next_deadline()`` (heartbeats, join retries, the end
-of a wait). A shard that is slow or unreachable holds up only its own threads: the learner
-keeps exchanging the fragments of the others. Every call into the core is made under one lock.
-Whatever changes the model's parameters — adopting a joined state, applying an update — is
-queued for the training thread, which hands it to the core between two steps
-(:attr:`LearnerLink.inbox`); an update goes there already decoded by the receiver. Copies
-between host and accelerator are staged so the training stream never waits
-(:mod:`ddiloco.runtime.learner.staging`).
+"""A learner's link to the synchronizer, as the training process sees it: a helper process,
+shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner`) decides; the link carries its actions out and
+reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
+streams run in a helper process (``helper.py``), so none of it takes the training thread's
+interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
+``slots.py``) and announces it, and sends joins and heartbeats as messages; the *relay* thread
+waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
+message), and starts the helper again if it dies (its calls in flight count as undelivered;
+the core's usual rules take it from there); the *ticker* ticks the core at its
+``next_deadline()``; on a GPU a *finisher* waits for each Δ's copy from the device before
+announcing it. What changes the parameters (a joined state, an update, straight from its slot)
+is queued for the training thread (:attr:`LearnerLink.inbox`), which hands it to the core
+between two steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
 import logging
+import os
 import queue
-import random
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ddiloco.core.actions import (Behind, Fail, LearnerAction, Outage, OutagePhase, Send, SendHeartbeat, SendJoin,
-                                  SendLeave, Stale, Starved)
+import numpy as np
+import torch
+
+from ddiloco.core.actions import Fail, LearnerAction, Outage, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.learner import Learner
-from ddiloco.core.shard_link import BACKOFF_START_S, backoff_after
-from ddiloco.core.messages import Request, Session, StopNotice
+from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
-from ddiloco.runtime.client import JoinResult, CallRefused, SyncClient, Unreachable
+from ddiloco.runtime.client import ClientSpec
+from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
+from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, receive_state
+from ddiloco.runtime.learner.link_lines import say_outage, say_warning
+from ddiloco.runtime.learner.repeats import Repeats
+from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
+from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
@@ -49,7 +50,7 @@ CONTROL_MAX_WAIT_S = 1.0
 
 
 class Inbox(enum.Enum):
-    """What the background threads hand to the training thread."""
+    """What the link hands to the training thread."""
 
     ADMITTED = "admitted"
     UPDATE = "update"
@@ -65,45 +66,16 @@ class LinkStats:
     rejected: Counter = field(default_factory=Counter)
     joins: int = 0
     unreachable: int = 0
-
-
-REPEAT_EVERY_S = 30.0
-"""A refusal repeated for the same reason is logged again at most this often, with its count."""
-
-
-class Repeats:
-    """Refusals logged once per reason and then summarized: on a slow link every contribution may
-    be refused alike (``stale``), and a line per call buries everything else in the log."""
-
-    def __init__(self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
-        self._log = logger
-        self._clock = clock
-        self._said: dict[object, tuple[float, int]] = {}
-        """Per key: when it was last logged, and how many times it came since."""
-
-    def say(self, key: object, fmt: str, *args: object) -> None:
-        now = self._clock()
-        said = self._said.get(key)
-        if said is None or now - said[0] >= REPEAT_EVERY_S:
-            repeats = f" ({said[1]} more like it in the last {now - said[0]:.0f} s)" if said and said[1] else ""
-            self._log.info(fmt + "%s", *args, repeats)
-            self._said[key] = (now, 0)
-        else:
-            self._said[key] = (said[0], said[1] + 1)
-            self._log.debug(fmt, *args)
-
-
-def next_delay(delay: float) -> float:
-    """The core's backoff with ±20% jitter, so that many learners do not call back in step."""
-    return backoff_after(delay) * random.uniform(0.8, 1.2)
+    helpers_lost: int = 0
 
 
 class LearnerLink:
-    """Every shard's channel, one shared core, lock and inbox."""
+    """Every shard's link, through one helper process; one shared core, lock and inbox."""
 
-    def __init__(self, core: Learner, clients: list[SyncClient], lock: threading.RLock, staging: HostStaging,
+    def __init__(self, core: Learner, clients: list[ClientSpec], lock: threading.RLock, staging: HostStaging,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
+        self.clients = clients
         self.staging = staging
         self.lock = lock
         self.clock = clock
@@ -111,16 +83,272 @@ class LearnerLink:
         self.inbox: queue.Queue[tuple[Inbox, Any]] = queue.Queue()
         self.fatal: BaseException | None = None
         self.closing = threading.Event()
-        self.channels = [ShardChannel(self, shard, client) for shard, client in enumerate(clients)]
+        self.slots = SlotArea(slot_layout(core, staging))
+        self.last_error = [""] * len(clients)
+        """Per shard, why its last call went unanswered (for the outage's lines)."""
+        self.refusals = Repeats(log)
+        self._requests: dict[int, tuple[Request, int, int]] = {}
+        """In flight: per request id, the request, its shard and the helper generation it went to."""
+        self._sends: dict[int, Send] = {}
+        self._rids = itertools.count()
+        self._generation = 0
+        self._helper: HelperProcess | None = None
+        self._helper_lock = threading.Lock()
+        self._closing_helper = False
         self._leaves: list[SendLeave] = []
+        self._holding: set[int] = set()
+        """Fragments whose in slot holds an update the training thread has not released yet."""
+        self._started = threading.Event()
+        self._start_error: HelperError | None = None
         self._tick_wake = threading.Event()
-        self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{core.learner_id}", daemon=True)
+        name = core.learner_id
+        self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{name}", daemon=True)
+        self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{name}", daemon=True)
+        self._finisher: queue.Queue[tuple[Send, int] | None] | None = None
+        if staging.asynchronous:
+            self._finisher = queue.Queue()
+            threading.Thread(target=self._finish_loop, name=f"ddiloco-finish-{name}", daemon=True).start()
 
     def start(self) -> None:
-        """Start every thread; the core's first joins follow (``Learner.start``)."""
-        for channel in self.channels:
-            channel.start()
+        """Start the helper (``HelperError``, one line, if it cannot) and the ticker."""
+        self._relay.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
         self._ticker.start()
+
+    # ---- training process → helper ---------------------------------------------------------
+
+    @property
+    def backlog(self) -> int:
+        """Contributions handed to the helper and not yet answered."""
+        return len(self._sends)
+
+    def dispatch(self, actions: list[LearnerAction]) -> None:
+        for action in self.staging.stage(actions):
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, SendJoin):
+                config = self.core.config  # the state it brings back, at the slowest link the run admits
+                timeout_s = call_deadline_s(join_state_bytes(self.core.plan, config, action.shard),
+                                            client_join_link(config))
+                self._request(Msg.JOIN, action.message, action.shard, timeout_s)
+            elif isinstance(action, SendHeartbeat):
+                self._request(Msg.BEAT, action.message, action.shard)
+            elif isinstance(action, Fail):
+                self.fail(DdilocoError(action.detail))  # one line for the user, never retried
+            elif isinstance(action, SendLeave):
+                self._leaves.append(action)  # once the helper has delivered what is queued
+            elif isinstance(action, Outage):
+                say_outage(action, self.clients[action.shard].address, self.last_error[action.shard])
+            else:
+                say_warning(action, self.backlog)
+
+    def _send(self, send: Send) -> None:
+        """Δ into its out slot (one copy), then announced; on a GPU the finisher announces it once
+        the device's copy has landed."""
+        p = send.fragment
+        if send.ready is not None and self._finisher is not None:
+            self._finisher.put((send, p))
+            return
+        if send.encoded is not None:
+            seq, raw = self.slots.write(Slot.OUT, p, send.encoded), False
+        else:
+            assert send.delta is not None
+            out = self.slots.begin(Slot.OUT, p)
+            torch.from_numpy(out[: 4 * send.delta.numel()].view(np.float32)).copy_(send.delta)
+            seq, raw = self.slots.end(Slot.OUT, p, 4 * send.delta.numel()), True
+        self._announce(send, seq, raw)
+
+    def _finish_loop(self) -> None:
+        assert self._finisher is not None
+        while (item := self._finisher.get()) is not None:
+            send, p = item
+            try:
+                send.ready()  # type: ignore[misc]  # waits for the copy (the interpreter lock released)
+            except ValueError as err:
+                self.fail(DdilocoError(f"fragment {p}: Δ is not finite ({err}): the model diverged"))
+                continue
+            assert send.encoded is not None
+            self._announce(send, self.slots.write(Slot.OUT, p, send.encoded), False)
+
+    def _announce(self, send: Send, seq: int, raw: bool) -> None:
+        rid = next(self._rids)
+        self._sends[rid] = dataclasses.replace(send, delta=None, encoded=None, ready=None)  # before the helper asks
+        self._request(Msg.SEND, send.header, send.shard, send.fragment, seq, raw, rid=rid)
+
+    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any, rid: int | None = None) -> int:
+        """Send one call to the helper, remembered until its outcome (or the helper's death) comes back."""
+        rid = next(self._rids) if rid is None else rid
+        with self._helper_lock:
+            generation, helper = -1, self._helper  # -1: not sent, lost with the helper that is gone
+            self._requests[rid] = (request, shard, generation)
+            if helper is not None:
+                try:
+                    helper.pipe.send(kind, rid, shard, request, *extra)
+                    generation = self._generation
+                except PipeClosed:
+                    pass  # the relay sees it die, and reports the call undelivered
+            self._requests[rid] = (request, shard, generation)
+        return rid
+
+    def release(self, fragment: int) -> None:
+        """The training thread is done with fragment's in slot."""
+        self._holding.discard(fragment)
+        helper = self._helper
+        if helper is not None:
+            try:
+                helper.pipe.send(Msg.RELEASE, fragment)
+            except PipeClosed:
+                pass
+
+    # ---- helper → training process ---------------------------------------------------------
+
+    def _relay_loop(self) -> None:
+        while True:
+            try:
+                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout,
+                                                             self._holding), self.slots.fd)
+            except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
+                err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
+                if not self._started.is_set():
+                    self._start_error = err
+                    self._started.set()
+                else:
+                    self.fail(err)
+                return
+            with self._helper_lock:
+                self._helper = helper
+                lost = [rid for rid, (_, _, gen) in self._requests.items() if gen < self._generation]
+            if self._started.is_set():
+                for rid in lost:
+                    self._lost(rid)
+            self._started.set()
+            self._serve(helper)
+            if self._closing_helper or self.closing.is_set():
+                return
+            with self._helper_lock:
+                self._helper = None
+                self._generation += 1
+            self.stats.helpers_lost += 1
+            log.warning("the link's helper process (pid %d) %s; starting a new one (its %d calls in flight count as "
+                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self._requests))
+            helper.kill()
+
+    def _serve(self, helper: HelperProcess) -> None:
+        """Feed the core what the helper reports, until it closes or dies."""
+        while True:
+            try:
+                msg = helper.pipe.recv()
+                if msg[0] is Msg.ADMITTED:
+                    msg = (*msg, helper.pipe.recv_fd())
+            except PipeClosed:
+                return
+            if msg[0] is Msg.CLOSED:
+                return
+            self._on_message(helper, msg)
+
+    def _on_message(self, helper: HelperProcess, msg: tuple) -> None:
+        kind = msg[0]
+        if kind is Msg.ASK:
+            _, qid, what, argument = msg
+            with self.lock:
+                if what is Ask.STREAM_VERSIONS:
+                    answer: Any = self.core.stream_versions(argument)
+                else:
+                    send = self._sends.get(argument)
+                    answer = send is not None and self.core.still_to_send(send)
+            if what is Ask.STILL_TO_SEND and not answer:
+                self._done(argument)
+            try:
+                helper.pipe.send(Msg.ANSWER, qid, answer)
+            except PipeClosed:
+                pass
+        elif kind is Msg.UPDATE:
+            self._on_update(*msg[1:])
+        elif kind is Msg.STOP_NOTICE:
+            self.tell_core(lambda core: core.on_stop(self.clock()))
+            self.inbox.put((Inbox.WAKE, None))
+        elif kind is Msg.FATAL:
+            self.fail(DdilocoError(msg[1]))
+        elif kind is Msg.ADMITTED:
+            self._on_admitted(*msg[1:])
+        else:
+            self._on_outcome(kind, msg[1], *msg[2:])
+
+    def _done(self, rid: int) -> tuple[Request, int] | None:
+        self._sends.pop(rid, None)
+        entry = self._requests.pop(rid, None)
+        return None if entry is None else entry[:2]
+
+    def _on_outcome(self, kind: Msg, rid: int, *fields: Any) -> None:
+        entry = self._done(rid)
+        if entry is None:
+            return
+        request, shard = entry
+        clock = self.clock
+        if kind is Msg.ACCEPTED:
+            stop, nbytes = fields
+            if isinstance(request, Leave):
+                return  # the core left already (``Learner.close``)
+            if isinstance(request, Contribution):
+                self.stats.contributions_sent += 1
+                self.stats.bytes_up += nbytes
+            self.tell_core(lambda core: core.on_accepted(request, clock(), stop=stop, shard=shard))
+            return
+        if isinstance(request, Leave):
+            log.info("leave of shard %d not confirmed: the synchronizer forgets this learner when its lease ends",
+                     shard)
+        if kind is Msg.REFUSED:
+            reason, detail = fields
+            self.stats.rejected[reason] += 1
+            self.refusals.say(reason, "%s refused by shard %d: %s", type(request).__name__, shard, detail)
+            self.tell_core(lambda core: core.on_refused(request, reason, clock(), shard=shard))
+            return
+        if kind is Msg.UNDELIVERED:
+            self.stats.unreachable += 1
+            self.last_error[shard] = fields[0]  # an outage is said by the core's Outage actions, not per call
+            log.debug("%s to shard %d undelivered: %s", type(request).__name__, shard, fields[0])
+        else:
+            log.debug("contribution of fragment %d written again before it was sent: folded", request.fragment)
+        self.tell_core(lambda core: core.on_undelivered(request, clock(), shard=shard))
+
+    def _lost(self, rid: int) -> None:
+        entry = self._done(rid)
+        if entry is not None:
+            request, shard = entry
+            self.tell_core(lambda core: core.on_undelivered(request, self.clock(), shard=shard))
+
+    def _on_update(self, shard: int, update: FragmentUpdate, p: int, seq: int, decoded: bool) -> None:
+        values = None
+        if p >= 0:
+            self._holding.add(p)
+            view = self.slots.view(Slot.IN, p, seq)
+            assert view is not None  # the helper writes a slot again only once it is released
+            if decoded:
+                values = torch.from_numpy(view.view(np.float32))
+            else:
+                update = dataclasses.replace(update, payload=view)
+                if self.staging.asynchronous:  # decoded on the device now, the slot free again
+                    values = self.staging.decode(update)
+                    self.release(p)
+                    p = -1
+        self.inbox.put((Inbox.UPDATE, (update, values, p)))
+
+    def _on_admitted(self, rid: int, *state: Any) -> None:
+        """A join's state, mapped from its shared file (no copy: the core adopts from it)."""
+        entry = self._done(rid)
+        shard = entry[1] if entry is not None else 0
+        result = receive_state(*state)
+        self.stats.joins += 1
+        session, joins = result.state.session, self.stats.joins
+        assert session is not None
+        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s%s", session.incarnation,
+                 shard, session.number, list(result.state.versions()),
+                 f": a rejoin, registration {joins} of this process" if joins > len(self.clients) else "")
+        self.inbox.put((Inbox.ADMITTED, (shard, result)))
+
+    # ---- the core ------------------------------------------------------------------------------
 
     def _tick_loop(self) -> None:
         while not self.closing.is_set():
@@ -131,37 +359,6 @@ class LearnerLink:
                 self._tick_wake.clear()
                 continue
             self.tell_core(lambda core: core.tick(self.clock()))
-
-    @property
-    def backlog(self) -> int:
-        return sum(c.outbox.qsize() for c in self.channels)
-
-    def dispatch(self, actions: list[LearnerAction]) -> None:
-        for action in self.staging.stage(actions):
-            if isinstance(action, Send):
-                self.channels[action.shard].outbox.put(action)
-            elif isinstance(action, (SendJoin, SendHeartbeat)):
-                self.channels[action.shard].control(action)
-            elif isinstance(action, Fail):
-                self.fail(DdilocoError(action.detail))  # one line for the user, never retried
-            elif isinstance(action, SendLeave):
-                self._leaves.append(action)  # once the senders have delivered what is queued
-            elif isinstance(action, Starved):
-                log.warning("none of this learner's work has reached the synchronizer in its last %d steps, although "
-                            "it answers: its link is too slow for the protocol (%d contributions waiting)",
-                            action.steps, self.backlog)
-            elif isinstance(action, Stale):
-                log.warning("this learner's contributions arrive stale: fragment %d, measured from version %d, was "
-                            "refused although updates reach it in order (it holds version %d by now): its link's "
-                            "round trip spans more rounds than the synchronizer merges late work from "
-                            "(protocol.staleness_max x protocol.staleness_reach). It trains on, following the "
-                            "global model, without registering again; its own work is merged again once the link "
-                            "is faster or the rounds slower: protocol.period = %d would fit",
-                            action.fragment, action.base_version, action.held_version, action.period_fits)
-            elif isinstance(action, Outage):
-                self.channels[action.shard].say_outage(action)
-            elif isinstance(action, Behind):
-                log.warning("%s", action.describe())
 
     def tell_core(self, fn: Callable[[Learner], list[LearnerAction]]) -> None:
         """Tell the core something under the lock, and carry out what it answers."""
@@ -176,208 +373,27 @@ class LearnerLink:
             log.error("%s", err)
         self.closing.set()
         self._tick_wake.set()
-        for channel in self.channels:
-            channel.wake()
         self.inbox.put((Inbox.WAKE, None))
 
     def close(self, timeout_s: float) -> None:
-        """Deliver what is queued, leave every shard if the core said so, then stop every thread."""
-        for channel in self.channels:
-            channel.outbox.put(None)
-        for channel in self.channels:
-            channel.join_sender(timeout_s)
-        if self.fatal is None:
-            for leave in self._leaves:
-                self.channels[leave.shard].leave(leave)
+        """Deliver what is queued, leave every shard if the core said so, then stop the helper."""
+        if self._finisher is not None:
+            self._finisher.put(None)
+        helper = self._helper
+        if helper is not None and self._relay.is_alive():
+            if self.fatal is None:
+                for leave in self._leaves:
+                    self._request(Msg.LEAVE, leave.message, leave.shard)
+            self._closing_helper = True
+            try:
+                helper.pipe.send(Msg.CLOSE, timeout_s)
+            except PipeClosed:
+                pass
+            self._relay.join(timeout_s)
         self.closing.set()
         self._tick_wake.set()
-        for channel in self.channels:
-            channel.stop(timeout_s)
+        if helper is not None:
+            helper.wait(timeout_s if self._relay.is_alive() else 5.0)
+        os.close(self.slots.fd)
         if self._ticker.is_alive():
             self._ticker.join(timeout_s)
-
-
-class ShardChannel:
-    """The threads that talk to one synchronizer shard."""
-
-    def __init__(self, link: LearnerLink, shard: int, client: SyncClient) -> None:
-        self.link = link
-        self.shard = shard
-        self.client = client
-        self.outbox: queue.Queue[Send | None] = queue.Queue()
-        self._control: queue.Queue[LearnerAction] = queue.Queue()
-        self._control_wake = threading.Event()
-        self._session: Session | None = None
-        self._session_changed = threading.Event()
-        self._stream: Any = None
-        self.last_error = ""
-        """Why the last call went unanswered (for the outage's lines)."""
-        self.refusals = Repeats(log)
-        name = f"{link.core.learner_id}-{shard}"
-        self._threads = [
-            threading.Thread(target=self._sender, name=f"ddiloco-send-{name}", daemon=True),
-            threading.Thread(target=self._control_loop, name=f"ddiloco-ctl-{name}", daemon=True),
-            threading.Thread(target=self._receiver, name=f"ddiloco-recv-{name}", daemon=True),
-        ]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def control(self, action: LearnerAction) -> None:
-        self._control.put(action)
-        self._control_wake.set()
-
-    def say_outage(self, outage: Outage) -> None:
-        """One line when the shard stops answering, a summary at intervals, one line when it is back."""
-        where = f"the synchronizer at {self.client.address} (shard {self.shard})"
-        if outage.phase is OutagePhase.ENDED:
-            log.warning("%s answers again after %.0f s%s", where, outage.for_s,
-                        f"; {outage.folded} contributions were folded into later ones" if outage.joined else "")
-        elif not outage.joined:
-            log.warning("no answer from %s for %.0f s (%s): is it running, and is this its gRPC port (not the status "
-                        "page's)? Still trying", where, outage.for_s, self.last_error)
-        elif outage.phase is OutagePhase.BEGAN:
-            log.warning("%s does not answer (%s): training goes on, contributions are folded into later ones until "
-                        "it is back", where, self.last_error)
-        else:
-            log.warning("%s unreachable for %.0f s; %d contributions folded so far, training goes on", where,
-                        outage.for_s, outage.folded)
-
-    def wake(self) -> None:
-        self._control_wake.set()
-        self._session_changed.set()
-
-    def _outcome(self, request: Request, call: Callable[[], Any]) -> Any:
-        """Make one call; report accepted / refused / undelivered to the core. Returns the reply or None."""
-        link, shard = self.link, self.shard
-        try:
-            reply = call()
-        except Unreachable as err:
-            link.stats.unreachable += 1
-            self.last_error = str(err)  # an outage is said by the core's Outage actions, not per call
-            log.debug("%s to shard %d undelivered: %s", type(request).__name__, shard, err)
-            link.tell_core(lambda core: core.on_undelivered(request, link.clock(), shard=shard))
-            return None
-        except CallRefused as err:  # a wrong secret too: whether to go on is the core's decision
-            reason = err.reason
-            link.stats.rejected[reason] += 1
-            self.refusals.say(reason, "%s refused by shard %d: %s", type(request).__name__, shard, err.detail)
-            link.tell_core(lambda core: core.on_refused(request, reason, link.clock(), shard=shard))
-            return None
-        return reply
-
-    # ---- sender ----------------------------------------------------------------------------
-
-    def _sender(self) -> None:
-        link = self.link
-        while True:
-            send = self.outbox.get()
-            if send is None:
-                return
-            with link.lock:
-                deliver = link.core.still_to_send(send)
-            if not deliver:
-                continue
-            contribution = send.encode()
-            reply = self._outcome(contribution, lambda: self.client.contribute(contribution))
-            if reply is not None:
-                link.stats.contributions_sent += 1
-                link.stats.bytes_up += len(contribution.payload)
-                link.tell_core(lambda core: core.on_accepted(contribution, link.clock(), stop=reply.stop,
-                                                             shard=self.shard))
-
-    def join_sender(self, timeout_s: float) -> None:
-        self._threads[0].join(timeout_s)
-
-    # ---- control ---------------------------------------------------------------------------
-
-    def _control_loop(self) -> None:
-        link = self.link
-        while not link.closing.is_set():
-            try:
-                action = self._control.get_nowait()
-            except queue.Empty:
-                self._control_wake.wait(CONTROL_MAX_WAIT_S)
-                self._control_wake.clear()
-                continue
-            if isinstance(action, SendJoin):
-                self._join(action)
-            elif isinstance(action, SendHeartbeat):
-                beat = action.message
-                reply = self._outcome(beat, lambda: self.client.heartbeat(beat))
-                if reply is not None:
-                    link.tell_core(lambda core: core.on_accepted(beat, link.clock(), stop=reply.stop,
-                                                                 shard=self.shard))
-
-    def _join(self, action: SendJoin) -> None:
-        config = self.link.core.config  # the state it brings back, at the slowest link the run admits
-        timeout_s = call_deadline_s(join_state_bytes(self.link.core.plan, config, self.shard), client_join_link(config))
-        result: JoinResult | None = self._outcome(action.message, lambda: self.client.join(action.message, timeout_s))
-        if result is None:
-            return
-        self.link.stats.joins += 1
-        session = result.state.session
-        assert session is not None
-        joins = self.link.stats.joins
-        log.info("joined synchronizer instance %x (shard %d, session %d) at versions %s%s", session.incarnation,
-                 self.shard, session.number, list(result.state.versions()),
-                 f": a rejoin, registration {joins} of this process" if joins > len(self.link.channels) else "")
-        self.link.inbox.put((Inbox.ADMITTED, (self.shard, result)))  # adopted by the training thread
-        self._session = session
-        self._session_changed.set()
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()  # subscribe again for the new session
-
-    def leave(self, action: SendLeave) -> None:
-        """Leave the shard; the core hears how the call ended, like any other's (a leave that got no
-        answer, or a refusal, leaves this learner registered there until its lease runs out)."""
-        if self._outcome(action.message, lambda: self.client.leave(action.message)) is None:
-            log.info("leave of shard %d not confirmed: the synchronizer forgets this learner when its lease ends",
-                     self.shard)
-
-    # ---- receiver --------------------------------------------------------------------------
-
-    def _receiver(self) -> None:
-        link = self.link
-        delay = BACKOFF_START_S
-        while not link.closing.is_set():
-            session = self._session
-            self._session_changed.clear()
-            if session is None:
-                self._session_changed.wait(BACKOFF_START_S)
-                continue
-            with link.lock:
-                held = link.core.stream_versions(self.shard)
-            if held is None:  # the state this session's join brought is not adopted yet
-                self._session_changed.wait(BACKOFF_START_S)
-                continue
-            try:
-                stream = self.client.updates(link.core.learner_id, held, session)
-                self._stream = stream
-                for update in stream:
-                    delay = BACKOFF_START_S
-                    if isinstance(update, StopNotice):
-                        link.tell_core(lambda core: core.on_stop(link.clock()))
-                        link.inbox.put((Inbox.WAKE, None))
-                    else:
-                        link.inbox.put((Inbox.UPDATE, (update, link.staging.decode(update))))
-                self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
-            except (Unreachable, CallRefused):
-                # Not a decision: a broken stream is re-made; whether the session is still ours
-                # (or our secret still good) the core learns from its heartbeats.
-                if self._session_changed.wait(delay):
-                    delay = BACKOFF_START_S
-                else:
-                    delay = next_delay(delay)
-            finally:
-                self._stream = None
-
-    def stop(self, timeout_s: float) -> None:
-        self.wake()
-        stream = self._stream
-        if stream is not None:
-            stream.cancel()
-        for t in self._threads[1:]:
-            t.join(timeout_s)

@@ -12,9 +12,10 @@ after every inner step::
 
 The protocol is the core's :class:`~ddiloco.core.learner.Learner`; this module feeds it the
 training loop's steps and carries out its actions through
-:class:`~ddiloco.runtime.learner.link.LearnerLink` (background threads that compress,
-upload, heartbeat, rejoin and receive). ``step`` never waits for the network: it takes the
-outer gradients that fell due (a memory copy), hands them to the sender thread, and applies
+:class:`~ddiloco.runtime.learner.link.LearnerLink`, whose helper process compresses, uploads,
+heartbeats, rejoins and receives (the training process's interpreter is left to training).
+``step`` never waits for the network: it writes the outer gradients that fell due into shared
+slots (a memory copy), announces them to the helper, and applies
 the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
 waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU
 it does not wait for the device either: Δ leaves and updates arrive through pinned memory
@@ -197,7 +198,9 @@ class LearnerRuntime:
         compile_learner_kernels()  # now, not at the first due fragment (a stall of seconds)
         staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments],
                               [core.decodes_updates(f.index) for f in self.plan.fragments])
-        self.link = link = LearnerLink(core, self.clients, self._lock, staging)
+        self.link = link = LearnerLink(core, [c.spec for c in self.clients], self._lock, staging)
+        for client in self.clients:  # the helper makes its own: no gRPC channel stays in this process
+            client.close()
         link.start()
         # The first join is the core's like every other: retried while unreachable or refused
         # for now, given up on for good (a wrong secret, another process with this id), or the
@@ -329,8 +332,6 @@ class LearnerRuntime:
                     actions = core.close(time.monotonic())
                 link.dispatch(actions)
             link.close(timeout_s)
-        for client in self.clients:
-            client.close()
 
     def export(self, path: str | Path, *, dtype: str = "fp32") -> None:
         """Write the global model as this learner last received it (its anchors: every update merged
@@ -377,12 +378,16 @@ class LearnerRuntime:
                                  "holds the values it holds)" if core.kept else "")
                 link.dispatch(actions)
             elif kind is Inbox.UPDATE:
-                update, values = item
-                with self._lock:
-                    before = core.versions[update.fragment]
-                    actions = core.on_update(update, now, values=values)
-                    if core.versions[update.fragment] != before:
-                        changed.add(update.fragment)
+                update, values, slot = item  # slot: the fragment whose in slot holds it, -1 if none
+                try:
+                    with self._lock:
+                        before = core.versions[update.fragment]
+                        actions = core.on_update(update, now, values=values)
+                        if core.versions[update.fragment] != before:
+                            changed.add(update.fragment)
+                finally:
+                    if slot >= 0:
+                        link.release(slot)
                 link.dispatch(actions)
 
     def _sync_ranks(self, changed: set[int]) -> set[int]:

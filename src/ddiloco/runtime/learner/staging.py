@@ -9,14 +9,15 @@ stream has drained, so the GPU idles while the CPU queues the next step. Here in
   stream waits for that kernel (an event, not a host wait), compresses Δ there with the
   uplink codec (``Codec.encode_tensor``: int4 is 0.53 B/param, so an eighth of fp32's bytes
   cross PCIe), copies the payload into pinned host memory and records an event; the ``Send``
-  carries the payload and ``ready``, which the sender thread calls before it uploads: it
+  carries the payload and ``ready``, which the link's finisher thread calls before it writes the
+  payload into the fragment's slot for the helper process (``link.py``): it
   waits for that event and refuses a payload whose scales say Δ was not finite. The
   training thread never waits; the copy overlaps the next step's compute.
-- **Updates in.** The receiver thread copies each update's payload into pinned memory, and
+- **Updates in.** The link's relay thread copies each update's payload from its slot into pinned memory, and
   on the side stream to the device, where it is decoded (``Codec.decode_tensor``); the
-  receiver then waits for that stream and hands the values on. The core adds them to the
+  relay then waits for that stream and hands the values on. The core adds them to the
   anchor on the training stream between two steps, like any kernel, without a copy. On the
-  CPU the receiver decodes into host memory; where the core applies an update straight from
+  CPU the helper process decodes into the slot; where the core applies an update straight from
   its payload (the CPU with int4: one fused pass, ``core/flat.py``) nothing is decoded
   ahead: that would only add passes.
 
@@ -78,7 +79,7 @@ class HostStaging:
             payload = send.codec.encode_tensor(delta)
             host = torch.empty(payload.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(payload, non_blocking=True)
-            copied = torch.cuda.Event(blocking=True)  # the sender thread sleeps while it waits
+            copied = torch.cuda.Event(blocking=True)  # the finisher thread sleeps while it waits
             copied.record(side)
         delta.record_stream(side)
         encoded = host.numpy()

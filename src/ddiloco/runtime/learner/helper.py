@@ -1,0 +1,352 @@
+"""A learner's link helper: the process that talks to the synchronizer for its training process.
+
+Everything that costs the interpreter time in proportion to a fragment, or holds its lock for
+long — gRPC, protobuf, chunking, compressing Δ, decoding updates, retries and the update
+streams — runs here, in a process of its own, so the training process's interpreter is left
+to launch kernels. Started by the training process's link (``link.py``) as
+``python -m ddiloco.runtime.learner.helper SOCKET_FD SLOTS_FD``. It decides nothing: for every
+synchronizer shard it runs the three threads the link always had —
+
+- *sender*: copies a contribution's payload out of its slot (a torn copy is not sent), asks the
+  core whether it is still to be sent, compresses it if it came raw, uploads it, and reports how
+  the call ended;
+- *control*: joins and heartbeats; a join's state goes back as a shared file;
+- *receiver*: the update stream of the shard's session, each update written into its
+  fragment's slot once the trainer released it, and announced;
+
+and reports every outcome to the training process, whose core decides what follows. It exits
+with its trainer: the kernel kills it when the process that started it dies
+(``PR_SET_PDEATHSIG``), and it leaves when the socket pair closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import logging
+import mmap
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ddiloco.core.codecs import get_codec
+from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Session, StopNotice
+from ddiloco.core.shard_link import BACKOFF_START_S
+from ddiloco.errors import DdilocoError
+from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed
+from ddiloco.runtime.learner.repeats import next_delay
+from ddiloco.runtime.learner.slots import Slot, SlotArea, shared_file
+
+log = logging.getLogger("ddiloco.learner")
+
+WAIT_S = 1.0
+"""The longest any of the helper's threads sleeps without looking whether it is closing."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel sends SIGKILL when the thread that started this process dies; then check
+    that it is still alive (it may have died before the call). Elsewhere the closed socket does it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a signal to the process group is for the trainer,
+        signal.signal(sig, signal.SIG_IGN)      # which closes this helper as it stops
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+class Helper:
+    """The link's threads for every shard, and the socket to the training process."""
+
+    def __init__(self, pipe: Pipe, spec: HelperSpec, slots_fd: int) -> None:
+        self.pipe = pipe
+        self.spec = spec
+        self.slots = SlotArea(spec.layout, slots_fd)
+        self.uplink = get_codec(spec.uplink, block_size=spec.block_size)
+        self.downlink = get_codec(spec.downlink, block_size=spec.block_size)
+        self.closing = threading.Event()
+        self.released = [threading.Event() for _ in spec.numels]
+        for p, event in enumerate(self.released):
+            if p not in spec.holding:
+                event.set()
+        self._answers: dict[int, queue.Queue[Any]] = {}
+        self._qids = itertools.count()
+        self.shards = [ShardWorker(self, shard, c.connect(), session)
+                       for shard, (c, session) in enumerate(zip(spec.clients, spec.sessions))]
+        self._leaves: list[tuple[int, int, Any]] = []
+
+    def ask(self, what: Ask, argument: Any) -> Any:
+        """The core's answer (the training process's relay thread gives it); None if it closes meanwhile."""
+        qid = next(self._qids)
+        answer: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._answers[qid] = answer
+        self.pipe.send(Msg.ASK, qid, what, argument)
+        while not self.closing.is_set():
+            try:
+                return answer.get(timeout=WAIT_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def serve(self) -> None:
+        """Carry out the trainer's messages until it closes the link (or is gone)."""
+        for shard in self.shards:
+            shard.start()
+        while True:
+            msg = self.pipe.recv()
+            kind = msg[0]
+            if kind is Msg.SEND:
+                self.shards[msg[2]].outbox.put(msg[1:])
+            elif kind is Msg.ANSWER:
+                answer = self._answers.pop(msg[1], None)
+                if answer is not None:
+                    answer.put(msg[2])
+            elif kind in (Msg.JOIN, Msg.BEAT):
+                self.shards[msg[2]].control(msg)
+            elif kind is Msg.LEAVE:
+                self._leaves.append(msg[1:])
+            elif kind is Msg.RELEASE:
+                self.released[msg[1]].set()
+            elif kind is Msg.CLOSE:  # on a thread of its own: its sends still ask the core, through this loop
+                threading.Thread(target=self.close, args=(msg[1],), name="ddiloco-close", daemon=True).start()
+
+    def close(self, timeout_s: float) -> None:
+        """Deliver what is queued, leave, say CLOSED (whatever happens on the way: the trainer waits for it)."""
+        try:
+            for shard in self.shards:
+                shard.outbox.put(None)
+            for shard in self.shards:
+                shard.threads[0].join(timeout_s)
+            for rid, shard, leave in self._leaves:
+                worker = self.shards[shard]
+                if worker.outcome(rid, lambda: worker.client.leave(leave)) is not None:
+                    self.pipe.send(Msg.ACCEPTED, rid, False, 0)
+        finally:
+            self.closing.set()
+            for shard in self.shards:
+                shard.stop()
+            self.pipe.send(Msg.CLOSED)
+            self.pipe.sock.shutdown(socket.SHUT_RDWR)  # the serving loop ends, and with it the process
+
+
+class ShardWorker:
+    """The threads that talk to one synchronizer shard."""
+
+    def __init__(self, helper: Helper, shard: int, client: SyncClient, session: Session | None) -> None:
+        self.helper = helper
+        self.shard = shard
+        self.client = client
+        self.outbox: queue.Queue[tuple | None] = queue.Queue()
+        self._control: queue.Queue[tuple] = queue.Queue()
+        self._session = session
+        self._session_changed = threading.Event()
+        self._stream: Any = None
+        name = f"{helper.spec.learner_id}-{shard}"
+        self.threads = [threading.Thread(target=self._sender, name=f"ddiloco-send-{name}", daemon=True),
+                        threading.Thread(target=self._control_loop, name=f"ddiloco-ctl-{name}", daemon=True),
+                        threading.Thread(target=self._receiver, name=f"ddiloco-recv-{name}", daemon=True)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def control(self, msg: tuple) -> None:
+        self._control.put(msg)
+
+    def outcome(self, rid: int, call: Callable[[], Any]) -> Any:
+        """Make one call; report refused / undelivered (the caller reports accepted). The reply or None."""
+        try:
+            return call()
+        except Unreachable as err:
+            self.helper.pipe.send(Msg.UNDELIVERED, rid, str(err))
+        except CallRefused as err:
+            self.helper.pipe.send(Msg.REFUSED, rid, err.reason, err.detail)
+        return None
+
+    # ---- sender ----------------------------------------------------------------------------
+
+    def _sender(self) -> None:
+        helper = self.helper
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            rid, _, header, fragment, seq, raw = item
+            data = helper.slots.read(Slot.OUT, fragment, seq)
+            if data is None:
+                helper.pipe.send(Msg.TORN, rid)
+                continue
+            if not helper.ask(Ask.STILL_TO_SEND, rid):
+                continue
+            payload = self._payload(header, data, raw)
+            if payload is None:
+                return
+            contribution = dataclasses.replace(header, payload=payload)
+            reply = self.outcome(rid, lambda: self.client.contribute(contribution))
+            if reply is not None:
+                helper.pipe.send(Msg.ACCEPTED, rid, reply.stop, len(payload))
+
+    def _payload(self, header: Contribution, data: bytes, raw: bool) -> bytes | None:
+        """The bytes to upload: Δ compressed here if it came raw; None (and the run fails) if Δ was not finite."""
+        codec = self.helper.uplink
+        numel = self.helper.spec.numels[header.fragment]
+        try:
+            if raw:
+                return codec.encode(torch.frombuffer(bytearray(data), dtype=torch.float32))
+            if codec.non_finite(np.frombuffer(data, dtype=np.uint8), numel):
+                raise ValueError(f"{codec.name} cannot encode non-finite values")
+        except ValueError as err:
+            self.helper.pipe.send(Msg.FATAL, f"fragment {header.fragment}: Δ is not finite ({err}): the model "
+                                             "diverged")
+            return None
+        return data
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        helper = self.helper
+        while not helper.closing.is_set():
+            try:
+                msg = self._control.get(timeout=WAIT_S)
+            except queue.Empty:
+                continue
+            kind, rid, _, message = msg[:4]
+            if kind is Msg.JOIN:
+                self._join(rid, message, msg[4])
+            else:
+                reply = self.outcome(rid, lambda: self.client.heartbeat(message))
+                if reply is not None:
+                    helper.pipe.send(Msg.ACCEPTED, rid, reply.stop, 0)
+
+    def _join(self, rid: int, join: Any, timeout_s: float) -> None:
+        result: JoinResult | None = self.outcome(rid, lambda: self.client.join(join, timeout_s))
+        if result is None:
+            return
+        send_state(self.helper.pipe, rid, result)
+        self._session = result.state.session
+        self._session_changed.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()  # subscribe again for the new session
+
+    # ---- receiver --------------------------------------------------------------------------
+
+    def _receiver(self) -> None:
+        helper = self.helper
+        delay = BACKOFF_START_S
+        while not helper.closing.is_set():
+            session = self._session
+            self._session_changed.clear()
+            held = helper.ask(Ask.STREAM_VERSIONS, self.shard) if session is not None else None
+            if held is None:  # no session, or the state its join brought is not adopted yet
+                self._session_changed.wait(BACKOFF_START_S)
+                continue
+            try:
+                stream = self.client.updates(helper.spec.learner_id, held, session)
+                self._stream = stream
+                for update in stream:
+                    delay = BACKOFF_START_S
+                    if isinstance(update, StopNotice):
+                        helper.pipe.send(Msg.STOP_NOTICE, self.shard)
+                    elif not self._deliver(update):
+                        return
+                self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
+            except (Unreachable, CallRefused):
+                # Not a decision: a broken stream is re-made; whether the session is still ours
+                # the core learns from its heartbeats.
+                if self._session_changed.wait(delay):
+                    delay = BACKOFF_START_S
+                else:
+                    delay = next_delay(delay)
+            finally:
+                self._stream = None
+
+    def _deliver(self, update: FragmentUpdate) -> bool:
+        """Write the update into its fragment's slot once the trainer released it, and announce it
+        (decoded here where the spec says so). False if the helper closes meanwhile."""
+        helper, spec, p = self.helper, self.helper.spec, update.fragment
+        fits = (0 <= p < len(spec.numels) and update.codec == helper.downlink.name
+                and len(update.payload) == helper.downlink.encoded_size(spec.numels[p]))
+        if not fits:  # the core refuses it, with the reason
+            helper.pipe.send(Msg.UPDATE, self.shard, update, -1, 0, False)
+            return True
+        while not helper.released[p].wait(WAIT_S):
+            if helper.closing.is_set():
+                return False
+        helper.released[p].clear()
+        if spec.decodes[p]:
+            data = helper.downlink.decode(update.payload, spec.numels[p]).numpy()
+        else:
+            data = np.frombuffer(update.payload, dtype=np.uint8)
+        seq = helper.slots.write(Slot.IN, p, data)
+        helper.pipe.send(Msg.UPDATE, self.shard, dataclasses.replace(update, payload=b""), p, seq, spec.decodes[p])
+        return True
+
+    def stop(self) -> None:
+        self._session_changed.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        self.client.close()
+
+
+def send_state(pipe: Pipe, rid: int, result: JoinResult) -> None:
+    """A join's reply: the header and the state's layout as a message, its values (float32, back to
+    back) as an anonymous shared file that the trainer maps."""
+    state = result.state
+    offsets, at = [], 0
+    for frag in state.fragments:
+        offsets.append(at)
+        at += 4 * (frag.values.numel() if frag.values is not None else 0)
+    fd = shared_file(at, "ddiloco-state")
+    try:
+        if at:
+            with mmap.mmap(fd, at) as region:
+                out = np.frombuffer(region, dtype=np.uint8)
+                for frag, offset in zip(state.fragments, offsets):
+                    values = frag.values.to(torch.float32).contiguous().reshape(-1).numpy()
+                    out[offset:offset + values.nbytes] = values.view(np.uint8)
+                del out
+        skeleton = GlobalState(tuple(dataclasses.replace(f, values=None) for f in state.fragments),
+                               state.incarnation, state.session, state.data_position)
+        pipe.send(Msg.ADMITTED, rid, result.header.SerializeToString(), skeleton, offsets, at, fd=fd)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    pipe = Pipe(sock)
+    try:
+        kind, spec = pipe.recv()
+    except PipeClosed:
+        return 0
+    assert kind is Msg.INIT
+    die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s {spec.learner_id} link %(levelname)s %(message)s")
+    torch.set_num_threads(1)  # the trainer's cores are the trainer's
+    try:
+        helper = Helper(pipe, spec, int(argv[1]))
+    except (DdilocoError, OSError) as err:
+        pipe.send(Msg.FATAL, f"the learner's link helper cannot start: {err}")
+        return 2
+    pipe.send(Msg.READY)
+    try:
+        helper.serve()
+    except PipeClosed:  # the training process is gone: nothing to report to
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
