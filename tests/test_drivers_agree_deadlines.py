@@ -108,20 +108,28 @@ class RecordingStub:
 
 
 def real_join_and_send(contribution: Contribution, plan: Any) -> dict[str, float]:
-    """The real learner driver's join (``ShardChannel._join``) and upload (``SyncClient.contribute``)."""
+    """The real learner driver's join and upload deadlines. The join's is set in the training
+    process (``LearnerLink.dispatch`` hands it to the link's helper with the join), which calls
+    ``SyncClient.join`` with it; the upload's is ``SyncClient.contribute``'s own, in the helper."""
+    from ddiloco.runtime.call_errors import Unreachable
     from ddiloco.runtime.client import SyncClient
+    from ddiloco.runtime.learner.helper_wire import Msg
     from ddiloco.runtime.learner.link import LearnerLink
     from ddiloco.runtime.learner.staging import HostStaging
 
     protocol = CONFIG.protocol.for_mode(CONFIG.run.mode, CONFIG.run.learners)
     core = Learner(NAME, protocol, plan, dict(WalkModel().named_parameters()), boot="real",
                    tokens_per_step=TOKENS_PER_STEP)
+    link = LearnerLink(core, [], threading.RLock(), HostStaging(torch.device("cpu"), None, [], []))
+    to_helper: list[tuple[Msg, Any, tuple]] = []
+    link._request = lambda kind, request, shard, *extra, rid=None: to_helper.append((kind, request, extra))
+    link.dispatch(core.start(0.0))
+    [(join, timeout_s)] = [(request, extra[0]) for kind, request, extra in to_helper if kind is Msg.JOIN]
     client = SyncClient("127.0.0.1:9")  # never connected: the stub answers
     stub = client.stub = RecordingStub()
-    link = LearnerLink(core, [client], threading.RLock(), HostStaging(torch.device("cpu"), None, [], []))  # type: ignore[arg-type]
     try:
-        [join] = [a for a in core.start(0.0) if isinstance(a, SendJoin)]
-        link.channels[0]._join(join)
+        with pytest.raises(Unreachable):  # what the helper's ShardWorker does with it; the stub answers no state
+            client.join(join, timeout_s)
         client.contribute(contribution)
     finally:
         client.close()
