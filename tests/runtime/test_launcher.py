@@ -34,7 +34,11 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
     assert summary["runtime"] == "processes" and summary["learners"] == 2
     assert summary["tokens"] >= 12288 and min(summary["fragment_versions"]) >= 1
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0 and 0 < summary["goodput"] <= 1
-    assert rows[-1]["eval_loss"] == summary["eval_loss"] < rows[0]["eval_loss"]
+    # Twice under load 8 the final loss was above the first (6.8 against 5.48) where one learner had
+    # trained alone; not reproduced at a quiet load: say what the run did if it happens again.
+    story = {k: summary.get(k) for k in ("steps_per_learner", "own_steps_per_learner", "rounds_closed", "rejections",
+                                         "refused_steps", "fragment_versions")}
+    assert rows[-1]["eval_loss"] == summary["eval_loss"] < rows[0]["eval_loss"], ([r["eval_loss"] for r in rows], story)
     assert seen and seen[-1] == 1.0
     # Issue 45: the same "what happened" as the virtual cluster's (summary.json had events None).
     events = summary["events"]
