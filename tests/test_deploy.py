@@ -34,7 +34,7 @@ import yaml
 
 from cli_lines import _parser, check_command
 from ddiloco.commands.options import config_from_args
-from ddiloco.runtime.sync.state_dir import Resume
+from ddiloco.runtime.sync.resume import Resume
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERNETES = REPO / "deploy" / "kubernetes"

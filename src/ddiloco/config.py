@@ -17,16 +17,17 @@ import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ddiloco.core.config import Mode, ProtocolConfig, one_of
 from ddiloco.core.deadlines import drain_after_stop_s
-from ddiloco.core.run import RunLimits
 from ddiloco.did_you_mean import did_you_mean
 from ddiloco.errors import ConfigError
 from ddiloco.fault_kinds import SIMULATED, FaultKind
-from ddiloco.workload.model import ModelConfig
-from ddiloco.workload.trainer import LrSchedule, Precision
+from ddiloco.workload.settings import LrSchedule, ModelConfig, Precision
+
+if TYPE_CHECKING:  # the run's limits are the core's (claims, messages: torch), built only for a run
+    from ddiloco.core.run import RunLimits
 
 MODES = tuple(m.value for m in Mode)
 MAX_SEED = 2**63 - 1
@@ -257,6 +258,8 @@ class Config:
     def run_limits(self, *, checkpoint_every_rounds: int, checkpoint_every_s: float,
                    drain_timeout_s: float | None = None) -> RunLimits:
         """When this run ends and how often its synchronizer checkpoints (every driver's, from one place)."""
+        from ddiloco.core.run import RunLimits
+
         protocol = self.protocol.for_mode(self.run.mode, self.run.learners)
         return RunLimits(
             tokens=0 if self.run.time_s else self.run.tokens,

@@ -51,6 +51,15 @@ def test_the_help_still_lists_every_command() -> None:
     (["status", "127.0.0.1:7000", "--page", "-1"], "--page -1: must be >= 0"),
     (["status", "127.0.0.1:7000", "--timeout", "0"], "must be a positive number of seconds"),
     (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
+    # The run's configuration is checked before what trains it is imported (the protocol's choices,
+    # the model's sizes and --resume's choices in torch-free modules: core/choices.py,
+    # workload/settings.py, runtime/sync/resume.py).
+    (["run", "--set", "protocol.quorum=abc"], "protocol.quorum must be int, got 'abc'"),
+    (["run", "--learners", "0"], "run.learners must be >= 1, got 0"),
+    (["compare", "--seed", "-1"], "run.seed must be an integer from 0 to 2**63 - 1, got -1"),
+    (["chaos", "--set", "nope.x=1"], "unknown section 'nope'"),
+    (["sync", "--preset", "nope"], "unknown preset 'nope'"),
+    (["sync", "--resume"], "--resume needs --state-dir"),
 ])
 def test_bad_input_before_a_model_is_built_is_one_line_without_torch(argv: list[str], error: str) -> None:
     code, heavy, _, err = probe(*argv)

@@ -26,7 +26,7 @@ from ddiloco.runtime.auth import Address, client_metadata
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import ServiceOptions
-from ddiloco.runtime.sync.state_dir import Resume
+from ddiloco.runtime.sync.resume import Resume
 
 TOKEN = "shared-token"
 UNHANDLED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}

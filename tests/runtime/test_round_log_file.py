@@ -14,7 +14,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
-from ddiloco.runtime.sync.state_dir import Resume
+from ddiloco.runtime.sync.resume import Resume
 
 IDENTITY = {"layout_sha256": "ab" * 32, "shard": 0}
 

@@ -23,7 +23,7 @@ from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
 from ddiloco.runtime.learner.runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-from ddiloco.runtime.sync.state_dir import Resume
+from ddiloco.runtime.sync.resume import Resume
 from ddiloco.workload.workload import Workload
 from ddiloco.workload.model import ByteTransformer
 

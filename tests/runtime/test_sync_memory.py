@@ -29,7 +29,8 @@ from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import check_memory, memory_plan
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-from ddiloco.runtime.sync.state_dir import Resume, StateDir
+from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.units import human_bytes, human_count
 
 from runtime_helpers import Honest, versions, wait_for
@@ -42,7 +43,8 @@ from pathlib import Path
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.synchronizer import Synchronizer
 from ddiloco.runtime import wire
-from ddiloco.runtime.sync.state_dir import Resume, StateDir
+from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.state_dir import StateDir
 
 P, N = {FRAGMENTS}, {NUMEL}
 

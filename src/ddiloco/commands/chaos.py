@@ -99,10 +99,7 @@ def chaos_config(args: argparse.Namespace) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos.schedule import check_targets, load_schedule, seeded_schedule
-    from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.commands.options import topology_from_args
-    from ddiloco.reporting import prepare_out
-    from ddiloco.workload.device import resolve_device
 
     config = chaos_config(args)
     window_s = args.time
@@ -118,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
                                  fragment_bytes=max(f.numel for f in plan.fragments) // 2, seed=config.run.seed,
                                  shards=shards)
     topology = topology_from_args(args, config.run.learners)
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.reporting import prepare_out
+    from ddiloco.workload.device import resolve_device
+
     device = str(resolve_device(args.device))
     config.validate_for_processes()
     out = prepare_out(args.out or "runs/chaos")

@@ -31,16 +31,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.commands.display import compare_story, console, print_report, progress_bar
-    from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.commands.options import config_from_args
     from ddiloco.config import MODES
+
+    base = config_from_args(args)
+    # The configuration is checked: only now what trains it (torch), so a bad value costs no torch import.
+    from ddiloco.commands.display import compare_story, console, print_report, progress_bar
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.experiment import Interrupted, run_virtual
     from ddiloco.reporting import prepare_out
     from ddiloco.workload.device import resolve_device
     from ddiloco.workload.workload import Workload
 
-    base = config_from_args(args)
     device = resolve_device(args.device)
     out = prepare_out(args.out or "runs/compare")
     workload = Workload.build(base, device)

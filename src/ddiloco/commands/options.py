@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ddiloco.errors import ConfigError
+from ddiloco.workload.settings import DEVICE_CHOICES
 
 if TYPE_CHECKING:
     from ddiloco.config import Config
@@ -30,8 +31,6 @@ def add_workload_options(parser: argparse.ArgumentParser) -> None:
 
 def add_device_option(parser: argparse.ArgumentParser) -> None:
     """Where learners train; not part of the run's configuration (mixed hardware joins one run)."""
-    from ddiloco.workload.device import DEVICE_CHOICES
-
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help=f"where learners train: {DEVICE_CHOICES} (default: auto, the first of cuda, mps, cpu)")
 

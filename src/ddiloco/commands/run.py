@@ -35,15 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.commands.display import console, print_report, progress_bar, what_happened
-    from ddiloco.commands.interrupt import sigterm_as_interrupt
-    from ddiloco.commands.live_view import live_view
     from ddiloco.commands.options import config_from_args, topology_from_args
     from ddiloco.core.config import Mode
-    from ddiloco.experiment import Interrupted, run_virtual
-    from ddiloco.reporting import MODEL_FILE, prepare_out, write_run
     from ddiloco.runtime.launch.placement import Hosts
-    from ddiloco.workload.device import resolve_device
 
     virtual = args.runtime == "virtual"
     if not virtual and (args.mtbf or args.downtime is not None):  # one line, not a trace silently ignored
@@ -56,6 +50,14 @@ def run(args: argparse.Namespace) -> int:
     topology = topology_from_args(args, config.run.learners)
     if not virtual:
         config.validate_for_processes()
+    # The configuration is checked: only now what trains it (torch), so a bad value costs no torch import.
+    from ddiloco.commands.display import console, print_report, progress_bar, what_happened
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.commands.live_view import live_view
+    from ddiloco.experiment import Interrupted, run_virtual
+    from ddiloco.reporting import MODEL_FILE, prepare_out, write_run
+    from ddiloco.workload.device import resolve_device
+
     device = resolve_device(args.device)
     out = prepare_out(args.out or f"runs/{config.run.mode}")
     label = f"{config.run.mode} M={config.run.learners}"

@@ -29,7 +29,7 @@ DEFAULT_LISTEN = "127.0.0.1:7000"
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ddiloco.commands.options import add_log_level_option, add_workload_options  # the presets: torch
-    from ddiloco.runtime.sync.state_dir import Resume
+    from ddiloco.runtime.sync.resume import Resume
 
     parser = sub.add_parser(
         "sync",
@@ -83,18 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.options import config_from_args
-    from ddiloco.runtime.auth import (
-        Address,
-        load_credentials,
-        load_token,
-        parse_address,
-        require_token_beyond_loopback,
-        server_credentials,
-    )
-    from ddiloco.runtime.sync.server import check_can_listen
-    from ddiloco.runtime.sync.service import ServiceOptions
-    from ddiloco.runtime.sync.state_dir import Resume
-    from ddiloco.runtime.sync.status_process import StatusPageProcess
+    from ddiloco.runtime.sync.resume import Resume
 
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr may not be a file
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
@@ -109,6 +98,19 @@ def run(args: argparse.Namespace) -> int:
         if config.protocol.shards not in (1, shards):
             raise ConfigError(f"--shard {args.shard} conflicts with protocol.shards={config.protocol.shards}")
         config = replace(config, protocol=replace(config.protocol, shards=shards)).validate()
+    # The configuration is checked: only now the service's code (gRPC, torch), so a bad value costs neither.
+    from ddiloco.runtime.auth import (
+        Address,
+        load_credentials,
+        load_token,
+        parse_address,
+        require_token_beyond_loopback,
+        server_credentials,
+    )
+    from ddiloco.runtime.sync.server import check_can_listen
+    from ddiloco.runtime.sync.service import ServiceOptions
+    from ddiloco.runtime.sync.status_process import StatusPageProcess
+
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
     secrets = load_credentials(args.credentials)

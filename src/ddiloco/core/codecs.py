@@ -30,7 +30,6 @@ order, which is the wire's on every platform PyTorch ships for (checked at impor
 
 from __future__ import annotations
 
-import enum
 import math
 import sys
 from abc import ABC, abstractmethod
@@ -39,24 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ddiloco.core.choices import CODEC_NAMES, CodecName
 from ddiloco.errors import ConfigError
 
 if sys.byteorder != "little":  # pragma: no cover - no such platform ships PyTorch wheels
     raise ImportError("ddiloco's wire codecs view float32 as little-endian bytes: this host is big-endian")
-
-
-class CodecName(enum.StrEnum):
-    """The codecs by the names the configuration and the wire use (``Codec.name`` is the plain string)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    INT8 = "int8"
-    INT4 = "int4"
-    INT2 = "int2"
-    INT1 = "int1"
-
-
-CODEC_NAMES = tuple(name.value for name in CodecName)
 
 
 class Codec(ABC):

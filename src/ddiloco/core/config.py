@@ -10,9 +10,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 
-from ddiloco.core.codecs import CodecName
-from ddiloco.core.fragments import Fragmentation
-from ddiloco.core.merge import MergeRuleName
+from ddiloco.core.choices import CodecName, Fragmentation, MergeRuleName
 from ddiloco.errors import ConfigError
 
 

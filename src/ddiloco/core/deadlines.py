@@ -29,9 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import FragmentPlan
+
+if TYPE_CHECKING:  # a configuration's deadlines are checked without torch (the fragments' module imports it)
+    from ddiloco.core.fragments import FragmentPlan
 
 STATE_VALUE_BYTES = 4
 """A join sends the global state in fp32."""

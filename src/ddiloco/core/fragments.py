@@ -9,8 +9,6 @@ mean, not RDA): its rows are updated sparsely, so its learners' deltas are not n
 
 from __future__ import annotations
 
-import enum
-
 import bisect
 import heapq
 import itertools
@@ -21,15 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ddiloco.core.choices import Fragmentation
 from ddiloco.errors import ConfigError
-
-class Fragmentation(enum.StrEnum):
-    """How parameters are split into fragments (``protocol.fragmentation``)."""
-
-    BALANCED = "balanced"
-    LAYERWISE = "layerwise"
-    STRIDED = "strided"
-
 
 STRATEGIES = tuple(name.value for name in Fragmentation)
 

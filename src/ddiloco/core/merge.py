@@ -21,7 +21,6 @@ Token weights live here too: w = tokens · tokens/steps, quantity times efficien
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,19 +29,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ddiloco.core.choices import MergeRuleName
+
 EPS = 1e-12
 """Below this a norm is zero: such a Δ has no direction (RDA still counts it in the magnitude)."""
-
-
-class MergeRuleName(enum.StrEnum):
-    RDA = "rda"
-    """Radial-directional average: the weighted mean norm along the weighted mean direction."""
-    MEAN = "mean"
-    """The weighted mean (DiLoCo's; always used for the embedding fragment)."""
-    RDA_MEDIAN = "rda-median"
-    """RDA whose magnitude is the weighted median of the norms: one learner sending an outer
-    gradient far larger than the others' (a bug, or a member pushing the model) cannot
-    stretch the merged step."""
 
 
 MERGE_RULES = tuple(name.value for name in MergeRuleName)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ddiloco.errors import ConfigError
-
-DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps"
+from ddiloco.workload.settings import DEVICE_CHOICES
 
 
 def resolve_device(name: str) -> torch.device:

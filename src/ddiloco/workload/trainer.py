@@ -6,7 +6,6 @@ the data-parallel baselines — so the compute they compare is the same code.
 
 from __future__ import annotations
 
-import enum
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -14,24 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddiloco.workload.model import ByteTransformer, ModelConfig
-
-
-class Precision(enum.StrEnum):
-    """Arithmetic of the inner steps (``train.precision``)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    """Autocast: matrix products and attention in bfloat16; weights, gradients and AdamW state
-    stay fp32, so Δ, anchors and merges are unchanged."""
-
-
-class LrSchedule(enum.StrEnum):
-    """Inner learning rate after warm-up (``train.schedule``)."""
-
-    CONSTANT = "constant"
-    COSINE = "cosine"
-    LINEAR = "linear"
+from ddiloco.workload.model import ByteTransformer
+from ddiloco.workload.settings import LrSchedule, ModelConfig, Precision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

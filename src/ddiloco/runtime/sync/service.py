@@ -56,7 +56,8 @@ from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_copies import SharedCopies
-from ddiloco.runtime.sync.state_dir import Resume, StateDir
+from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
 from ddiloco.runtime.sync.uploads import Uploads

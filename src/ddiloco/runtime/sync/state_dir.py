@@ -23,7 +23,6 @@ is a state the synchronizer served.
 
 from __future__ import annotations
 
-import enum
 import fcntl
 import hashlib
 import json
@@ -39,6 +38,7 @@ import torch
 
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
+from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.round_log import holds_rounds
 
 FORMAT = "ddiloco-sync-checkpoint-2"
@@ -48,23 +48,6 @@ LEGACY_NAME = "synchronizer.safetensors"
 """The single-file checkpoint of ddiloco before fragment-by-fragment checkpoints (not read)."""
 _FOLDER = re.compile(r"checkpoint-(\d{6,})$")
 _TENSORS = ("value", "momentum", "residual", "residual_scales")
-
-
-class Resume(enum.Enum):
-    """What a synchronizer does with the run's state in its state directory.
-
-    A restart after a crash must resume, and a first start must not overwrite another run; a
-    ``--resume`` that found nothing used to start a new run quietly, so a wrong path (a typo, a
-    volume not mounted) began training from scratch beside the real state. Deploy scripts that
-    run one command line for both the first start and every restart say so:
-    :attr:`IF_PRESENT`."""
-
-    NEW_RUN = "new run"
-    """Start a run: a directory that holds one is refused (``ddiloco sync`` without ``--resume``)."""
-    REQUIRED = "required"
-    """Continue the run in the directory; none there is an error (``--resume``)."""
-    IF_PRESENT = "if present"
-    """Continue the run in the directory if it holds one, else start one (``--resume-if-present``)."""
 
 
 class StateDir:
