@@ -55,15 +55,19 @@ def finish(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 def learner_pid(launcher: int, learner_id: str) -> int | None:
-    """The launched copy of ``learner_id`` (its environment says which), a child of ``launcher``."""
+    """The launched copy of ``learner_id`` (its environment says which), a child of ``launcher``: the
+    topmost such process, not the link's helper that the copy starts (it inherits the environment)."""
+    copies = {}
     for pid in session_pids(launcher):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if f"DDILOCO_LEARNER_ID={learner_id}".encode() in environ:
-            return pid
-    return None
+            copies[pid] = parent
+    topmost = [pid for pid, parent in copies.items() if parent not in copies]
+    return topmost[0] if topmost else None
 
 
 @pytest.mark.slow
