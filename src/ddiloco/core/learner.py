@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
-from ddiloco.core.codecs import get_codec
+from ddiloco.core.codecs import Codec, get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import FlatFragment
 from ddiloco.core.fragments import FragmentPlan
@@ -179,6 +179,15 @@ class Learner:
         """Does the core apply ``fragment``'s updates straight from their payload (one fused pass),
         so that a driver gains nothing by decoding them ahead?"""
         return self._flat[fragment].fused_down
+
+    def encodes_contributions(self, fragment: int) -> bool:
+        """Does the core make ``fragment``'s uplink payload itself (one fused pass; a driver sends it as it is)?"""
+        return self._flat[fragment].fused_up
+
+    @property
+    def codecs(self) -> tuple[Codec, Codec]:
+        """The uplink and downlink codecs the core encodes and decodes with (their block size)."""
+        return self._uplink, self._downlink
 
     # ---- joining -------------------------------------------------------------------------
 

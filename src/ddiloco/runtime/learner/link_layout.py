@@ -17,10 +17,10 @@ from ddiloco.runtime.learner.staging import HostStaging
 def slot_layout(core: Learner, staging: HostStaging) -> SlotLayout:
     """Each fragment's slots, sized for the most they hold: out, the payload (or Δ as float32 where
     the helper compresses it); in, the payload (or the values, where the helper decodes them)."""
-    uplink, downlink = core._uplink, core._downlink  # the core's own codecs (their block size)
+    uplink, downlink = core.codecs
     outs, ins = [], []
     for f in core.plan.fragments:
-        fused_up = core._flat[f.index].fused_up or staging.asynchronous
+        fused_up = core.encodes_contributions(f.index) or staging.asynchronous
         outs.append(uplink.encoded_size(f.numel) if fused_up else max(uplink.encoded_size(f.numel), 4 * f.numel))
         ins.append(max(downlink.encoded_size(f.numel), 4 * f.numel if helper_decodes(core, staging, f.index) else 0))
     return SlotLayout(tuple(outs), tuple(ins))
