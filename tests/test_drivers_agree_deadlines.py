@@ -156,9 +156,10 @@ def windows(monkeypatch) -> dict[str, list[float]]:
     seen: dict[str, list[float]] = {"core": [], "service": []}
     register, transfer = Registry.register, CallLimits.transfer_deadline_s
 
-    def registered(self, join, now, *, admission_s, tokens_per_step):
-        seen["core"].append(admission_s + self.lease_s)
-        return register(self, join, now, admission_s=admission_s, tokens_per_step=tokens_per_step)
+    def registered(self, join, now, **limits):
+        rec = register(self, join, now, **limits)
+        seen["core"].append(rec.lease_until_s - now)  # how long the session lives without its state
+        return rec
 
     def transferred(self, state_bytes):
         seen["service"].append(transfer(self, state_bytes))

@@ -39,6 +39,8 @@ round trip a starved link."""
 BEHIND_AT = 1.5
 """Behind when the recent contributions carried this many periods of steps each on average (a
 third of the sends waited for the one before): below what the protocol needs."""
+
+
 CAUGHT_UP_AT = 1.2
 """Caught up again under this many periods per contribution."""
 CPU_SLOW_AT = 1.5
@@ -48,6 +50,12 @@ OUTAGE_AFTER_S = 5.0
 (longer than the default heartbeat interval, so a slow link that passes heartbeats is not one)."""
 OUTAGE_SUMMARY_S = 10.0
 """While a shard does not answer, how often the learner says how long and how much it folded."""
+
+
+def starved_after_s(lease_s: float, period: int, step_s: float) -> float:
+    """How long after its last accepted work a learner stepping every ``step_s`` is link-starved:
+    the synchronizer's form of the rule :meth:`LinkWatch.check` applies in steps."""
+    return max(STARVED_LEASES * lease_s, STARVED_PERIODS * period * step_s)
 
 
 @dataclass(slots=True)

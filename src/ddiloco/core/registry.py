@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ddiloco.core.link_watch import STARVED_LEASES, STARVED_PERIODS
+from ddiloco.core.link_watch import starved_after_s
 from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Request, Session
 from ddiloco.core.refusals import Refusals
 from ddiloco.core.sync_status import LearnerStatus
@@ -143,9 +143,10 @@ class Registry:
 
     # ---- registration --------------------------------------------------------------------
 
-    def register(self, join: Join, now: float, *, admission_s: float, tokens_per_step: int) -> LearnerRecord:
-        """Open a new session for ``join`` (its lease waits ``admission_s`` for the state to arrive,
-        then runs: the session lives ``deadlines.admission_window_s`` without its state).
+    def register(self, join: Join, now: float, *, admission_s: float, window_s: float,
+                 tokens_per_step: int) -> LearnerRecord:
+        """Open a new session for ``join``: it is admitting for ``admission_s`` (its state on the
+        way) and lives ``window_s`` without its state arriving (``deadlines.admission_window_s``).
 
         :class:`Rejected` when its boot was replaced by a later one, or the registry is full.
         """
@@ -181,7 +182,7 @@ class Registry:
             rec.compute_accepted.clear()
         rec.admitting_until_s = now + admission_s
         rec.last_seen_s = now
-        rec.lease_until_s = now + admission_s + self.lease_s
+        rec.lease_until_s = now + window_s
         return rec
 
     def data_shard(self, learner_id: str) -> int:
@@ -268,8 +269,7 @@ class Registry:
     # ---- link starvation -------------------------------------------------------------------
 
     def _starves_at(self, rec: LearnerRecord) -> float:
-        step_s = rec.step_time_s or self.fastest_step_s()
-        return rec.last_progress_s() + max(STARVED_LEASES * self.lease_s, STARVED_PERIODS * self.period * step_s)
+        return rec.last_progress_s() + starved_after_s(self.lease_s, self.period, rec.step_time_s or self.fastest_step_s())
 
     def _may_starve(self, rec: LearnerRecord) -> bool:
         return rec.alive and not rec.starved and rec.admitting_until_s is None

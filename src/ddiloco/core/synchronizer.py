@@ -260,6 +260,7 @@ class Synchronizer(SyncState):
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.register(join, now, admission_s=self.admission_s(),
+                                      window_s=deadlines.admission_window_s(self.state_bytes, self.config),
                                       tokens_per_step=self._claims.tokens_per_step(join.tokens_per_step))
         self._run.start(now)
         # The values travel separately, a fragment at a time (``fragment_value``): the reply names
