@@ -9,9 +9,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from ddiloco.core.choices import CodecName, Fragmentation, MergeRuleName
 from ddiloco.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddiloco.core.codecs import Codec
 
 
 class Mode(enum.StrEnum):
@@ -187,6 +191,18 @@ class ProtocolConfig:
     def heartbeat_interval_s(self) -> float:
         """How often a learner renews its lease: three chances before it expires."""
         return min(self.heartbeat_s, self.lease_s / 3)
+
+    def uplink(self) -> "Codec":
+        """The codec of Δ on the way to the synchronizer (``codec``, ``block_size``)."""
+        from ddiloco.core.codecs import get_codec  # torch: not for the CLI's checks of a configuration
+
+        return get_codec(self.codec, block_size=self.block_size)
+
+    def downlink(self) -> "Codec":
+        """The codec of the updates on the way back (``downlink_codec``, ``block_size``)."""
+        from ddiloco.core.codecs import get_codec
+
+        return get_codec(self.downlink_codec, block_size=self.block_size)
 
     def for_mode(self, mode: Mode | str, learners: int) -> "ProtocolConfig":
         """The protocol a mode runs. Synchronous DiLoCo is the same core with everyone waiting:

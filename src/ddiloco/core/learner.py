@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from ddiloco.core.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
-from ddiloco.core.codecs import Codec, get_codec
+from ddiloco.core.codecs import Codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import FlatFragment
 from ddiloco.core.fragments import FragmentPlan
@@ -59,8 +59,8 @@ class Learner:
         self.plan = plan
         self.phase = LearnerPhase.IDLE
         self.links = [ShardLink() for _ in range(config.shards)]
-        self._uplink = get_codec(config.codec, block_size=config.block_size)
-        self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
+        self._uplink = config.uplink()
+        self._downlink = config.downlink()
         self._flat = [FlatFragment(f.index, f.param_names, [named_parameters[n] for n in f.param_names],
                                    self._uplink, self._downlink) for f in plan.fragments]
         self.versions: list[int] = [-1] * len(plan.fragments)

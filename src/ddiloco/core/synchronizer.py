@@ -44,7 +44,6 @@ from ddiloco.core.actions import (
     Tick,
 )
 from ddiloco.core.claims import ClaimLimits, ClipReason, check_contribution
-from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core import deadlines
 from ddiloco.core.data_position import DataPositions
@@ -91,8 +90,8 @@ class Synchronizer(SyncState):
         limits.validate()
         self.config = config
         self.incarnation = incarnation
-        self._uplink = get_codec(config.codec, block_size=config.block_size)
-        self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
+        self._uplink = config.uplink()
+        self._downlink = config.downlink()
         self._outer = NesterovSGD(lr=config.outer_lr, momentum=config.outer_momentum)
         self._grace = GraceWindow(overlap_steps=config.overlap, gamma=config.grace_gamma, max_s=config.grace_max_s)
         if not 0 <= shard < config.shards:

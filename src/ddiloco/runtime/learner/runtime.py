@@ -46,7 +46,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.flat import ModelHold
 from ddiloco.core.learner import Learner
@@ -194,7 +193,7 @@ class LearnerRuntime:
         self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot,
                                    tokens_per_step=self.tokens_per_step)
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
-        downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+        downlink = protocol.downlink()
         compile_learner_kernels()  # now, not at the first due fragment (a stall of seconds)
         staging = HostStaging(device, downlink, [f.numel for f in self.plan.fragments],
                               [core.decodes_updates(f.index) for f in self.plan.fragments])

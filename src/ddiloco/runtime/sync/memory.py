@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ddiloco.core.codecs import fused_int4, get_codec
+from ddiloco.core.codecs import fused_int4
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import FragmentPlan
 from ddiloco.core.replay import replay_budget
@@ -150,7 +150,7 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 def shard_memory_plan(protocol: ProtocolConfig, plan: FragmentPlan, shard: int, learners: int) -> MemoryPlan:
     """The memory plan of one synchronizer shard: the fragments it owns."""
-    downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+    downlink = protocol.downlink()
     return memory_plan([f.numel for f in plan.fragments if protocol.shard_of(f.index) == shard], learners=learners,
                        lean=fused_int4(downlink), block_size=protocol.block_size, transfers=STATE_TRANSFERS)
 

@@ -36,7 +36,6 @@ import grpc
 from ddiloco.config import Config
 from ddiloco.core.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, Refused, RoundClosed,
                                   StateDelivered, StopLearners, SyncAction)
-from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import Mode
 from ddiloco.core.messages import FragmentUpdate, Leave, RejectReason, StopNotice
 from ddiloco.core.replay import replay_budget
@@ -122,7 +121,7 @@ class SyncService:
         self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
-        uplink = get_codec(self.protocol.codec, block_size=self.protocol.block_size)
+        uplink = self.protocol.uplink()
         largest = max(self.layout.plan.fragments[p].numel for p in self.core.owned)
         self.boundary = Boundary(Authenticator(options.token, options.credentials), uplink.encoded_size(largest),
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
