@@ -1,5 +1,5 @@
-"""The link-starvation rule is written once: the learner applies it in steps (``LinkWatch.check``),
-the synchronizer in time (``Registry`` via ``starved_after_s``); a learner stepping at a steady pace
+"""The link-starvation rule is written once (``core/deadlines.py``): the learner applies it in steps
+(``LinkWatch.check`` via ``starved``), the synchronizer in time (``Registry`` via ``starved_after_s``); a learner stepping at a steady pace
 is called starved by both at the same step (within one step)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ddiloco.core.actions import Starved
-from ddiloco.core.link_watch import LinkWatch, starved_after_s
+from ddiloco.core.deadlines import starved_after_s
+from ddiloco.core.link_watch import LinkWatch
 
 
 @pytest.mark.parametrize("lease_s, period, step_s", [(10.0, 5, 0.01), (1.0, 20, 0.5), (2.0, 3, 1.0)])

@@ -23,6 +23,9 @@ here, and a driver supplies only what its world knows.
   memory and slots from slow or stalling members, far below what a learner expects of its link.
   The simulator's virtual streams never wait for their reader, so only a message whose own
   transfer on a virtual link slower than that floor outlasts its deadline is ever cut there.
+- **A starved link**: a learner whose work has not been accepted for a while although the
+  synchronizer answers. The learner judges itself in steps (:func:`starved`), the synchronizer
+  judges it in time (:func:`starved_after_s`): one rule, both forms here.
 """
 
 from __future__ import annotations
@@ -116,3 +119,23 @@ def admission_window_s(state_bytes: int, protocol: ProtocolConfig) -> float:
     """How long a joining session lives without its state arriving (the wait, then one lease):
     also how long the synchronizer lets the state's transfer take."""
     return admission_s(state_bytes, protocol) + protocol.lease_s
+
+
+STARVED_PERIODS = 3
+"""None of a live learner's work accepted for this many of its periods ..."""
+STARVED_LEASES = 2
+"""... and this many leases: link-starved, as the learner sees it and as the synchronizer does
+(``Registry``). The leases keep a learner that steps in milliseconds from calling its first
+round trip a starved link."""
+
+
+def starved(unaccepted_steps: int, unaccepted_s: float, period: int, lease_s: float) -> bool:
+    """Link-starved, as a learner judges itself (``LinkWatch``): none of its work accepted for
+    ``STARVED_PERIODS`` periods of steps and ``STARVED_LEASES`` leases."""
+    return unaccepted_steps >= STARVED_PERIODS * period and unaccepted_s >= STARVED_LEASES * lease_s
+
+
+def starved_after_s(lease_s: float, period: int, step_s: float) -> float:
+    """The same rule in time, as the synchronizer judges a learner stepping every ``step_s``
+    (``Registry``): how long after its last accepted work it is link-starved."""
+    return max(STARVED_LEASES * lease_s, STARVED_PERIODS * period * step_s)

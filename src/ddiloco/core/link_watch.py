@@ -4,7 +4,7 @@ A learner never waits for the network, so its own steps per second hide a link t
 slow. Two signs, each said once (and again only after the link recovered):
 
 - *starved* (:class:`~ddiloco.core.actions.Starved`): none of its work has been accepted for
-  ``STARVED_PERIODS`` periods and ``STARVED_LEASES`` leases, although the synchronizer answers
+  ``deadlines.STARVED_PERIODS`` periods and ``deadlines.STARVED_LEASES`` leases, although the synchronizer answers
   (its heartbeats, refusals);
 - *behind* (:class:`~ddiloco.core.actions.Behind`): some arrives, but its recent
   contributions carried ``BEHIND_AT`` periods of steps each on average, because each waited
@@ -29,13 +29,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from ddiloco.core.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
+from ddiloco.core.deadlines import starved
 
-STARVED_PERIODS = 3
-"""None of a live learner's work accepted for this many of its periods ..."""
-STARVED_LEASES = 2
-"""... and this many leases: link-starved, as the learner sees it and as the synchronizer does
-(``Registry``). The leases keep a learner that steps in milliseconds from calling its first
-round trip a starved link."""
 BEHIND_AT = 1.5
 """Behind when the recent contributions carried this many periods of steps each on average (a
 third of the sends waited for the one before): below what the protocol needs."""
@@ -50,12 +45,6 @@ OUTAGE_AFTER_S = 5.0
 (longer than the default heartbeat interval, so a slow link that passes heartbeats is not one)."""
 OUTAGE_SUMMARY_S = 10.0
 """While a shard does not answer, how often the learner says how long and how much it folded."""
-
-
-def starved_after_s(lease_s: float, period: int, step_s: float) -> float:
-    """How long after its last accepted work a learner stepping every ``step_s`` is link-starved:
-    the synchronizer's form of the rule :meth:`LinkWatch.check` applies in steps."""
-    return max(STARVED_LEASES * lease_s, STARVED_PERIODS * period * step_s)
 
 
 @dataclass(slots=True)
@@ -200,8 +189,8 @@ class LinkWatch:
         # declared, read as a starved link: a learner said so 4 s into a synchronizer's restart.
         answering = (self._answered_at_step > self._accepted_at_step
                      and all(now - s.since_s <= 2 * self.heartbeat_s for s in self._silent.values()))
-        if (answering and not rejoining and not self.starved and unaccepted >= STARVED_PERIODS * self.period
-                and now - self._accepted_at_s >= STARVED_LEASES * self.lease_s):
+        if (answering and not rejoining and not self.starved
+                and starved(unaccepted, now - self._accepted_at_s, self.period, self.lease_s)):
             self.starved = True
             actions.append(Starved(unaccepted))
         if len(self._carried) == self._carried.maxlen:

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ddiloco.core.link_watch import starved_after_s
+from ddiloco.core.deadlines import starved_after_s
 from ddiloco.core.messages import Contribution, Join, RejectReason, Rejected, Request, Session
 from ddiloco.core.refusals import Refusals
 from ddiloco.core.sync_status import LearnerStatus
