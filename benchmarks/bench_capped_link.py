@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import MODELS  # noqa: E402
 from stamp import stamp  # noqa: E402
 
-from ddiloco.config import build_config  # noqa: E402
+from ddiloco.config_sources import build_config
 from ddiloco.errors import ConfigError  # noqa: E402
 from ddiloco.runtime.launch.netns import NS_PREFIX, check_available, tag_of  # noqa: E402
 from ddiloco.runtime.launch.topology import format_rate, parse_rate  # noqa: E402

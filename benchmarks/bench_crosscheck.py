@@ -38,7 +38,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ddiloco.config import Config, build_config
+from ddiloco.config import Config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
 from ddiloco.sim.virtual_cluster import VirtualCluster

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ddiloco.config import PRESETS, build_config
+from ddiloco.config_sources import PRESETS, build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.config import PRESETS, build_config
+from ddiloco.config_sources import PRESETS, build_config
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.workload.workload import Workload

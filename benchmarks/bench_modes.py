@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import MODES, Config, build_config
+from ddiloco.config import MODES, Config
+from ddiloco.config_sources import build_config
 from ddiloco.experiment import run_virtual
 from ddiloco.run_plot import plot_runs
 from ddiloco.workload.workload import Workload

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.actions import RoundClosed
 from ddiloco.core.messages import Contribution, Join, Session

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.config import Config, build_config
+from ddiloco.config import Config
+from ddiloco.config_sources import build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_virtual, run_warm_started
 from ddiloco.workload.corpus import load_corpus

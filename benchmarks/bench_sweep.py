@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -505,7 +505,7 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
 def downlink_vs_model(quick: bool) -> float:
     import bench_crosscheck as xc
 
-    from ddiloco.config import build_config
+    from ddiloco.config_sources import build_config
     from ddiloco.scale.bandwidth_model import check_counted_bytes
     from ddiloco.sim.network import HEADER_BYTES
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.actions import (
     Accepted,
     Admitted,

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core import deadlines
 from ddiloco.core.actions import Admitted, Send, SendJoin
 from ddiloco.core.deadlines import (

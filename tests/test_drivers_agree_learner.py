@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import pytest
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.actions import Send, SendLeave
 from ddiloco.core.learner import Learner
 from ddiloco.core.messages import RejectReason

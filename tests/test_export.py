@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.experiment import run_virtual
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.model_file import parameters

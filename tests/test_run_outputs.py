@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ddiloco.commands import display
 from ddiloco.commands.display import COLUMNS, compare_story, print_report, what_happened
 from ddiloco.commands.live_view import live_view
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.experiment import Interrupted, run_virtual
 from runtime.runtime_helpers import wait_for
 

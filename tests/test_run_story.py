@@ -12,7 +12,7 @@ from ddiloco.cli import build_parser, main
 from ddiloco.commands.display import what_happened
 from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import config_from_args
-from ddiloco.config import MAIN_JOB, PRESETS, build_config
+from ddiloco.config_sources import MAIN_JOB, PRESETS, build_config
 from ddiloco.experiment import run_virtual
 
 

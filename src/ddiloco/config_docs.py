@@ -20,8 +20,9 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from ddiloco import config as config_module
-from ddiloco.config import PRESETS, Config
+from ddiloco import config_sources
+from ddiloco.config import Config
+from ddiloco.config_sources import PRESETS
 
 FLAGS: dict[str, str] = {
     "run.mode": "--mode",
@@ -35,7 +36,7 @@ FLAGS: dict[str, str] = {
 }
 """Keys that ``ddiloco run`` and ``compare`` also take as a flag (``commands/options.py``)."""
 
-MAIN_JOB: dict[str, dict[str, dict[str, Any]]] = getattr(config_module, "MAIN_JOB", {})
+MAIN_JOB: dict[str, dict[str, dict[str, Any]]] = getattr(config_sources, "MAIN_JOB", {})
 """What ``ddiloco run`` on the virtual cluster adds to each preset (failures, a slow learner), if anything."""
 
 VIRTUAL_ONLY = ("cluster", "faults")

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
 from ddiloco.chaos.schedule import Fault
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.fault_kinds import FaultKind
 
 

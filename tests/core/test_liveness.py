@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.liveness import catch_up_bound_s, pause_bound_s
 from ddiloco.sim.swarm import draw_world, liveness_bound_s

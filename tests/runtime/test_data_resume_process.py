@@ -15,7 +15,7 @@ import pytest
 from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
 
 from ddiloco.chaos.batch_counts import count_batches
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.runtime.batch_log import read_batch_log
 
 pytestmark = pytest.mark.slow

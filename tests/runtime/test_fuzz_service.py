@@ -23,7 +23,7 @@ import pytest
 import torch
 from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Join
 from ddiloco.runtime.auth import client_metadata

@@ -17,7 +17,7 @@ import pytest
 import torch
 from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
 from ddiloco.errors import ConfigError

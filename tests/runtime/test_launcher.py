@@ -16,7 +16,7 @@ from runtime_helpers import (ddiloco_session, free_port, learner_args, session_p
                              wait_for, wait_until_running)
 
 from ddiloco.commands.display import what_happened
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.reporting import SUMMARY_KEYS
 from ddiloco.runtime.checkpoint import load_checkpoint
 from ddiloco.runtime.launch.dp_worker import CHECKPOINT

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from runtime_helpers import train_steps, wait_for
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.learner import helper_process
 from ddiloco.runtime.learner.runtime import LearnerRuntime

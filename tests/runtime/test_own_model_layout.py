@@ -11,7 +11,7 @@ from runtime_helpers import InProcessSync
 from safetensors import safe_open
 from torch import nn
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner.runtime import (

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService

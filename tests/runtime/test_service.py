@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddiloco import cli
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.messages import Contribution, Join, Session
 from ddiloco.errors import ConfigError

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.actions import Admitted, Broadcast, Send, SendJoin
 from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig

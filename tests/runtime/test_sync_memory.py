@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core import kernels
 from ddiloco.core.messages import Contribution
 from ddiloco.errors import ConfigError

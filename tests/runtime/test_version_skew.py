@@ -11,7 +11,7 @@ import pytest
 
 from ddiloco import __version__
 from ddiloco.cli import main
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import PROTOCOL_VERSION

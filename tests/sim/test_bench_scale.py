@@ -8,7 +8,7 @@ import math
 import pytest
 from bench_loader import load_benchmark
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.errors import ConfigError
 from ddiloco.experiment import run_warm_started
 

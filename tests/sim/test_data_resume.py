@@ -4,7 +4,7 @@ period, and no batch is skipped (``core/data_position.py``, ``sim/data_stream.py
 
 from __future__ import annotations
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import SyntheticWorkload

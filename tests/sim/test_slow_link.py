@@ -9,7 +9,7 @@ is 2 s.
 
 from __future__ import annotations
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.experiment import run_virtual
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.config import build_config
+from ddiloco.config_sources import build_config
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload

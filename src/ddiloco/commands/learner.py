@@ -23,7 +23,7 @@ for one started later by hand or by a scheduler, short enough that a wrong addre
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options
-    from ddiloco.config import PRESETS  # beside the model's configuration: torch
+    from ddiloco.config_sources import PRESETS
 
     parser = sub.add_parser(
         "learner",
@@ -71,7 +71,7 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
     ``--set`` changes one value of the run it joins: it once switched to the default preset
     silently, then failed on a model shape the synchronizer did not have."""
     from ddiloco.commands.options import config_from_args
-    from ddiloco.config import apply_override, load_toml
+    from ddiloco.config_sources import apply_override, load_toml
     from ddiloco.runtime.learner import process
 
     if args.preset is None:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import grpc
 
 from ddiloco import __version__
-from ddiloco.config import unknown_keys
+from ddiloco.config_sources import unknown_keys
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.deadlines import CLIENT_ANSWER_S, CLIENT_FETCH_S, CLIENT_UPLOAD_LINK, call_deadline_s
 from ddiloco.core.messages import (

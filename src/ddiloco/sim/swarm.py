@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ddiloco.config import Config, apply_override, apply_section, check_seed
+from ddiloco.config import Config, check_seed
+from ddiloco.config_sources import apply_override, apply_section
 from ddiloco.core.learner_phase import LearnerPhase
 from ddiloco.core.liveness import catch_up_bound_s
 from ddiloco.core.merge import MERGE_RULES

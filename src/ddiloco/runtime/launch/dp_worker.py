@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddiloco.config import Config, build_config
+from ddiloco.config import Config
+from ddiloco.config_sources import build_config
 from ddiloco.measures import BF16_BYTES, all_reduce_bytes
 from ddiloco.runtime.checkpoint import save_checkpoint
 from ddiloco.runtime.progress import ProgressFile

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.config import read_toml
+from ddiloco.config_sources import read_toml
 from ddiloco.errors import ConfigError
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}

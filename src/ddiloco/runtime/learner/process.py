@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddiloco.config import Config, apply_section, check_seed
+from ddiloco.config import Config, check_seed
+from ddiloco.config_sources import apply_section
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.batch_log import BatchLog
