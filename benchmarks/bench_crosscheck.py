@@ -1,6 +1,6 @@
 """Cross-check the goodput and bandwidth models against the virtual cluster (issue 4, point 5).
 
-1. Goodput. ``scale.goodput_model.predict_small_cluster`` predicts the long-run goodput of M learners
+1. Goodput. ``scale.small_cluster.predict_small_cluster`` predicts the long-run goodput of M learners
    that crash whole (exponential up times, mean ``mtbf_s``), stay down ``downtime_s`` and
    rejoin. The virtual cluster runs the same failure model with real learners on the
    ``tiny`` preset and measures goodput from what was merged (``sim/accounting.py``). For each
@@ -44,7 +44,7 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.faults import FailureTrace
-from ddiloco.scale.goodput_model import SmallClusterPrediction, predict_small_cluster
+from ddiloco.scale.small_cluster import SmallClusterPrediction, predict_small_cluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload
 from ddiloco.sim.network import HEADER_BYTES

@@ -17,12 +17,12 @@ from ddiloco.scale.goodput_model import (
     ClusterModel,
     expected_max_normal,
     parse_config,
-    predict_small_cluster,
     simulate_cell,
     simulate_table,
     smallest_learners,
 )
 from ddiloco.scale.goodput_fit import fit_recovery_constants, held_out_goodput
+from ddiloco.scale.small_cluster import predict_small_cluster
 
 MODEL = ClusterModel()
 SHORT_S = 6 * 3600.0
