@@ -44,7 +44,8 @@ from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials,
 from ddiloco.runtime.call_errors import Unreachable, credentials_refused, refusal_reason, unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
-from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, status_to_dict
+from ddiloco.runtime.status_wire import status_to_dict
+from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -24,7 +24,6 @@ from ddiloco.core.messages import (
     Session,
 )
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.status_wire import status_to_dict as status_to_dict  # the Status call's: runtime/status_wire.py
 
 CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed message: far below gRPC's 4 MiB default message limit."""
