@@ -42,7 +42,7 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Ses
 from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
-from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.repeats import next_delay
 from ddiloco.runtime.learner.slots import Slot, SlotArea, shared_file
 
@@ -115,7 +115,9 @@ class Helper:
             elif kind is Msg.LEAVE:
                 self._leaves.append(msg[1:])
             elif kind is Msg.RELEASE:
-                self.released[msg[1]].set()
+                _, p, seq = msg
+                if self.slots.number(Slot.IN, p) == seq:  # else a release of what an earlier helper wrote there
+                    self.released[p].set()
             elif kind is Msg.CLOSE:  # on a thread of its own: its sends still ask the core, through this loop
                 threading.Thread(target=self.close, args=(msg[1],), name="ddiloco-close", daemon=True).start()
 
@@ -332,6 +334,7 @@ def main(argv: list[str]) -> int:
         return 0
     assert kind is Msg.INIT
     die_with_parent(spec.parent_pid)
+    pipe.frames = SendFrames(spec.learner_id, spec.uplink, spec.boot)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s {spec.learner_id} link %(levelname)s %(message)s")
     torch.set_num_threads(1)  # the trainer's cores are the trainer's

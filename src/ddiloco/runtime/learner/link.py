@@ -3,7 +3,9 @@ shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner
 reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
 streams run in a helper process (``helper.py``), so none of it takes the training thread's
 interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
-``slots.py``) and announces it, and sends joins and heartbeats as messages; the *relay* thread
+``slots.py``) and announces it, and sends joins and heartbeats as messages; within a step
+(:meth:`LearnerLink.batched`) the training thread's announces and releases are fixed structs
+(``helper_wire.SendFrames``) held back and sent together, one system call per step; the *relay* thread
 waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
 message), and starts the helper again if it dies (its calls in flight count as undelivered;
 the core's usual rules take it from there); the *ticker* ticks the core at its
@@ -15,6 +17,7 @@ between two steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import itertools
@@ -25,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -37,7 +40,7 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, receive_state
+from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state, release_frame
 from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
@@ -96,8 +99,15 @@ class LearnerLink:
         self._helper_lock = threading.Lock()
         self._closing_helper = False
         self._leaves: list[SendLeave] = []
-        self._holding: set[int] = set()
-        """Fragments whose in slot holds an update the training thread has not released yet."""
+        self._holding: dict[int, int] = {}
+        """Fragments whose in slot holds an update the training thread has not released yet, and the
+        slot's number as the helper announced it."""
+        self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
+        self._held: list[tuple[int | None, bytes]] | None = None
+        """Frames the training thread holds back until the end of its step, each with the helper
+        generation it is for (None: whichever runs then)."""
+        self._holder = 0
+        """The thread whose frames are held back (``batched``)."""
         self._started = threading.Event()
         self._start_error: HelperError | None = None
         self._tick_wake = threading.Event()
@@ -174,33 +184,75 @@ class LearnerLink:
 
     def _announce(self, send: Send, seq: int, raw: bool) -> None:
         rid = next(self._rids)
-        self._sends[rid] = dataclasses.replace(send, delta=None, encoded=None, ready=None)  # before the helper asks
-        self._request(Msg.SEND, send.header, send.shard, send.fragment, seq, raw, rid=rid)
+        self._sends[rid] = Send(send.header, None, send.codec, send.shard)  # before the helper asks; without Δ
+        frame = self._frames.send(rid, send.shard, send.header, send.fragment, seq, raw)
+        self._request(Msg.SEND, send.header, send.shard, rid=rid, frame=frame)
 
-    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any, rid: int | None = None) -> int:
-        """Send one call to the helper, remembered until its outcome (or the helper's death) comes back."""
+    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any, rid: int | None = None,
+                 frame: bytes | None = None) -> int:
+        """Send one call to the helper (``frame``: the call already framed), remembered until its
+        outcome (or the helper's death) comes back."""
         rid = next(self._rids) if rid is None else rid
+        if frame is None:
+            frame = pickled((kind, rid, shard, request, *extra))
         with self._helper_lock:
             generation, helper = -1, self._helper  # -1: not sent, lost with the helper that is gone
             self._requests[rid] = (request, shard, generation)
             if helper is not None:
-                try:
-                    helper.pipe.send(kind, rid, shard, request, *extra)
+                if self._held is not None and threading.get_ident() == self._holder:
+                    self._held.append((self._generation, frame))
                     generation = self._generation
-                except PipeClosed:
-                    pass  # the relay sees it die, and reports the call undelivered
+                else:
+                    try:
+                        helper.pipe.send_frames(frame)
+                        generation = self._generation
+                    except PipeClosed:
+                        pass  # the relay sees it die, and reports the call undelivered
             self._requests[rid] = (request, shard, generation)
         return rid
 
     def release(self, fragment: int) -> None:
-        """The training thread is done with fragment's in slot."""
-        self._holding.discard(fragment)
+        """The training thread is done with fragment's in slot (as the helper last announced it:
+        a helper started since, which wrote it again, is not told so by mistake)."""
+        seq = self._holding.pop(fragment, None)
+        if seq is None:
+            return
+        frame = release_frame(fragment, seq)
+        if self._held is not None and threading.get_ident() == self._holder:
+            self._held.append((None, frame))
+            return
         helper = self._helper
         if helper is not None:
             try:
-                helper.pipe.send(Msg.RELEASE, fragment)
+                helper.pipe.send_frames(frame)
             except PipeClosed:
                 pass
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Within: what this thread sends the helper is held back, then sent in one system call
+        (a step's announces and releases: one wake-up of the helper, not one per message). Never
+        around a wait for the helper: what it waits for might be held back."""
+        self._holder, self._held = threading.get_ident(), []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._send_held(held)
+
+    def _send_held(self, held: list[tuple[int | None, bytes]]) -> None:
+        with self._helper_lock:
+            helper, generation = self._helper, self._generation
+            # A call held for a helper that died meanwhile is not sent to its successor: it was
+            # reported undelivered when the successor started. Releases go to whichever runs.
+            data = b"".join(frame for gen, frame in held if gen is None or gen == generation)
+            if helper is None or not data:
+                return
+            try:
+                helper.pipe.send_frames(data)
+            except PipeClosed:
+                pass  # the relay sees it die, and reports the calls undelivered
 
     # ---- helper → training process ---------------------------------------------------------
 
@@ -322,7 +374,7 @@ class LearnerLink:
     def _on_update(self, shard: int, update: FragmentUpdate, p: int, seq: int, decoded: bool) -> None:
         values = None
         if p >= 0:
-            self._holding.add(p)
+            self._holding[p] = seq
             view = self.slots.view(Slot.IN, p, seq)
             assert view is not None  # the helper writes a slot again only once it is released
             if decoded:

@@ -148,5 +148,9 @@ class SlotArea:
         header, payload = self._slots[p][kind]
         return payload[: int(header[1])] if int(header[0]) == seq else None
 
+    def number(self, kind: Slot, p: int) -> int:
+        """Slot p's sequence number now."""
+        return int(self._slots[p][kind][0][0])
+
     def address(self) -> int:
         return int(self.bytes.ctypes.data)

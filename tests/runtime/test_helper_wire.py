@@ -1,0 +1,138 @@
+"""The control messages between a training process and its link's helper.
+
+The hot ones (a contribution's announce, an in slot's release) are fixed structs: the helper
+must read from one exactly the contribution the trainer announced (the bytes it uploads follow
+from it), whatever its fields; what a struct cannot carry goes pickled. A release names the slot
+number it releases, so a helper that wrote the slot since is not told so by mistake; a step's
+messages reach the helper in one system call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+
+import numpy as np
+import pytest
+from runtime_helpers import train_steps
+
+from ddiloco.config import build_config
+from ddiloco.core.messages import Contribution, Progress, Session
+from ddiloco.runtime.learner import helper_wire
+from ddiloco.runtime.learner.helper import Helper
+from ddiloco.runtime.learner.helper_wire import HelperSpec, Msg, Pipe, PipeClosed, SendFrames, release_frame
+from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
+from ddiloco.workload.workload import Workload
+
+FRAMES = SendFrames("learner-7", "int4", "0123456789ab")
+HEADER = Contribution("learner-7", Session(2**64 - 3, 41), fragment=3, base_version=1234, seq=56, tokens=4096,
+                      steps=8, compute_s=0.125, step_time_s=0.0157, codec="int4", payload=b"", first_step=977,
+                      progress=Progress("0123456789ab", 123456, 980))
+
+
+def through_pipe(data: bytes, frames: SendFrames | None = FRAMES) -> list[tuple]:
+    """What the helper's end reads from ``data`` (whole frames, back to back)."""
+    ours, theirs = socket.socketpair()
+    try:
+        Pipe(ours).send_frames(data)
+        ours.close()
+        pipe, read = Pipe(theirs, frames), []
+        while True:
+            try:
+                read.append(pipe.recv())
+            except PipeClosed:
+                return read
+    finally:
+        theirs.close()
+
+
+def test_every_contribution_field_is_carried_by_the_fixed_struct():
+    assert tuple(f.name for f in dataclasses.fields(Contribution)) == helper_wire._CARRIED, \
+        "Contribution gained or lost a field: carry it in helper_wire.SendFrames (and name it in _CARRIED)"
+
+
+@pytest.mark.parametrize("header", [HEADER, dataclasses.replace(HEADER, progress=None, first_step=0)])
+def test_a_packed_send_reads_as_the_contribution_announced(header):
+    frame = FRAMES.send(17, 1, header, header.fragment, 2**40, True)
+    assert frame[4] == Msg.SEND  # a fixed struct, not a pickle
+    (msg,) = through_pipe(frame)
+    assert msg == (Msg.SEND, 17, 1, header, header.fragment, 2**40, True)
+
+
+@pytest.mark.parametrize("change", [{"learner_id": "learner-8"}, {"codec": "fp32"},
+                                    {"progress": Progress("ba9876543210", 1, 1)},
+                                    {"session": Session(2**64, 1)}])  # beyond the struct's range
+def test_a_contribution_the_struct_cannot_carry_goes_pickled_and_whole(change):
+    header = dataclasses.replace(HEADER, **change)
+    frame = FRAMES.send(3, 0, header, header.fragment, 8, False)
+    assert frame[4] == helper_wire.PICKLED
+    (msg,) = through_pipe(frame)
+    assert msg == (Msg.SEND, 3, 0, header, header.fragment, 8, False)
+
+
+def test_frames_back_to_back_read_in_order():
+    data = FRAMES.send(1, 0, HEADER, 3, 6, False) + release_frame(2, 10) + helper_wire.pickled((Msg.BEAT, 4, 0, "x"))
+    assert through_pipe(data) == [(Msg.SEND, 1, 0, HEADER, 3, 6, False), (Msg.RELEASE, 2, 10), (Msg.BEAT, 4, 0, "x")]
+
+
+def test_a_fixed_struct_on_a_pipe_that_reads_none_is_refused():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        Pipe(ours).send_frames(release_frame(0, 2))
+        with pytest.raises(PipeClosed, match="fixed-struct"):
+            Pipe(theirs).recv()  # the training process's end: never misread
+
+
+def test_a_release_of_an_older_slot_number_releases_nothing():
+    """A helper started after the trainer took an update hears its release; one that wrote the slot
+    since (a newer number) must not take an older release as leave to write it again."""
+    slots = SlotArea(SlotLayout((8, 8), (16, 16)))
+    spec = HelperSpec("learner-7", (), slots.layout, "int4", "int4", 4, (4, 4), (False, False), (), (0, 1),
+                      "0123456789ab", 0, 0)
+    old = slots.write(Slot.IN, 0, np.zeros(16, dtype=np.uint8))
+    now = slots.write(Slot.IN, 1, np.zeros(16, dtype=np.uint8))
+    slots.write(Slot.IN, 1, np.ones(16, dtype=np.uint8))  # fragment 1 written again since `now`
+    ours, theirs = socket.socketpair()
+    helper = Helper(Pipe(theirs, FRAMES), spec, slots.fd)
+    Pipe(ours).send_frames(release_frame(0, old) + release_frame(1, now))
+    ours.close()
+    with pytest.raises(PipeClosed):
+        helper.serve()
+    assert helper.released[0].is_set() and not helper.released[1].is_set()
+
+
+@pytest.mark.slow
+def test_a_step_reaches_the_helper_in_one_system_call(inproc_sync, monkeypatch):
+    config = build_config(preset="tiny", overrides=("run.learners=1",))
+    s = inproc_sync(config)
+    workload = Workload.build(config)
+    model = workload.new_model()
+    runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0", join_timeout_s=60)
+    calls: list[int] = []  # per step, the sends of the training thread within it
+    inside = threading.Event()
+    step, send_frames = runtime.step, Pipe.send_frames
+
+    def counted(tokens: int) -> None:
+        calls.append(0)
+        inside.set()
+        try:
+            step(tokens)
+        finally:
+            inside.clear()
+
+    def send(pipe: Pipe, data: bytes, **kw: object) -> None:
+        if inside.is_set() and threading.current_thread() is threading.main_thread():
+            calls[-1] += 1
+        send_frames(pipe, data, **kw)
+
+    monkeypatch.setattr(runtime, "step", counted)
+    monkeypatch.setattr(Pipe, "send_frames", send)
+    try:
+        train_steps(runtime, workload, model, 0, 2 * config.protocol.period, deadline_s=90,
+                    until=lambda: runtime.stats.updates_applied >= 2)
+    finally:
+        runtime.close()
+    assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
+    assert max(calls) == 1  # announces and releases of one step: one send
