@@ -1,15 +1,15 @@
 """The control messages between a training process and its link's helper.
 
-The hot ones (a contribution's announce, an in slot's release) are fixed structs: the helper
-must read from one exactly the contribution the trainer announced (the bytes it uploads follow
-from it), whatever its fields; what a struct cannot carry goes pickled. A release names the slot
-number it releases, so a helper that wrote the slot since is not told so by mistake; a step's
-messages reach the helper in one system call.
+The hot one (a contribution's announce) is a fixed struct: the helper must read from it exactly
+the contribution the trainer announced (the bytes it uploads follow from it), whatever its
+fields; what the struct cannot carry goes pickled. An in slot's release is a word in shared
+memory, no message; a step's messages reach the helper in one system call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import threading
 
@@ -20,8 +20,7 @@ from runtime_helpers import train_steps
 from ddiloco.config import build_config
 from ddiloco.core.messages import Contribution, Progress, Session
 from ddiloco.runtime.learner import helper_wire
-from ddiloco.runtime.learner.helper import Helper
-from ddiloco.runtime.learner.helper_wire import HelperSpec, Msg, Pipe, PipeClosed, SendFrames, release_frame
+from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.workload.workload import Workload
@@ -73,34 +72,35 @@ def test_a_contribution_the_struct_cannot_carry_goes_pickled_and_whole(change):
 
 
 def test_frames_back_to_back_read_in_order():
-    data = FRAMES.send(1, 0, HEADER, 3, 6, False) + release_frame(2, 10) + helper_wire.pickled((Msg.BEAT, 4, 0, "x"))
-    assert through_pipe(data) == [(Msg.SEND, 1, 0, HEADER, 3, 6, False), (Msg.RELEASE, 2, 10), (Msg.BEAT, 4, 0, "x")]
+    data = FRAMES.send(1, 0, HEADER, 3, 6, False) + helper_wire.pickled((Msg.BEAT, 4, 0, "x")) \
+        + FRAMES.send(2, 0, HEADER, 3, 8, True)
+    assert through_pipe(data) == [(Msg.SEND, 1, 0, HEADER, 3, 6, False), (Msg.BEAT, 4, 0, "x"),
+                                  (Msg.SEND, 2, 0, HEADER, 3, 8, True)]
 
 
 def test_a_fixed_struct_on_a_pipe_that_reads_none_is_refused():
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        Pipe(ours).send_frames(release_frame(0, 2))
+        Pipe(ours).send_frames(FRAMES.send(1, 0, HEADER, 3, 6, False))
         with pytest.raises(PipeClosed, match="fixed-struct"):
             Pipe(theirs).recv()  # the training process's end: never misread
 
 
-def test_a_release_of_an_older_slot_number_releases_nothing():
-    """A helper started after the trainer took an update hears its release; one that wrote the slot
-    since (a newer number) must not take an older release as leave to write it again."""
-    slots = SlotArea(SlotLayout((8, 8), (16, 16)))
-    spec = HelperSpec("learner-7", (), slots.layout, "int4", "int4", 4, (4, 4), (False, False), (), (0, 1),
-                      "0123456789ab", 0, 0)
-    old = slots.write(Slot.IN, 0, np.zeros(16, dtype=np.uint8))
-    now = slots.write(Slot.IN, 1, np.zeros(16, dtype=np.uint8))
-    slots.write(Slot.IN, 1, np.ones(16, dtype=np.uint8))  # fragment 1 written again since `now`
-    ours, theirs = socket.socketpair()
-    helper = Helper(Pipe(theirs, FRAMES), spec, slots.fd)
-    Pipe(ours).send_frames(release_frame(0, old) + release_frame(1, now))
-    ours.close()
-    with pytest.raises(PipeClosed):
-        helper.serve()
-    assert helper.released[0].is_set() and not helper.released[1].is_set()
+def test_an_in_slot_is_written_again_only_once_its_reader_released_it():
+    """The helper's side of the hand-over (no message: a word in the slot's header, which a helper
+    started after a crash reads as its predecessor left it)."""
+    helper_side = SlotArea(SlotLayout((8,), (16,)))
+    trainer_side = SlotArea(helper_side.layout, os.dup(helper_side.fd))
+    assert helper_side.free(Slot.IN, 0)  # never written
+    seq = helper_side.write(Slot.IN, 0, np.ones(16, dtype=np.uint8))
+    assert not helper_side.free(Slot.IN, 0)  # the trainer holds it
+    assert trainer_side.view(Slot.IN, 0, seq) is not None
+    trainer_side.release(Slot.IN, 0)
+    assert helper_side.free(Slot.IN, 0)
+    helper_side.write(Slot.IN, 0, np.zeros(16, dtype=np.uint8))
+    assert not helper_side.free(Slot.IN, 0)
+    helper_side.begin(Slot.IN, 0)  # a helper killed mid-write: never announced, so free for the next
+    assert helper_side.free(Slot.IN, 0)
 
 
 @pytest.mark.slow
@@ -135,4 +135,4 @@ def test_a_step_reaches_the_helper_in_one_system_call(inproc_sync, monkeypatch):
     finally:
         runtime.close()
     assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
-    assert max(calls) == 1  # announces and releases of one step: one send
+    assert max(calls) == 1  # the announces of one step: one send

@@ -12,7 +12,7 @@ synchronizer shard it runs the three threads the link always had —
   the call ended;
 - *control*: joins and heartbeats; a join's state goes back as a shared file;
 - *receiver*: the update stream of the shard's session, each update written into its
-  fragment's slot once the trainer released it, and announced;
+  fragment's slot once the trainer released it (a word in the slot's header), and announced;
 
 and reports every outcome to the training process, whose core decides what follows. It exits
 with its trainer: the kernel kills it when the process that started it dies
@@ -50,6 +50,8 @@ log = logging.getLogger("ddiloco.learner")
 
 WAIT_S = 1.0
 """The longest any of the helper's threads sleeps without looking whether it is closing."""
+RELEASE_POLL_S = 0.001
+"""How soon the receiver looks again at an in slot the trainer has not released (doubling, to a tenth of WAIT_S)."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -74,10 +76,6 @@ class Helper:
         self.uplink = get_codec(spec.uplink, block_size=spec.block_size)
         self.downlink = get_codec(spec.downlink, block_size=spec.block_size)
         self.closing = threading.Event()
-        self.released = [threading.Event() for _ in spec.numels]
-        for p, event in enumerate(self.released):
-            if p not in spec.holding:
-                event.set()
         self._answers: dict[int, queue.Queue[Any]] = {}
         self._qids = itertools.count()
         self.shards = [ShardWorker(self, shard, c.connect(), session)
@@ -114,10 +112,6 @@ class Helper:
                 self.shards[msg[2]].control(msg)
             elif kind is Msg.LEAVE:
                 self._leaves.append(msg[1:])
-            elif kind is Msg.RELEASE:
-                _, p, seq = msg
-                if self.slots.number(Slot.IN, p) == seq:  # else a release of what an earlier helper wrote there
-                    self.released[p].set()
             elif kind is Msg.CLOSE:  # on a thread of its own: its sends still ask the core, through this loop
                 threading.Thread(target=self.close, args=(msg[1],), name="ddiloco-close", daemon=True).start()
 
@@ -281,10 +275,11 @@ class ShardWorker:
         if not fits:  # the core refuses it, with the reason
             helper.pipe.send(Msg.UPDATE, self.shard, update, -1, 0, False)
             return True
-        while not helper.released[p].wait(WAIT_S):
-            if helper.closing.is_set():
+        wait_s = RELEASE_POLL_S
+        while not helper.slots.free(Slot.IN, p):  # rare: the trainer applies an update at its next step
+            if helper.closing.wait(wait_s):
                 return False
-        helper.released[p].clear()
+            wait_s = min(2 * wait_s, WAIT_S / 10)
         if spec.decodes[p]:
             data = helper.downlink.decode(update.payload, spec.numels[p]).numpy()
         else:

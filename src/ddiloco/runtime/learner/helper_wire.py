@@ -2,10 +2,10 @@
 
 They are small (a fragment's bytes travel through the shared slots, ``slots.py``): tuples
 ``(Msg, *fields)`` on a Unix socket pair, each framed by its length and a tag. The two the
-training thread sends on its steps, a contribution's announce (SEND) and an in slot's release
-(RELEASE), are fixed structs (:class:`SendFrames`: a ``struct.pack``, a fraction of a pickle's
-cost; the fields every contribution of a learner shares come from the helper's spec); every
-other message is pickled. A join's global state, too large for a message and too rare for a
+training thread sends on its steps, contributions' announces (SEND), are fixed structs
+(:class:`SendFrames`: a ``struct.pack``, a fraction of a pickle's cost; the fields every
+contribution of a learner shares come from the helper's spec); every other message is pickled.
+An in slot's release is no message: a word in the slot's header (``slots.py``). A join's global state, too large for a message and too rare for a
 slot of its own, travels as an anonymous shared file whose descriptor follows its message
 (``SCM_RIGHTS``).
 """
@@ -51,10 +51,6 @@ class Msg(enum.IntEnum):
     """``(rid, shard, Heartbeat)``."""
     LEAVE = 6
     """``(rid, shard, Leave)``."""
-    RELEASE = 7
-    """``(fragment, slot number)``: the trainer is done with the in slot as written at that number;
-    the helper may write it again (a release of an older number, sent to a helper that wrote the
-    slot since, releases nothing)."""
     CLOSE = 8
     """``(timeout_s)``: deliver what is queued, then the leaves, then CLOSED, and exit."""
     # ---- helper → training process
@@ -103,8 +99,6 @@ class HelperSpec:
     """Per fragment: the helper writes an update's decoded float32 values into the in slot (else its payload)."""
     sessions: tuple[Session | None, ...]
     """Per shard, the session the learner holds (a helper started again resubscribes with it)."""
-    holding: tuple[int, ...]
-    """Fragments whose in slot the trainer has not released yet (not to be written before it does)."""
     boot: str
     """The learner's boot id, which every contribution's progress carries (``SendFrames``)."""
     parent_pid: int
@@ -119,7 +113,6 @@ _SEND = struct.Struct("<qqqQ?Qqqqqqddq?qq")
 """Msg.SEND: rid, shard, fragment, slot number, raw; the contribution's session (incarnation,
 number), base version, seq, tokens, steps, compute_s, step_time_s, first step; its progress
 (present, tokens, steps)."""
-_RELEASE = struct.Struct("<qQ")
 _CARRIED = ("learner_id", "session", "fragment", "base_version", "seq", "tokens", "steps", "compute_s",
             "step_time_s", "codec", "payload", "first_step", "progress")
 """Every field of a Contribution, as ``SendFrames`` carries it (a test fails if one is added: carry it too)."""
@@ -154,8 +147,6 @@ class SendFrames:
 
     def unpack(self, tag: int, body: bytes) -> tuple:
         """The message of a fixed-struct frame's body, as its pickled twin would read."""
-        if tag == Msg.RELEASE:
-            return (Msg.RELEASE, *_RELEASE.unpack(body))
         if tag != Msg.SEND:
             raise PipeClosed(f"a frame of unknown tag {tag}")
         (rid, shard, fragment, seq, raw, incarnation, number, base_version, cseq, tokens, steps, compute_s,
@@ -164,11 +155,6 @@ class SendFrames:
                               steps, compute_s, step_time_s, self.codec, b"", first_step,
                               Progress(self.boot, p_tokens, p_steps) if has_progress else None)
         return Msg.SEND, rid, shard, header, fragment, seq, raw
-
-
-def release_frame(fragment: int, seq: int) -> bytes:
-    """A whole RELEASE frame."""
-    return _HEAD.pack(_RELEASE.size, Msg.RELEASE) + _RELEASE.pack(fragment, seq)
 
 
 def pickled(msg: tuple) -> bytes:

@@ -4,8 +4,9 @@ reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries
 streams run in a helper process (``helper.py``), so none of it takes the training thread's
 interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
 ``slots.py``) and announces it, and sends joins and heartbeats as messages; within a step
-(:meth:`LearnerLink.batched`) the training thread's announces and releases are fixed structs
-(``helper_wire.SendFrames``) held back and sent together, one system call per step; the *relay* thread
+(:meth:`LearnerLink.batched`) the training thread's announces are fixed structs
+(``helper_wire.SendFrames``) held back and sent together, one system call per step with something
+to send, and it releases an update's slot by a word in shared memory, no message; the *relay* thread
 waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
 message), and starts the helper again if it dies (its calls in flight count as undelivered;
 the core's usual rules take it from there); the *ticker* ticks the core at its
@@ -40,7 +41,7 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state, release_frame
+from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
 from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
@@ -99,13 +100,10 @@ class LearnerLink:
         self._helper_lock = threading.Lock()
         self._closing_helper = False
         self._leaves: list[SendLeave] = []
-        self._holding: dict[int, int] = {}
-        """Fragments whose in slot holds an update the training thread has not released yet, and the
-        slot's number as the helper announced it."""
         self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
-        self._held: list[tuple[int | None, bytes]] | None = None
+        self._held: list[tuple[int, bytes]] | None = None
         """Frames the training thread holds back until the end of its step, each with the helper
-        generation it is for (None: whichever runs then)."""
+        generation it is for."""
         self._holder = 0
         """The thread whose frames are held back (``batched``)."""
         self._started = threading.Event()
@@ -212,26 +210,14 @@ class LearnerLink:
         return rid
 
     def release(self, fragment: int) -> None:
-        """The training thread is done with fragment's in slot (as the helper last announced it:
-        a helper started since, which wrote it again, is not told so by mistake)."""
-        seq = self._holding.pop(fragment, None)
-        if seq is None:
-            return
-        frame = release_frame(fragment, seq)
-        if self._held is not None and threading.get_ident() == self._holder:
-            self._held.append((None, frame))
-            return
-        helper = self._helper
-        if helper is not None:
-            try:
-                helper.pipe.send_frames(frame)
-            except PipeClosed:
-                pass
+        """The training thread is done with fragment's in slot: the helper may write it again (it
+        reads so in the slot's header, whichever helper runs by then; no message)."""
+        self.slots.release(Slot.IN, fragment)
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
         """Within: what this thread sends the helper is held back, then sent in one system call
-        (a step's announces and releases: one wake-up of the helper, not one per message). Never
+        (a step's announces: one wake-up of the helper, not one per message). Never
         around a wait for the helper: what it waits for might be held back."""
         self._holder, self._held = threading.get_ident(), []
         try:
@@ -241,12 +227,12 @@ class LearnerLink:
             if held:
                 self._send_held(held)
 
-    def _send_held(self, held: list[tuple[int | None, bytes]]) -> None:
+    def _send_held(self, held: list[tuple[int, bytes]]) -> None:
         with self._helper_lock:
             helper, generation = self._helper, self._generation
             # A call held for a helper that died meanwhile is not sent to its successor: it was
-            # reported undelivered when the successor started. Releases go to whichever runs.
-            data = b"".join(frame for gen, frame in held if gen is None or gen == generation)
+            # reported undelivered when the successor started.
+            data = b"".join(frame for gen, frame in held if gen == generation)
             if helper is None or not data:
                 return
             try:
@@ -259,8 +245,8 @@ class LearnerLink:
     def _relay_loop(self) -> None:
         while True:
             try:
-                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout,
-                                                             self._holding), self.slots.fd)
+                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout),
+                                             self.slots.fd)
             except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
                 err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
                 if not self._started.is_set():
@@ -374,7 +360,6 @@ class LearnerLink:
     def _on_update(self, shard: int, update: FragmentUpdate, p: int, seq: int, decoded: bool) -> None:
         values = None
         if p >= 0:
-            self._holding[p] = seq
             view = self.slots.view(Slot.IN, p, seq)
             assert view is not None  # the helper writes a slot again only once it is released
             if decoded:

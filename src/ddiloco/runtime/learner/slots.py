@@ -11,8 +11,10 @@ writes and even once it is done, and the payload's length. The writer makes it o
 makes it even, and only then announces the (even) number. The reader copies the payload and
 checks that the number before and after the copy is the one announced: if the writer began
 another write meanwhile (the number moved on), the copy may be torn and is thrown away, never
-sent. In-slots are also handed over (the helper writes slot p again only once the trainer
-released it), so a torn update is impossible by construction; the check costs nothing there.
+sent. In-slots are also handed over: the header holds a third word, the number the trainer last
+released (it writes the slot's number there once it is done with it, no message), and the
+helper writes slot p again only once that word is the slot's number, so a torn update is
+impossible by construction, whichever helper (a new one after a crash included) writes next.
 
 The region is an anonymous shared file (``memfd_create`` on Linux, an unlinked file
 elsewhere) passed to the helper as an open descriptor: it has no name, so nothing is left in
@@ -33,7 +35,7 @@ import numpy as np
 from ddiloco.errors import DdilocoError
 
 HEADER_BYTES = 64
-"""Sequence number and length, on a cache line of their own."""
+"""Sequence number, length and released number, on a cache line of their own."""
 ALIGN = 64
 
 
@@ -104,7 +106,7 @@ class SlotArea:
         for p, (out_at, in_at) in enumerate(layout.offsets()):
             pair = []
             for at, size in ((out_at, layout.out_bytes[p]), (in_at, layout.in_bytes[p])):
-                header = self.bytes[at:at + 16].view(np.uint64)
+                header = self.bytes[at:at + 24].view(np.uint64)
                 pair.append((header, self.bytes[at + HEADER_BYTES:at + HEADER_BYTES + size]))
             self._slots.append(pair)
 
@@ -148,9 +150,17 @@ class SlotArea:
         header, payload = self._slots[p][kind]
         return payload[: int(header[1])] if int(header[0]) == seq else None
 
-    def number(self, kind: Slot, p: int) -> int:
-        """Slot p's sequence number now."""
-        return int(self._slots[p][kind][0][0])
+    def release(self, kind: Slot, p: int) -> None:
+        """The reader is done with slot p as it holds it now (the writer may write it again)."""
+        header = self._slots[p][kind][0]
+        header[2] = header[0]
+
+    def free(self, kind: Slot, p: int) -> bool:
+        """May the writer write slot p? Once its reader released what it holds (or nothing was ever
+        announced there: a number still odd is a write its writer did not finish, never announced)."""
+        header = self._slots[p][kind][0]
+        seq = int(header[0])
+        return seq % 2 == 1 or int(header[2]) == seq
 
     def address(self) -> int:
         return int(self.bytes.ctypes.data)
