@@ -163,10 +163,6 @@ def pickled(msg: tuple) -> bytes:
     return _HEAD.pack(len(data), PICKLED) + data
 
 
-class PipeClosed(Exception):
-    """The other process is gone (or closed its end)."""
-
-
 class Pipe:
     """One end of the socket pair; ``send`` may be called from any thread, ``recv`` from one.
     ``frames``: how to read the fixed-struct messages (the helper's end)."""

@@ -3,10 +3,9 @@ shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner
 reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
 streams run in a helper process (``helper.py``), so none of it takes the training thread's
 interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
-``slots.py``) and announces it, and sends joins and heartbeats as messages; within a step
-(:meth:`LearnerLink.batched`) the training thread's announces are fixed structs
-(``helper_wire.SendFrames``) held back and sent together, one system call per step with something
-to send, and it releases an update's slot by a word in shared memory, no message; the *relay* thread
+``out_slots.py``) and announces it, and sends joins and heartbeats as messages (``calls.py``: a
+step's announces are fixed structs, ``helper_wire.SendFrames``, sent together in one system call);
+the training thread releases an update's slot by a word in shared memory, no message; the *relay* thread
 waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
 message), and starts the helper again if it dies (its calls in flight count as undelivered;
 the core's usual rules take it from there); the *ticker* ticks the core at its
@@ -18,10 +17,8 @@ between two steps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
-import itertools
 import logging
 import os
 import queue
@@ -29,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,11 +37,13 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
+from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
 from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
 from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
+from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 
@@ -88,31 +87,22 @@ class LearnerLink:
         self.fatal: BaseException | None = None
         self.closing = threading.Event()
         self.slots = SlotArea(slot_layout(core, staging))
+        self.outs = OutSlots(self.slots, staging)
         self.last_error = [""] * len(clients)
         """Per shard, why its last call went unanswered (for the outage's lines)."""
         self.refusals = Repeats(log)
-        self._requests: dict[int, tuple[Request, int, int]] = {}
-        """In flight: per request id, the request, its shard and the helper generation it went to."""
+        self.calls = HelperCalls()
         self._sends: dict[int, Send] = {}
-        self._rids = itertools.count()
-        self._generation = 0
-        self._helper: HelperProcess | None = None
-        self._helper_lock = threading.Lock()
         self._closing_helper = False
         self._leaves: list[SendLeave] = []
         self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
-        self._held: list[tuple[int, bytes]] | None = None
-        """Frames the training thread holds back until the end of its step, each with the helper
-        generation it is for."""
-        self._holder = 0
-        """The thread whose frames are held back (``batched``)."""
         self._started = threading.Event()
         self._start_error: HelperError | None = None
         self._tick_wake = threading.Event()
         name = core.learner_id
         self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{name}", daemon=True)
         self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{name}", daemon=True)
-        self._finisher: queue.Queue[tuple[Send, int] | None] | None = None
+        self._finisher: queue.Queue[Send | None] | None = None
         if staging.asynchronous:
             self._finisher = queue.Queue()
             threading.Thread(target=self._finish_loop, name=f"ddiloco-finish-{name}", daemon=True).start()
@@ -153,92 +143,38 @@ class LearnerLink:
                 say_warning(action, self.backlog)
 
     def _send(self, send: Send) -> None:
-        """Δ into its out slot (one copy), then announced; on a GPU the finisher announces it once
-        the device's copy has landed."""
-        p = send.fragment
+        """Δ into its out slot, then announced; on a GPU the finisher announces it once the device's
+        copy has landed (``out_slots.py``)."""
         if send.ready is not None and self._finisher is not None:
-            self._finisher.put((send, p))
+            self._finisher.put(send)
             return
-        if send.encoded is not None:
-            seq, raw = self.slots.write(Slot.OUT, p, send.encoded), False
-        else:
-            assert send.delta is not None
-            out = self.slots.begin(Slot.OUT, p)
-            torch.from_numpy(out[: 4 * send.delta.numel()].view(np.float32)).copy_(send.delta)
-            seq, raw = self.slots.end(Slot.OUT, p, 4 * send.delta.numel()), True
-        self._announce(send, seq, raw)
+        self._announce(send, *self.outs.write(send))
 
     def _finish_loop(self) -> None:
         assert self._finisher is not None
-        while (item := self._finisher.get()) is not None:
-            send, p = item
+        while (send := self._finisher.get()) is not None:
             try:
                 send.ready()  # type: ignore[misc]  # waits for the copy (the interpreter lock released)
             except ValueError as err:
-                self.fail(DdilocoError(f"fragment {p}: Δ is not finite ({err}): the model diverged"))
+                self.fail(DdilocoError(f"fragment {send.fragment}: Δ is not finite ({err}): the model diverged"))
                 continue
-            assert send.encoded is not None
-            self._announce(send, self.slots.write(Slot.OUT, p, send.encoded), False)
+            self._announce(send, self.outs.finish(send), False)
 
     def _announce(self, send: Send, seq: int, raw: bool) -> None:
-        rid = next(self._rids)
+        rid = self.calls.next_rid()
         self._sends[rid] = Send(send.header, None, send.codec, send.shard)  # before the helper asks; without Δ
-        frame = self._frames.send(rid, send.shard, send.header, send.fragment, seq, raw)
-        self._request(Msg.SEND, send.header, send.shard, rid=rid, frame=frame)
+        self.calls.call(rid, send.header, send.shard, self._frames.send(rid, send.shard, send.header, send.fragment,
+                                                                         seq, raw))
 
-    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any, rid: int | None = None,
-                 frame: bytes | None = None) -> int:
-        """Send one call to the helper (``frame``: the call already framed), remembered until its
-        outcome (or the helper's death) comes back."""
-        rid = next(self._rids) if rid is None else rid
-        if frame is None:
-            frame = pickled((kind, rid, shard, request, *extra))
-        with self._helper_lock:
-            generation, helper = -1, self._helper  # -1: not sent, lost with the helper that is gone
-            self._requests[rid] = (request, shard, generation)
-            if helper is not None:
-                if self._held is not None and threading.get_ident() == self._holder:
-                    self._held.append((self._generation, frame))
-                    generation = self._generation
-                else:
-                    try:
-                        helper.pipe.send_frames(frame)
-                        generation = self._generation
-                    except PipeClosed:
-                        pass  # the relay sees it die, and reports the call undelivered
-            self._requests[rid] = (request, shard, generation)
-        return rid
+    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any) -> None:
+        """Send one call to the helper, remembered until its outcome (or the helper's death) comes back."""
+        rid = self.calls.next_rid()
+        self.calls.call(rid, request, shard, pickled((kind, rid, shard, request, *extra)))
 
     def release(self, fragment: int) -> None:
         """The training thread is done with fragment's in slot: the helper may write it again (it
         reads so in the slot's header, whichever helper runs by then; no message)."""
         self.slots.release(Slot.IN, fragment)
-
-    @contextlib.contextmanager
-    def batched(self) -> Iterator[None]:
-        """Within: what this thread sends the helper is held back, then sent in one system call
-        (a step's announces: one wake-up of the helper, not one per message). Never
-        around a wait for the helper: what it waits for might be held back."""
-        self._holder, self._held = threading.get_ident(), []
-        try:
-            yield
-        finally:
-            held, self._held = self._held, None
-            if held:
-                self._send_held(held)
-
-    def _send_held(self, held: list[tuple[int, bytes]]) -> None:
-        with self._helper_lock:
-            helper, generation = self._helper, self._generation
-            # A call held for a helper that died meanwhile is not sent to its successor: it was
-            # reported undelivered when the successor started.
-            data = b"".join(frame for gen, frame in held if gen == generation)
-            if helper is None or not data:
-                return
-            try:
-                helper.pipe.send_frames(data)
-            except PipeClosed:
-                pass  # the relay sees it die, and reports the calls undelivered
 
     # ---- helper → training process ---------------------------------------------------------
 
@@ -255,9 +191,7 @@ class LearnerLink:
                 else:
                     self.fail(err)
                 return
-            with self._helper_lock:
-                self._helper = helper
-                lost = [rid for rid, (_, _, gen) in self._requests.items() if gen < self._generation]
+            lost = self.calls.started(helper)
             if self._started.is_set():
                 for rid in lost:
                     self._lost(rid)
@@ -265,12 +199,10 @@ class LearnerLink:
             self._serve(helper)
             if self._closing_helper or self.closing.is_set():
                 return
-            with self._helper_lock:
-                self._helper = None
-                self._generation += 1
+            self.calls.gone()
             self.stats.helpers_lost += 1
             log.warning("the link's helper process (pid %d) %s; starting a new one (its %d calls in flight count as "
-                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self._requests))
+                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self.calls.requests))
             helper.kill()
 
     def _serve(self, helper: HelperProcess) -> None:
@@ -316,8 +248,7 @@ class LearnerLink:
 
     def _done(self, rid: int) -> tuple[Request, int] | None:
         self._sends.pop(rid, None)
-        entry = self._requests.pop(rid, None)
-        return None if entry is None else entry[:2]
+        return self.calls.done(rid)
 
     def _on_outcome(self, kind: Msg, rid: int, *fields: Any) -> None:
         entry = self._done(rid)
@@ -367,7 +298,7 @@ class LearnerLink:
             else:
                 update = dataclasses.replace(update, payload=view)
                 if self.staging.asynchronous:  # decoded on the device now, the slot free again
-                    values = self.staging.decode(update)
+                    values = self.staging.decode(update, pinned=self.staging.registered is not None)
                     self.release(p)
                     p = -1
         self.inbox.put((Inbox.UPDATE, (update, values, p)))
@@ -416,7 +347,7 @@ class LearnerLink:
         """Deliver what is queued, leave every shard if the core said so, then stop the helper."""
         if self._finisher is not None:
             self._finisher.put(None)
-        helper = self._helper
+        helper = self.calls.helper
         if helper is not None and self._relay.is_alive():
             if self.fatal is None:
                 for leave in self._leaves:
@@ -431,6 +362,7 @@ class LearnerLink:
         self._tick_wake.set()
         if helper is not None:
             helper.wait(timeout_s if self._relay.is_alive() else 5.0)
+        self.outs.close()
         os.close(self.slots.fd)
         if self._ticker.is_alive():
             self._ticker.join(timeout_s)

@@ -294,7 +294,7 @@ class LearnerRuntime:
             self._raise_if_failed()
             self._hold.check()  # the core's flat buffers are still the model's parameters
             self._steps += 1
-            with link.batched():  # the step's announces and releases reach the helper together
+            with link.calls.batched():  # the step's announces reach the helper together
                 with self._lock:
                     actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
                 link.dispatch(actions)

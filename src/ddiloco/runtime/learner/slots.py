@@ -19,7 +19,8 @@ impossible by construction, whichever helper (a new one after a crash included) 
 The region is an anonymous shared file (``memfd_create`` on Linux, an unlinked file
 elsewhere) passed to the helper as an open descriptor: it has no name, so nothing is left in
 ``/dev/shm`` whichever process is killed. On CUDA the trainer registers it as pinned host
-memory (``cudaHostRegister``), so Δ is copied into it, and updates out of it, asynchronously.
+memory (``cudaHostRegister``, ``staging.py``), so Δ's payload is copied from the device straight
+into its out slot, and updates from their in slot to the device, asynchronously.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class SlotLayout:
     def total(self) -> int:
         return sum(2 * HEADER_BYTES + _aligned(o) + _aligned(i) for o, i in zip(self.out_bytes, self.in_bytes))
 
+    @property
+    def mapped_bytes(self) -> int:
+        """The region's size: whole pages (what ``cudaHostRegister`` pins)."""
+        return -(-max(self.total, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -96,9 +102,9 @@ class SlotArea:
 
     def __init__(self, layout: SlotLayout, fd: int | None = None) -> None:
         self.layout = layout
-        self.fd = shared_file(layout.total) if fd is None else fd
+        self.fd = shared_file(layout.mapped_bytes) if fd is None else fd
         try:
-            self._map = mmap.mmap(self.fd, max(layout.total, 1))
+            self._map = mmap.mmap(self.fd, layout.mapped_bytes)
         except (OSError, ValueError) as err:
             raise SlotError(f"cannot map the learner's link slots ({layout.total:,} bytes): {err}") from None
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
