@@ -3,7 +3,8 @@
 The hot one (a contribution's announce) is a fixed struct: the helper must read from it exactly
 the contribution the trainer announced (the bytes it uploads follow from it), whatever its
 fields; what the struct cannot carry goes pickled. An in slot's release is a word in shared
-memory, no message; a step's messages reach the helper in one system call.
+memory, no message; a step's messages reach the helper in one system call, and one held for a
+helper that died meanwhile reaches none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from runtime_helpers import train_steps
 from ddiloco.config import build_config
 from ddiloco.core.messages import Contribution, Progress, Session
 from ddiloco.runtime.learner import helper_wire
+from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
@@ -136,3 +138,40 @@ def test_a_step_reaches_the_helper_in_one_system_call(inproc_sync, monkeypatch):
         runtime.close()
     assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
     assert max(calls) == 1  # the announces of one step: one send
+
+
+class Running:
+    """A helper as ``HelperCalls`` sees one: its end of a real socket pair."""
+
+    def __init__(self) -> None:
+        ours, self.theirs = socket.socketpair()
+        self.pipe = Pipe(ours)
+        self.theirs.setblocking(False)
+
+    def received(self) -> bytes:
+        try:
+            return self.theirs.recv(1 << 16)
+        except BlockingIOError:
+            return b""
+
+
+def test_calls_held_in_a_step_go_together_and_never_to_a_successor():
+    calls, first = HelperCalls(), Running()
+    assert calls.started(first) == []
+    frames = [FRAMES.send(rid, 0, HEADER, 3, 2 * rid, False) for rid in range(3)]
+    with calls.batched():
+        calls.call(calls.next_rid(), HEADER, 0, frames[0])
+        other = threading.Thread(target=calls.call, args=(calls.next_rid(), HEADER, 0, frames[1]))
+        other.start()
+        other.join()
+        assert first.received() == frames[1]  # another thread's call is not held
+        calls.call(calls.next_rid(), HEADER, 0, frames[2])
+        assert first.received() == b""
+    assert first.received() == frames[0] + frames[2]  # one write
+    with calls.batched():
+        rid = calls.next_rid()
+        calls.call(rid, HEADER, 0, frames[0])
+        calls.gone()  # the helper died mid-step
+        second = Running()
+        assert rid in calls.started(second)  # reported lost when its successor starts ...
+    assert second.received() == b"" and first.received() == b""  # ... so sent to neither
