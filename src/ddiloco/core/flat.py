@@ -20,7 +20,6 @@ training no longer writes. The check is O(tensors), not O(elements).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -181,15 +180,8 @@ class ModelHold:
         self._owners = [(f"{prefix}.{attr}" if prefix else attr, module._parameters, attr, p)
                         for prefix, module in model.named_modules(remove_duplicate=False)
                         for attr, p in module._parameters.items() if p is not None]
-        self._dicts = [params for _, params, _, _ in self._owners]
-        self._attrs = [attr for _, _, attr, _ in self._owners]
-        self._bound = [bound for _, _, _, bound in self._owners]
 
     def check(self) -> None:
-        # Every step runs this: the lookups and identity tests in C (map), a few µs for hundreds of
-        # tensors; the loop below only names what changed.
-        if all(map(operator.is_, map(dict.get, self._dicts, self._attrs), self._bound)):
-            return
         for name, params, attr, bound in self._owners:
             now = params.get(attr)
             if now is not bound:
