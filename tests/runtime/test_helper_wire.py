@@ -129,6 +129,8 @@ def test_a_step_reaches_the_helper_in_one_system_call(inproc_sync, monkeypatch):
             calls[-1] += 1
         send_frames(pipe, data, **kw)
 
+    if hasattr(os, "SCHED_BATCH"):  # its wake-ups never preempt the training thread (helper.yield_to_trainer)
+        assert os.sched_getscheduler(runtime.link.calls.helper.pid) == os.SCHED_BATCH
     monkeypatch.setattr(runtime, "step", counted)
     monkeypatch.setattr(Pipe, "send_frames", send)
     try:

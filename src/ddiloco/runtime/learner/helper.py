@@ -66,6 +66,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def yield_to_trainer() -> None:
+    """Linux: run this process's threads (those started from here on inherit it) as SCHED_BATCH, which
+    the kernel never lets preempt a running thread when it wakes. The trainer's announce wakes the
+    sender; on a machine without a spare core it would otherwise take the CPU from the training
+    thread right inside its ``runtime.step``. With a spare core nothing changes (the helper runs
+    there at once); without one, the upload waits for the trainer's time slice to end."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as err:  # not allowed here: the helper still works, as an ordinary process
+            log.debug("the helper stays an ordinary process (SCHED_BATCH refused: %s)", err)
+
+
 class Helper:
     """The link's threads for every shard, and the socket to the training process."""
 
@@ -333,6 +346,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s {spec.learner_id} link %(levelname)s %(message)s")
     torch.set_num_threads(1)  # the trainer's cores are the trainer's
+    yield_to_trainer()
     try:
         helper = Helper(pipe, spec, int(argv[1]))
     except (DdilocoError, OSError) as err:
