@@ -103,6 +103,13 @@ def test_an_in_slot_is_written_again_only_once_its_reader_released_it():
     assert not helper_side.free(Slot.IN, 0)
     helper_side.begin(Slot.IN, 0)  # a helper killed mid-write: never announced, so free for the next
     assert helper_side.free(Slot.IN, 0)
+    helper_side.write(Slot.IN, 0, np.ones(16, dtype=np.uint8))  # ... or killed before it announced the write:
+    assert not helper_side.free(Slot.IN, 0)
+    trainer_side.release_all(Slot.IN, held=set())  # the trainer, before the next helper starts, holds none
+    assert helper_side.free(Slot.IN, 0)
+    seq = helper_side.write(Slot.IN, 0, np.ones(16, dtype=np.uint8))
+    trainer_side.release_all(Slot.IN, held={0})  # one the trainer holds stays held
+    assert not helper_side.free(Slot.IN, 0)
 
 
 @pytest.mark.slow

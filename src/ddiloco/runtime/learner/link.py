@@ -95,6 +95,8 @@ class LearnerLink:
         self._sends: dict[int, Send] = {}
         self._closing_helper = False
         self._leaves: list[SendLeave] = []
+        self._holding: set[int] = set()
+        """Fragments whose in slot holds an update the training thread has not released yet."""
         self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
         self._started = threading.Event()
         self._start_error: HelperError | None = None
@@ -174,12 +176,14 @@ class LearnerLink:
     def release(self, fragment: int) -> None:
         """The training thread is done with fragment's in slot: the helper may write it again (it
         reads so in the slot's header, whichever helper runs by then; no message)."""
+        self._holding.discard(fragment)
         self.slots.release(Slot.IN, fragment)
 
     # ---- helper → training process ---------------------------------------------------------
 
     def _relay_loop(self) -> None:
         while True:
+            self.slots.release_all(Slot.IN, self._holding)  # the helper before (dead) may have written unannounced
             try:
                 helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout),
                                              self.slots.fd)
@@ -291,6 +295,7 @@ class LearnerLink:
     def _on_update(self, shard: int, update: FragmentUpdate, p: int, seq: int, decoded: bool) -> None:
         values = None
         if p >= 0:
+            self._holding.add(p)
             view = self.slots.view(Slot.IN, p, seq)
             assert view is not None  # the helper writes a slot again only once it is released
             if decoded:

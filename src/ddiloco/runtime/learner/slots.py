@@ -14,7 +14,8 @@ another write meanwhile (the number moved on), the copy may be torn and is throw
 sent. In-slots are also handed over: the header holds a third word, the number the trainer last
 released (it writes the slot's number there once it is done with it, no message), and the
 helper writes slot p again only once that word is the slot's number, so a torn update is
-impossible by construction, whichever helper (a new one after a crash included) writes next.
+impossible by construction. Before a new helper starts (after a crash), the trainer releases
+every in slot it does not hold: one the dead helper wrote but never announced is free again.
 
 The region is an anonymous shared file (``memfd_create`` on Linux, an unlinked file
 elsewhere) passed to the helper as an open descriptor: it has no name, so nothing is left in
@@ -160,6 +161,13 @@ class SlotArea:
         """The reader is done with slot p as it holds it now (the writer may write it again)."""
         header = self._slots[p][kind][0]
         header[2] = header[0]
+
+    def release_all(self, kind: Slot, held: set[int]) -> None:
+        """Release every slot but those the reader still holds: before a new writer starts, what a
+        writer that died left in the others (a write it never announced) is free to overwrite."""
+        for p in range(len(self._slots)):
+            if p not in held:
+                self.release(kind, p)
 
     def free(self, kind: Slot, p: int) -> bool:
         """May the writer write slot p? Once its reader released what it holds (or nothing was ever
