@@ -101,12 +101,12 @@ def test_a_helper_killed_mid_upload_is_replaced_and_the_next_contribution_accept
     try:
         train_steps(runtime, workload, model, 0, 1, until=lambda: runtime.backlog > 0)
         assert runtime.backlog > 0  # a contribution is on its way
-        first = runtime.link._helper
+        first = runtime.link.calls.helper
         os.kill(first.pid, signal.SIGKILL)
         sent = runtime.stats.contributions_sent
         train_steps(runtime, workload, model, 0, 1, deadline_s=90,
                     until=lambda: runtime.link.stats.helpers_lost == 1 and runtime.stats.contributions_sent >= sent + 2)
-        assert runtime.link.stats.helpers_lost == 1 and runtime.link._helper.pid != first.pid
+        assert runtime.link.stats.helpers_lost == 1 and runtime.link.calls.helper.pid != first.pid
         assert runtime.stats.contributions_sent >= sent + 2  # accepted through the new helper
         assert first.proc.poll() == -signal.SIGKILL
     finally:
@@ -143,7 +143,7 @@ TRAINER = textwrap.dedent("""
     from ddiloco.workload.workload import Workload
     config = build_config(preset="tiny", overrides=("run.learners=1",))
     runtime = LearnerRuntime(Workload.build(config).new_model(), sys.argv[1], "learner-0", join_timeout_s=60)
-    print(runtime.link._helper.pid, flush=True)
+    print(runtime.link.calls.helper.pid, flush=True)
     time.sleep(600)
 """)
 

@@ -5,13 +5,15 @@ before compression), updates decoded ahead give the same merge as updates decode
 core, and staging hands CPU sends on untouched. The CUDA tests skip without a GPU; they
 check that the training thread's side (taking Δ, staging it, applying an update) makes no
 synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises on one), that
-what the sender compresses is Δ, and that a learner runtime on the GPU trains and merges.
+what the sender compresses is Δ, that Δ is copied straight into its slot where the slots are
+pinned (and updates out of theirs), and that a learner runtime on the GPU trains and merges.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,9 +23,11 @@ from ddiloco.core.codecs import get_codec
 from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.fragments import flatten, plan_fragments
 from ddiloco.core.learner import Learner
-from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.messages import Contribution, FragmentUpdate, Session
 from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.runtime.learner.staging import HostStaging, checked_after
 from ddiloco.workload.workload import Workload
 from runtime_helpers import train_steps
@@ -136,6 +140,38 @@ def test_int4_on_a_gpu_sends_the_bytes_the_host_codec_would():
 
 
 @cuda
+def test_on_a_gpu_delta_lands_straight_in_its_pinned_slot_and_updates_leave_from_theirs():
+    codec, delta, numel = get_codec("int4"), torch.randn(1000, device="cuda"), 1000
+    size = codec.encoded_size(numel)
+    staging = HostStaging(torch.device("cuda"), codec, [numel], [False])
+    slots = SlotArea(SlotLayout((size,), (size,)))
+    outs = OutSlots(slots, staging)
+    assert outs.pinned and staging.registered == slots.address()
+    header = Contribution("l0", Session(1, 1), 0, 0, 1, 16, 1, 0.1, 0.1, "int4", b"")
+    send = Send(header=header, delta=delta, codec=codec)
+    (first,) = staging.stage([send])
+    (second,) = staging.stage([send])  # the first is still on its way into the slot: a pinned buffer
+    assert np.may_share_memory(first.encoded, slots.payload(Slot.OUT, 0))
+    assert not np.may_share_memory(second.encoded, slots.payload(Slot.OUT, 0))
+    expected = codec.encode(delta.cpu())
+    first.ready()
+    seq = outs.finish(first)
+    assert slots.read(Slot.OUT, 0, seq) == expected
+    second.ready()
+    later = outs.finish(second)
+    assert later > seq and slots.read(Slot.OUT, 0, later) == expected
+    (third,) = staging.stage([send])  # the slot is free again: straight into it
+    assert np.may_share_memory(third.encoded, slots.payload(Slot.OUT, 0))
+    third.ready()
+    assert slots.read(Slot.OUT, 0, outs.finish(third)) == expected
+    at = slots.write(Slot.IN, 0, np.frombuffer(expected, dtype=np.uint8))
+    update = FragmentUpdate(fragment=0, version=1, codec="int4", payload=slots.view(Slot.IN, 0, at))
+    assert torch.equal(staging.decode(update, pinned=True).cpu(), codec.decode(expected, numel))
+    outs.close()
+    assert staging.registered is None
+
+
+@cuda
 def test_on_a_gpu_the_training_thread_never_synchronizes():
     core, params, sync = joined_learner("cuda")
     staging = staging_for(core, "cuda")
@@ -175,6 +211,7 @@ def test_a_learner_runtime_on_a_gpu_trains_sends_and_merges(inproc_sync):
     # its quorum); on a fast GPU the steps can outrun it, so train until it has landed.
     trainer = train_steps(runtime, workload, model, 0, 4 * config.protocol.period,
                           until=lambda: runtime.stats.updates_applied >= 1)
+    assert runtime.link.outs.pinned  # Δ and updates through the slots, registered as pinned memory
     runtime.close()
     stats = runtime.stats
     assert stats.contributions_sent >= 4 and stats.updates_applied >= 1

@@ -12,7 +12,7 @@ synchronizer shard it runs the three threads the link always had —
   the call ended;
 - *control*: joins and heartbeats; a join's state goes back as a shared file;
 - *receiver*: the update stream of the shard's session, each update written into its
-  fragment's slot once the trainer released it, and announced;
+  fragment's slot once the trainer released it (a word in the slot's header), and announced;
 
 and reports every outcome to the training process, whose core decides what follows. It exits
 with its trainer: the kernel kills it when the process that started it dies
@@ -42,7 +42,7 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, GlobalState, Ses
 from ddiloco.core.shard_link import BACKOFF_START_S
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
-from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.repeats import next_delay
 from ddiloco.runtime.learner.slots import Slot, SlotArea, shared_file
 
@@ -50,6 +50,8 @@ log = logging.getLogger("ddiloco.learner")
 
 WAIT_S = 1.0
 """The longest any of the helper's threads sleeps without looking whether it is closing."""
+RELEASE_POLL_S = 0.001
+"""How soon the receiver looks again at an in slot the trainer has not released (doubling, to a tenth of WAIT_S)."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -64,6 +66,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def yield_to_trainer() -> None:
+    """Linux: run this process's threads (those started from here on inherit it) as SCHED_BATCH, which
+    the kernel never lets preempt a running thread when it wakes. The trainer's announce wakes the
+    sender; on a machine without a spare core it would otherwise take the CPU from the training
+    thread right inside its ``runtime.step``. With a spare core nothing changes (the helper runs
+    there at once); without one, the upload waits for the trainer's time slice to end."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as err:  # not allowed here: the helper still works, as an ordinary process
+            log.debug("the helper stays an ordinary process (SCHED_BATCH refused: %s)", err)
+
+
 class Helper:
     """The link's threads for every shard, and the socket to the training process."""
 
@@ -74,10 +89,6 @@ class Helper:
         self.uplink = get_codec(spec.uplink, block_size=spec.block_size)
         self.downlink = get_codec(spec.downlink, block_size=spec.block_size)
         self.closing = threading.Event()
-        self.released = [threading.Event() for _ in spec.numels]
-        for p, event in enumerate(self.released):
-            if p not in spec.holding:
-                event.set()
         self._answers: dict[int, queue.Queue[Any]] = {}
         self._qids = itertools.count()
         self.shards = [ShardWorker(self, shard, c.connect(), session)
@@ -114,8 +125,6 @@ class Helper:
                 self.shards[msg[2]].control(msg)
             elif kind is Msg.LEAVE:
                 self._leaves.append(msg[1:])
-            elif kind is Msg.RELEASE:
-                self.released[msg[1]].set()
             elif kind is Msg.CLOSE:  # on a thread of its own: its sends still ask the core, through this loop
                 threading.Thread(target=self.close, args=(msg[1],), name="ddiloco-close", daemon=True).start()
 
@@ -279,10 +288,11 @@ class ShardWorker:
         if not fits:  # the core refuses it, with the reason
             helper.pipe.send(Msg.UPDATE, self.shard, update, -1, 0, False)
             return True
-        while not helper.released[p].wait(WAIT_S):
-            if helper.closing.is_set():
+        wait_s = RELEASE_POLL_S
+        while not helper.slots.free(Slot.IN, p):  # rare: the trainer applies an update at its next step
+            if helper.closing.wait(wait_s):
                 return False
-        helper.released[p].clear()
+            wait_s = min(2 * wait_s, WAIT_S / 10)
         if spec.decodes[p]:
             data = helper.downlink.decode(update.payload, spec.numels[p]).numpy()
         else:
@@ -332,9 +342,11 @@ def main(argv: list[str]) -> int:
         return 0
     assert kind is Msg.INIT
     die_with_parent(spec.parent_pid)
+    pipe.frames = SendFrames(spec.learner_id, spec.uplink, spec.boot)
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s {spec.learner_id} link %(levelname)s %(message)s")
     torch.set_num_threads(1)  # the trainer's cores are the trainer's
+    yield_to_trainer()
     try:
         helper = Helper(pipe, spec, int(argv[1]))
     except (DdilocoError, OSError) as err:

@@ -1,9 +1,13 @@
 """The control messages between a learner's training process and its link's helper process.
 
-They are small (a fragment's bytes travel through the shared slots, ``slots.py``): pickled
-tuples ``(Msg, *fields)``, each framed by its length on a Unix socket pair. A join's global
-state, too large for a message and too rare for a slot of its own, travels as an anonymous
-shared file whose descriptor follows its message (``SCM_RIGHTS``).
+They are small (a fragment's bytes travel through the shared slots, ``slots.py``): tuples
+``(Msg, *fields)`` on a Unix socket pair, each framed by its length and a tag. The two the
+training thread sends on its steps, contributions' announces (SEND), are fixed structs
+(:class:`SendFrames`: a ``struct.pack``, a fraction of a pickle's cost; the fields every
+contribution of a learner shares come from the helper's spec); every other message is pickled.
+An in slot's release is no message: a word in the slot's header (``slots.py``). A join's global state, too large for a message and too rare for a
+slot of its own, travels as an anonymous shared file whose descriptor follows its message
+(``SCM_RIGHTS``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddiloco.core.messages import GlobalState, Session
+from ddiloco.core.messages import Contribution, GlobalState, Progress, Session
 from ddiloco.runtime.client import ClientSpec, JoinResult
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.learner.slots import SlotLayout
 
-_LENGTH = struct.Struct("<I")
+_HEAD = struct.Struct("<IB")
+"""A frame's head: the length of its body and its tag, ``PICKLED`` or the Msg its fixed struct carries."""
+PICKLED = 0
 
 
 class Msg(enum.IntEnum):
@@ -45,8 +51,6 @@ class Msg(enum.IntEnum):
     """``(rid, shard, Heartbeat)``."""
     LEAVE = 6
     """``(rid, shard, Leave)``."""
-    RELEASE = 7
-    """``(fragment)``: the trainer is done with the in slot; the helper may write it again."""
     CLOSE = 8
     """``(timeout_s)``: deliver what is queued, then the leaves, then CLOSED, and exit."""
     # ---- helper → training process
@@ -95,8 +99,8 @@ class HelperSpec:
     """Per fragment: the helper writes an update's decoded float32 values into the in slot (else its payload)."""
     sessions: tuple[Session | None, ...]
     """Per shard, the session the learner holds (a helper started again resubscribes with it)."""
-    holding: tuple[int, ...]
-    """Fragments whose in slot the trainer has not released yet (not to be written before it does)."""
+    boot: str
+    """The learner's boot id, which every contribution's progress carries (``SendFrames``)."""
     parent_pid: int
     log_level: int
 
@@ -105,26 +109,90 @@ class PipeClosed(Exception):
     """The other process is gone (or closed its end)."""
 
 
-class Pipe:
-    """One end of the socket pair; ``send`` may be called from any thread, ``recv`` from one."""
+_SEND = struct.Struct("<qqqQ?Qqqqqqddq?qq")
+"""Msg.SEND: rid, shard, fragment, slot number, raw; the contribution's session (incarnation,
+number), base version, seq, tokens, steps, compute_s, step_time_s, first step; its progress
+(present, tokens, steps)."""
+_CARRIED = ("learner_id", "session", "fragment", "base_version", "seq", "tokens", "steps", "compute_s",
+            "step_time_s", "codec", "payload", "first_step", "progress")
+"""Every field of a Contribution, as ``SendFrames`` carries it (a test fails if one is added: carry it too)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+
+@dataclass(frozen=True, slots=True)
+class SendFrames:
+    """The hot control messages as fixed structs. ``learner_id``, ``codec`` and ``boot`` are what
+    every contribution of one learner shares: the helper fills them in from its spec, and a
+    contribution that differs (or a field out of the struct's range) is pickled instead."""
+
+    learner_id: str
+    codec: str
+    boot: str
+
+    def send(self, rid: int, shard: int, header: Contribution, fragment: int, seq: int, raw: bool) -> bytes:
+        """A whole SEND frame."""
+        progress = header.progress
+        if (header.learner_id == self.learner_id and header.codec == self.codec and not header.payload
+                and (progress is None or progress.boot == self.boot)):
+            session = header.session
+            try:
+                body = _SEND.pack(rid, shard, fragment, seq, raw, session.incarnation, session.number,
+                                  header.base_version, header.seq, header.tokens, header.steps, header.compute_s,
+                                  header.step_time_s, header.first_step, progress is not None,
+                                  progress.tokens if progress else 0, progress.steps if progress else 0)
+            except struct.error:
+                pass
+            else:
+                return _HEAD.pack(_SEND.size, Msg.SEND) + body
+        return pickled((Msg.SEND, rid, shard, header, fragment, seq, raw))
+
+    def unpack(self, tag: int, body: bytes) -> tuple:
+        """The message of a fixed-struct frame's body, as its pickled twin would read."""
+        if tag != Msg.SEND:
+            raise PipeClosed(f"a frame of unknown tag {tag}")
+        (rid, shard, fragment, seq, raw, incarnation, number, base_version, cseq, tokens, steps, compute_s,
+         step_time_s, first_step, has_progress, p_tokens, p_steps) = _SEND.unpack(body)
+        header = Contribution(self.learner_id, Session(incarnation, number), fragment, base_version, cseq, tokens,
+                              steps, compute_s, step_time_s, self.codec, b"", first_step,
+                              Progress(self.boot, p_tokens, p_steps) if has_progress else None)
+        return Msg.SEND, rid, shard, header, fragment, seq, raw
+
+
+def pickled(msg: tuple) -> bytes:
+    """A whole frame holding ``msg`` pickled."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEAD.pack(len(data), PICKLED) + data
+
+
+class Pipe:
+    """One end of the socket pair; ``send`` may be called from any thread, ``recv`` from one.
+    ``frames``: how to read the fixed-struct messages (the helper's end)."""
+
+    def __init__(self, sock: socket.socket, frames: SendFrames | None = None) -> None:
         self.sock = sock
+        self.frames = frames
         self._send_lock = threading.Lock()
 
     def send(self, *msg: Any, fd: int | None = None) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send_frames(pickled(msg), fd=fd)
+
+    def send_frames(self, data: bytes, *, fd: int | None = None) -> None:
+        """Whole frames, back to back, in one system call (``fd`` after them)."""
         try:
             with self._send_lock:
-                self.sock.sendall(_LENGTH.pack(len(data)) + data)
+                self.sock.sendall(data)
                 if fd is not None:
                     socket.send_fds(self.sock, [b"F"], [fd])
         except OSError as err:
             raise PipeClosed(str(err)) from None
 
     def recv(self) -> tuple:
-        (length,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
-        return pickle.loads(self._exactly(length))
+        length, tag = _HEAD.unpack(self._exactly(_HEAD.size))
+        body = self._exactly(length)
+        if tag == PICKLED:
+            return pickle.loads(body)
+        if self.frames is None:
+            raise PipeClosed(f"a fixed-struct message ({tag}) on a pipe that reads none")
+        return self.frames.unpack(tag, body)
 
     def recv_fd(self) -> int:
         try:

@@ -3,7 +3,9 @@ shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner
 reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
 streams run in a helper process (``helper.py``), so none of it takes the training thread's
 interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
-``slots.py``) and announces it, and sends joins and heartbeats as messages; the *relay* thread
+``out_slots.py``) and announces it, and sends joins and heartbeats as messages (``calls.py``: a
+step's announces are fixed structs, ``helper_wire.SendFrames``, sent together in one system call);
+the training thread releases an update's slot by a word in shared memory, no message; the *relay* thread
 waits on the helper's socket and feeds the core each outcome under the lock (O(1) per
 message), and starts the helper again if it dies (its calls in flight count as undelivered;
 the core's usual rules take it from there); the *ticker* ticks the core at its
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
 import logging
 import os
 import queue
@@ -36,11 +37,13 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
+from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, receive_state
+from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
 from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
+from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 
@@ -84,27 +87,24 @@ class LearnerLink:
         self.fatal: BaseException | None = None
         self.closing = threading.Event()
         self.slots = SlotArea(slot_layout(core, staging))
+        self.outs = OutSlots(self.slots, staging)
         self.last_error = [""] * len(clients)
         """Per shard, why its last call went unanswered (for the outage's lines)."""
         self.refusals = Repeats(log)
-        self._requests: dict[int, tuple[Request, int, int]] = {}
-        """In flight: per request id, the request, its shard and the helper generation it went to."""
+        self.calls = HelperCalls()
         self._sends: dict[int, Send] = {}
-        self._rids = itertools.count()
-        self._generation = 0
-        self._helper: HelperProcess | None = None
-        self._helper_lock = threading.Lock()
         self._closing_helper = False
         self._leaves: list[SendLeave] = []
         self._holding: set[int] = set()
         """Fragments whose in slot holds an update the training thread has not released yet."""
+        self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
         self._started = threading.Event()
         self._start_error: HelperError | None = None
         self._tick_wake = threading.Event()
         name = core.learner_id
         self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{name}", daemon=True)
         self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{name}", daemon=True)
-        self._finisher: queue.Queue[tuple[Send, int] | None] | None = None
+        self._finisher: queue.Queue[Send | None] | None = None
         if staging.asynchronous:
             self._finisher = queue.Queue()
             threading.Thread(target=self._finish_loop, name=f"ddiloco-finish-{name}", daemon=True).start()
@@ -145,70 +145,48 @@ class LearnerLink:
                 say_warning(action, self.backlog)
 
     def _send(self, send: Send) -> None:
-        """Δ into its out slot (one copy), then announced; on a GPU the finisher announces it once
-        the device's copy has landed."""
-        p = send.fragment
+        """Δ into its out slot, then announced; on a GPU the finisher announces it once the device's
+        copy has landed (``out_slots.py``)."""
         if send.ready is not None and self._finisher is not None:
-            self._finisher.put((send, p))
+            self._finisher.put(send)
             return
-        if send.encoded is not None:
-            seq, raw = self.slots.write(Slot.OUT, p, send.encoded), False
-        else:
-            assert send.delta is not None
-            out = self.slots.begin(Slot.OUT, p)
-            torch.from_numpy(out[: 4 * send.delta.numel()].view(np.float32)).copy_(send.delta)
-            seq, raw = self.slots.end(Slot.OUT, p, 4 * send.delta.numel()), True
-        self._announce(send, seq, raw)
+        self._announce(send, *self.outs.write(send))
 
     def _finish_loop(self) -> None:
         assert self._finisher is not None
-        while (item := self._finisher.get()) is not None:
-            send, p = item
+        while (send := self._finisher.get()) is not None:
             try:
                 send.ready()  # type: ignore[misc]  # waits for the copy (the interpreter lock released)
             except ValueError as err:
-                self.fail(DdilocoError(f"fragment {p}: Δ is not finite ({err}): the model diverged"))
+                self.fail(DdilocoError(f"fragment {send.fragment}: Δ is not finite ({err}): the model diverged"))
                 continue
-            assert send.encoded is not None
-            self._announce(send, self.slots.write(Slot.OUT, p, send.encoded), False)
+            self._announce(send, self.outs.finish(send), False)
 
     def _announce(self, send: Send, seq: int, raw: bool) -> None:
-        rid = next(self._rids)
-        self._sends[rid] = dataclasses.replace(send, delta=None, encoded=None, ready=None)  # before the helper asks
-        self._request(Msg.SEND, send.header, send.shard, send.fragment, seq, raw, rid=rid)
+        rid = self.calls.next_rid()
+        self._sends[rid] = Send(send.header, None, send.codec, send.shard)  # before the helper asks; without Δ
+        self.calls.call(rid, send.header, send.shard, self._frames.send(rid, send.shard, send.header, send.fragment,
+                                                                         seq, raw))
 
-    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any, rid: int | None = None) -> int:
+    def _request(self, kind: Msg, request: Any, shard: int, *extra: Any) -> None:
         """Send one call to the helper, remembered until its outcome (or the helper's death) comes back."""
-        rid = next(self._rids) if rid is None else rid
-        with self._helper_lock:
-            generation, helper = -1, self._helper  # -1: not sent, lost with the helper that is gone
-            self._requests[rid] = (request, shard, generation)
-            if helper is not None:
-                try:
-                    helper.pipe.send(kind, rid, shard, request, *extra)
-                    generation = self._generation
-                except PipeClosed:
-                    pass  # the relay sees it die, and reports the call undelivered
-            self._requests[rid] = (request, shard, generation)
-        return rid
+        rid = self.calls.next_rid()
+        self.calls.call(rid, request, shard, pickled((kind, rid, shard, request, *extra)))
 
     def release(self, fragment: int) -> None:
-        """The training thread is done with fragment's in slot."""
+        """The training thread is done with fragment's in slot: the helper may write it again (it
+        reads so in the slot's header, whichever helper runs by then; no message)."""
         self._holding.discard(fragment)
-        helper = self._helper
-        if helper is not None:
-            try:
-                helper.pipe.send(Msg.RELEASE, fragment)
-            except PipeClosed:
-                pass
+        self.slots.release(Slot.IN, fragment)
 
     # ---- helper → training process ---------------------------------------------------------
 
     def _relay_loop(self) -> None:
         while True:
+            self.slots.release_all(Slot.IN, self._holding)  # the helper before (dead) may have written unannounced
             try:
-                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout,
-                                                             self._holding), self.slots.fd)
+                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout),
+                                             self.slots.fd)
             except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
                 err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
                 if not self._started.is_set():
@@ -217,9 +195,7 @@ class LearnerLink:
                 else:
                     self.fail(err)
                 return
-            with self._helper_lock:
-                self._helper = helper
-                lost = [rid for rid, (_, _, gen) in self._requests.items() if gen < self._generation]
+            lost = self.calls.started(helper)
             if self._started.is_set():
                 for rid in lost:
                     self._lost(rid)
@@ -227,12 +203,10 @@ class LearnerLink:
             self._serve(helper)
             if self._closing_helper or self.closing.is_set():
                 return
-            with self._helper_lock:
-                self._helper = None
-                self._generation += 1
+            self.calls.gone()
             self.stats.helpers_lost += 1
             log.warning("the link's helper process (pid %d) %s; starting a new one (its %d calls in flight count as "
-                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self._requests))
+                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self.calls.requests))
             helper.kill()
 
     def _serve(self, helper: HelperProcess) -> None:
@@ -278,8 +252,7 @@ class LearnerLink:
 
     def _done(self, rid: int) -> tuple[Request, int] | None:
         self._sends.pop(rid, None)
-        entry = self._requests.pop(rid, None)
-        return None if entry is None else entry[:2]
+        return self.calls.done(rid)
 
     def _on_outcome(self, kind: Msg, rid: int, *fields: Any) -> None:
         entry = self._done(rid)
@@ -330,7 +303,7 @@ class LearnerLink:
             else:
                 update = dataclasses.replace(update, payload=view)
                 if self.staging.asynchronous:  # decoded on the device now, the slot free again
-                    values = self.staging.decode(update)
+                    values = self.staging.decode(update, pinned=self.staging.registered is not None)
                     self.release(p)
                     p = -1
         self.inbox.put((Inbox.UPDATE, (update, values, p)))
@@ -379,7 +352,7 @@ class LearnerLink:
         """Deliver what is queued, leave every shard if the core said so, then stop the helper."""
         if self._finisher is not None:
             self._finisher.put(None)
-        helper = self._helper
+        helper = self.calls.helper
         if helper is not None and self._relay.is_alive():
             if self.fatal is None:
                 for leave in self._leaves:
@@ -394,6 +367,7 @@ class LearnerLink:
         self._tick_wake.set()
         if helper is not None:
             helper.wait(timeout_s if self._relay.is_alive() else 5.0)
+        self.outs.close()
         os.close(self.slots.fd)
         if self._ticker.is_alive():
             self._ticker.join(timeout_s)

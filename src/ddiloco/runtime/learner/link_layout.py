@@ -33,13 +33,12 @@ def helper_decodes(core: Learner, staging: HostStaging, fragment: int) -> bool:
 
 
 def helper_spec(core: Learner, lock: threading.RLock, staging: HostStaging, clients: list[ClientSpec],
-                layout: SlotLayout, holding: set[int]) -> HelperSpec:
-    """What a new helper needs: the clients, the slots, the codecs, and the sessions the core holds
-    (``holding``: the in slots the training thread has not released yet)."""
+                layout: SlotLayout) -> HelperSpec:
+    """What a new helper needs: the clients, the slots, the codecs, and the sessions the core holds."""
     with lock:
         sessions = tuple(link.session for link in core.links)
     fragments = core.plan.fragments
     return HelperSpec(core.learner_id, tuple(clients), layout, core.config.codec, core.config.downlink_codec,
                       core.config.block_size, tuple(f.numel for f in fragments),
-                      tuple(helper_decodes(core, staging, f.index) for f in fragments), sessions, tuple(holding),
-                      os.getpid(), logging.getLogger("ddiloco.learner").getEffectiveLevel())
+                      tuple(helper_decodes(core, staging, f.index) for f in fragments), sessions,
+                      core.boot, os.getpid(), logging.getLogger("ddiloco.learner").getEffectiveLevel())

@@ -15,11 +15,10 @@ training loop's steps and carries out its actions through
 :class:`~ddiloco.runtime.learner.link.LearnerLink`, whose helper process compresses, uploads,
 heartbeats, rejoins and receives (the training process's interpreter is left to training).
 ``step`` never waits for the network: it writes the outer gradients that fell due into shared
-slots (a memory copy), announces them to the helper, and applies
-the global updates that arrived meanwhile (between two steps, as the algorithm wants). It
-waits only when the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU
-it does not wait for the device either: Δ leaves and updates arrive through pinned memory
-on asynchronous copies (:mod:`ddiloco.runtime.learner.staging`).
+slots (a memory copy), announces them to the helper in one message, and applies the global
+updates that arrived meanwhile (between two steps, as the algorithm wants). It waits only when
+the core says so: synchronous DiLoCo, or ``protocol.max_wait_s``. On a GPU it does not wait for
+the device either: Δ and updates cross through the pinned slots on asynchronous copies (``staging.py``).
 
 Under ``torchrun`` (``torch.distributed`` initialized, world size > 1) the runtime is
 data-parallel aware: rank 0 talks to the synchronizer; after every step it broadcasts which
@@ -292,10 +291,11 @@ class LearnerRuntime:
             self._raise_if_failed()
             self._hold.check()  # the core's flat buffers are still the model's parameters
             self._steps += 1
-            with self._lock:
-                actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
-            link.dispatch(actions)
-            changed = self._drain_inbox(block=False)
+            with link.calls.batched():  # the step's announces reach the helper together
+                with self._lock:
+                    actions = core.record_step(tokens * self.world, duration_s, time.monotonic())
+                link.dispatch(actions)
+                changed = self._drain_inbox(block=False)
             while self._between_steps() is LoopMove.WAIT:
                 changed |= self._drain_inbox(block=True)  # the core says: wait for the synchronizer
             self._raise_if_failed()

@@ -11,13 +11,17 @@ writes and even once it is done, and the payload's length. The writer makes it o
 makes it even, and only then announces the (even) number. The reader copies the payload and
 checks that the number before and after the copy is the one announced: if the writer began
 another write meanwhile (the number moved on), the copy may be torn and is thrown away, never
-sent. In-slots are also handed over (the helper writes slot p again only once the trainer
-released it), so a torn update is impossible by construction; the check costs nothing there.
+sent. In-slots are also handed over: the header holds a third word, the number the trainer last
+released (it writes the slot's number there once it is done with it, no message), and the
+helper writes slot p again only once that word is the slot's number, so a torn update is
+impossible by construction. Before a new helper starts (after a crash), the trainer releases
+every in slot it does not hold: one the dead helper wrote but never announced is free again.
 
 The region is an anonymous shared file (``memfd_create`` on Linux, an unlinked file
 elsewhere) passed to the helper as an open descriptor: it has no name, so nothing is left in
 ``/dev/shm`` whichever process is killed. On CUDA the trainer registers it as pinned host
-memory (``cudaHostRegister``), so Δ is copied into it, and updates out of it, asynchronously.
+memory (``cudaHostRegister``, ``staging.py``), so Δ's payload is copied from the device straight
+into its out slot, and updates from their in slot to the device, asynchronously.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 from ddiloco.errors import DdilocoError
 
 HEADER_BYTES = 64
-"""Sequence number and length, on a cache line of their own."""
+"""Sequence number, length and released number, on a cache line of their own."""
 ALIGN = 64
 
 
@@ -69,6 +73,11 @@ class SlotLayout:
     def total(self) -> int:
         return sum(2 * HEADER_BYTES + _aligned(o) + _aligned(i) for o, i in zip(self.out_bytes, self.in_bytes))
 
+    @property
+    def mapped_bytes(self) -> int:
+        """The region's size: whole pages (what ``cudaHostRegister`` pins)."""
+        return -(-max(self.total, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -94,9 +103,9 @@ class SlotArea:
 
     def __init__(self, layout: SlotLayout, fd: int | None = None) -> None:
         self.layout = layout
-        self.fd = shared_file(layout.total) if fd is None else fd
+        self.fd = shared_file(layout.mapped_bytes) if fd is None else fd
         try:
-            self._map = mmap.mmap(self.fd, max(layout.total, 1))
+            self._map = mmap.mmap(self.fd, layout.mapped_bytes)
         except (OSError, ValueError) as err:
             raise SlotError(f"cannot map the learner's link slots ({layout.total:,} bytes): {err}") from None
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
@@ -104,7 +113,7 @@ class SlotArea:
         for p, (out_at, in_at) in enumerate(layout.offsets()):
             pair = []
             for at, size in ((out_at, layout.out_bytes[p]), (in_at, layout.in_bytes[p])):
-                header = self.bytes[at:at + 16].view(np.uint64)
+                header = self.bytes[at:at + 24].view(np.uint64)
                 pair.append((header, self.bytes[at + HEADER_BYTES:at + HEADER_BYTES + size]))
             self._slots.append(pair)
 
@@ -147,6 +156,25 @@ class SlotArea:
         if it does not hold number ``seq``."""
         header, payload = self._slots[p][kind]
         return payload[: int(header[1])] if int(header[0]) == seq else None
+
+    def release(self, kind: Slot, p: int) -> None:
+        """The reader is done with slot p as it holds it now (the writer may write it again)."""
+        header = self._slots[p][kind][0]
+        header[2] = header[0]
+
+    def release_all(self, kind: Slot, held: set[int]) -> None:
+        """Release every slot but those the reader still holds: before a new writer starts, what a
+        writer that died left in the others (a write it never announced) is free to overwrite."""
+        for p in range(len(self._slots)):
+            if p not in held:
+                self.release(kind, p)
+
+    def free(self, kind: Slot, p: int) -> bool:
+        """May the writer write slot p? Once its reader released what it holds (or nothing was ever
+        announced there: a number still odd is a write its writer did not finish, never announced)."""
+        header = self._slots[p][kind][0]
+        seq = int(header[0])
+        return seq % 2 == 1 or int(header[2]) == seq
 
     def address(self) -> int:
         return int(self.bytes.ctypes.data)
