@@ -92,7 +92,8 @@ class ProtocolConfig:
     staleness_reach: float = 1.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
     stale. 1 (the default): every one beyond ``staleness_max``, since merging a long link's late
-    work weighted down measured worse than refusing it (docs/design.md, "One learner on a long link")."""
+    work weighted down measured worse than refusing it: docs/design.md, "Decisions the paper leaves open",
+    *One learner on a long link*."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
     heartbeat_s: float = 2.0

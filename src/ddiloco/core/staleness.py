@@ -19,7 +19,7 @@ Beyond ``protocol.staleness_reach`` times ``staleness_max`` the contribution is 
 which period would fit (:func:`period_that_fits`). The reach is 1 by default, so that the weights
 apply only where a run asks for them: on the virtual cluster a far learner's late work merged at
 these weights left the model worse than refusing it at a round trip of 2 x ``staleness_max``
-rounds, and no better at 4 x and 8 x (docs/design.md, "One learner on a long link").
+rounds, and no better at 4 x and 8 x (docs/design.md, "Decisions the paper leaves open": *One learner on a long link*).
 """
 
 from __future__ import annotations
