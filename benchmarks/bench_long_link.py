@@ -16,7 +16,7 @@ benchmark, which read a fourth near learner as 0.5 worse than three:
 
 - **One held-out set.** The corpus split's chunk size depends on the number of shards, so a
   3-learner run and a 4-learner run were evaluated on different held-out bytes (three near
-  learners measured 2.43 on their own split, 2.87 on the four-shard one). Every run here splits the corpus into four shards and evaluates on that
+  learners measured 2.43 on their own split, 2.87 on the four-shard one, at 4 virtual s). Every run here splits the corpus into four shards and evaluates on that
   split's held-out data; ``without`` trains learners 0-2 on shards 0-2.
 - **Paired seeds.** A seed fixes the initial weights and every learner's data order; the
   loss of one setting moves by 0.1-0.3 between seeds, far more than the rules differ. Each
