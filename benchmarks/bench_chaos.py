@@ -115,6 +115,7 @@ def common_figures(report: dict[str, Any]) -> dict[str, Any]:
         "longest_pause_s": report["longest_pause_s"], "pause_bound_s": report["pause_bound_s"],
         "learners_alive_at_end": report["learners_alive_at_end"], "learners": report["learners"],
         "rejoins": report["rejoins"], "rejected": report["rejected"], "goodput": report["goodput"],
+        "refused_steps": report["refused_steps"], "honest_refused_steps": report["honest_refused_steps"],
         "uptime": report["uptime"], "tokens": report["tokens"], "baseline_tokens": report["baseline_tokens"],
         "eval_loss": loss, "baseline_eval_loss": base,
         "eval_loss_vs_baseline": round(loss / base, 4) if loss and base else None,
@@ -191,6 +192,11 @@ def _mean(values: list[float]) -> float:
 
 
 def _loss_line(f: dict[str, Any]) -> str:
+    """Goodput with the honest learners' refused steps beside it (issue 42), and the eval loss."""
+    return f"goodput {f['goodput']:.1%}, honest steps refused {f['honest_refused_steps']:,}; {_eval_line(f)}"
+
+
+def _eval_line(f: dict[str, Any]) -> str:
     if f["baseline_eval_loss"] is None:
         return f"eval loss {f['eval_loss']:.4f} (no baseline)"
     return (f"eval loss {f['eval_loss']:.4f} vs {f['baseline_eval_loss']:.4f} without faults "

@@ -334,7 +334,8 @@ def plot_tables(files: list[str], path: Path) -> int:
     return 0
 
 
-PROTOCOL_COUNTS = ("rounds_closed", "rejections", "merge_width", "merge_coherence")
+PROTOCOL_COUNTS = ("rounds_closed", "rejections", "honest_refused_steps", "norms_clipped", "merge_width",
+                   "merge_coherence")
 """What a run's synchronizer did (``run_virtual``'s summary), kept beside its curve: a run that
 does not train says whether its rounds merged few learners, or its contributions were refused."""
 

@@ -77,7 +77,9 @@ class Runner:
 def _outcome(summary: dict, rows: list[dict]) -> dict:
     curve = [(r["virtual_time_s"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     return {"time_s": curve[-1][0], "eval_loss": curve[-1][1], "tokens": summary["tokens"], "curve": curve,
-            "rejections": summary.get("rejections", {})}  # refused contributions, by reason
+            "goodput": summary.get("goodput"),
+            "rejections": summary.get("rejections", {}),  # refused contributions, by reason
+            "honest_refused_steps": summary.get("honest_refused_steps", 0)}  # honest work refused (issue 42)
 
 
 def time_to_loss(curve: list[tuple[float, float]], loss: float) -> float | None:
@@ -140,20 +142,27 @@ def main(argv: list[str] | None = None) -> int:
                      "time_to_base_loss_median": round(statistics.median(reached), 4) if reached else None,
                      "time_to_base_loss_range": [min(reached), max(reached)] if reached else None,
                      "tokens_ratio_median": round(statistics.median(r["tokens_ratio"] for r in mine), 4),
+                     "goodput_median": round(statistics.median(r["scavenging"]["goodput"] or 0.0 for r in mine), 4),
+                     "honest_refused_steps": sum(r["scavenging"]["honest_refused_steps"] for r in mine),
                      "loss_delta_median": round(statistics.median(r["scavenging"]["eval_loss"] - r["base"]["eval_loss"]
                                                                   for r in mine), 4)})
     table = Table(title=f"{where}, {args.preset} preset: {args.base} learners from the start, K more join "
                         f"later; {args.seeds} seeds, no failures")
     for column in ("K join", "at (share of base time)", "time to base's final loss [range]", "reached",
-                   "tokens vs base", "loss at base's end - base's (median)"):
+                   "tokens vs base", "loss at base's end - base's (median)", "goodput (median)",
+                   "honest steps refused (all seeds)"):
         table.add_column(column)
     for r in rows:
         reach = ("never" if r["time_to_base_loss_median"] is None else
                  f"{r['time_to_base_loss_median']:.2f}x [{r['time_to_base_loss_range'][0]:.2f}, "
                  f"{r['time_to_base_loss_range'][1]:.2f}]")
         table.add_row(str(r["late"]), f"{r['join_at']:.2f}", reach, f"{r['reached']}/{r['seeds']}",
-                      f"{r['tokens_ratio_median']:.2f}x", f"{r['loss_delta_median']:+.4f}")
+                      f"{r['tokens_ratio_median']:.2f}x", f"{r['loss_delta_median']:+.4f}",
+                      f"{r['goodput_median']:.1%}", f"{r['honest_refused_steps']:,}")
     console.print(table)
+    bases = {r["seed"]: r["base"] for r in runs}
+    console.print(f"base runs: goodput {[round(b['goodput'] or 0.0, 4) for b in bases.values()]}, honest steps "
+                  f"refused {sum(b['honest_refused_steps'] for b in bases.values()):,}")
     if args.json:
         Path(args.json).write_text(json.dumps({**stamped, "where": where, "preset": args.preset,
                                                "min_step_s": args.min_step_s if args.processes else None,

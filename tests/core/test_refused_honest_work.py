@@ -18,6 +18,7 @@ from test_learner import one_learner_sent
 from test_synchronizer import contributions_for
 
 from ddiloco.core.actions import Admitted, Stale, StateDelivered, Tick
+from ddiloco.core.config import ProtocolConfig
 from ddiloco.core.messages import FragmentUpdate, Join, RejectReason, Session
 from ddiloco.core.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
 from ddiloco.core.staleness import period_that_fits, staleness_limit, staleness_weight
@@ -34,10 +35,10 @@ def register_again(sync, name: str, boot: str, now: float) -> Session:
     return reply.state.session
 
 
-def after_a_partition(boot: str = "b0"):
+def after_a_partition(boot: str = "b0", config: ProtocolConfig = CONFIG):
     """l0's contribution of fragment 1 (measured from version 0), its lease run out during a
     partition, and its new session (opened by process ``boot``) 0.04 s before it sends."""
-    plan, sync, cores, params = make_cluster(CONFIG, learners=2)
+    plan, sync, cores, params = make_cluster(config, learners=2)
     (c,) = contributions_for(cores[:1], params[:1], fragment=1)
     sync.handle(Tick(), PARTITION_END)
     assert "l0" not in sync.alive()
@@ -173,8 +174,9 @@ def test_progress_kept_across_a_synchronizer_restart_is_accepted_up_to_what_a_le
 
 def test_late_work_beyond_staleness_max_is_merged_with_a_weight_falling_with_its_lag():
     """The long-link learner: every contribution arrives more than ``staleness_max`` versions late.
-    It was refused (all its work thrown away); it is now merged, weighted down, up to the reach."""
-    sync, c, session = after_a_partition()
+    It was refused (all its work thrown away); with a reach above 1 it is merged, weighted down, up
+    to the reach (the default reach is 1: docs/design.md, *One learner on a long link*)."""
+    sync, c, session = after_a_partition(config=dataclasses.replace(CONFIG, staleness_reach=4.0))
     frag = sync._fragments[1]
     late = CONFIG.staleness_max + 3
     frag.version = late  # the fragment moved on while l0's work was on its way

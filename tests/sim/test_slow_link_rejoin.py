@@ -45,7 +45,7 @@ def test_a_long_link_learners_late_work_reaches_the_model_instead_of_being_refus
     """Issue 42: the same learner, with late work merged at a weight falling with its lag
     (``core/staleness.py``): none of its work is refused, and its steps are credited."""
     refusing = run_with_one_slow_link(1, "protocol.staleness_reach=1")
-    result = run_with_one_slow_link(1)
+    result = run_with_one_slow_link(1, "protocol.staleness_reach=4")
     assert refusing["honest_refused_steps"] > 0  # before: all of its work thrown away
     assert result["rejections"] == {} and result["honest_refused_steps"] == 0
     assert result["events"]["rejoins"] == 0

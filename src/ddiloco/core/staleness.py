@@ -16,7 +16,10 @@ had all of its work thrown away.
 
 Beyond ``protocol.staleness_reach`` times ``staleness_max`` the contribution is refused as
 ``stale``, and the learner says once that its link is too long for the configured period and
-which period would fit (:func:`period_that_fits`).
+which period would fit (:func:`period_that_fits`). The reach is 1 by default, so that the weights
+apply only where a run asks for them: on the virtual cluster a far learner's late work merged at
+these weights left the model worse than refusing it at a round trip of 2 x ``staleness_max``
+rounds, and no better at 4 x and 8 x (docs/design.md, "Decisions the paper leaves open": *One learner on a long link*).
 """
 
 from __future__ import annotations

@@ -330,6 +330,7 @@ class VirtualCluster:
         rounds: Counter[str] = Counter()
         rejections: Counter[str] = Counter()
         refused: Counter[str] = Counter()
+        clipped = 0
         for sync in self.syncs:
             if self.checker and sync.up:
                 self.checker.at_end(sync.incarnation, sync.core.pending_tokens())
@@ -337,6 +338,7 @@ class VirtualCluster:
             rounds.update(status.rounds_closed)
             rejections.update(status.rejections)
             refused.update(status.refused_steps)
+            clipped += status.norms_clipped
         final = self.evaluate()
         return {
             "final": final,
@@ -346,6 +348,7 @@ class VirtualCluster:
             "rejections": dict(rejections),
             "refused_steps": dict(refused),
             "honest_refused_steps": honest_total(refused),  # no virtual learner is hostile
+            "norms_clipped": clipped,  # let in scaled down to the norm bound rather than refused
             "steps_per_learner": [self.recorder.accounting.steps(m) for m in range(len(self.learners))],
             "finished": self.finished,
             "faults": {str(k): v for k, v in self.injected.items()},

@@ -130,6 +130,8 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         fragment_versions=final["fragment_versions"],
         rounds_closed=status["quorum"]["rounds_closed"],
         rejections=status["rejections"],
+        refused_steps=status.get("refused_steps", {}),
+        honest_refused_steps=status.get("honest_refused_steps", 0),  # every launched learner is honest
         steps_per_learner=[by_id.get(name, {}).get("tokens", 0) // tokens_per_step for name in timeline.learners],
         own_steps_per_learner=list(timeline.steps().values()),
         links=timeline.link_totals(),
