@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402

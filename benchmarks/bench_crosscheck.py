@@ -38,9 +38,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ddiloco.config import Config
-from ddiloco.config_sources import build_config
-from ddiloco.core.codecs import get_codec
+from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.codecs import get_codec
 from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.faults import FailureTrace

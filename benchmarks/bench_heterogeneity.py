@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ddiloco.config_sources import PRESETS, build_config
-from ddiloco.errors import ConfigError
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import PRESETS, build_config
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402

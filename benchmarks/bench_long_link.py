@@ -1,4 +1,4 @@
-"""One learner on a long link: is its late work worth merging (issue 42, ``core/staleness.py``)?
+"""One learner on a long link: is its late work worth merging (issue 42, ``core/shared/staleness.py``)?
 
 Learners on the virtual cluster, the same virtual (wall) time for every run; three near
 learners on the default link, and a fourth whose round trip spans ``k`` times
@@ -42,7 +42,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.config_sources import PRESETS, build_config
+from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.workload.corpus import load_corpus

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ddiloco.config_sources import PRESETS, build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import PRESETS, build_config
+from ddiloco.sim.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402

@@ -27,12 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import stamp  # noqa: E402
 
-from ddiloco.core.accumulate import BufferPool, RoundAccumulator  # noqa: E402
-from ddiloco.core.codecs import get_codec  # noqa: E402
-from ddiloco.core.kernels import compile_kernels  # noqa: E402
-from ddiloco.core.merge import merge_rule  # noqa: E402
-from ddiloco.core.outer import NesterovSGD  # noqa: E402
-from ddiloco.core.rounds import GlobalFragment  # noqa: E402
+from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator  # noqa: E402
+from ddiloco.core.shared.codecs import get_codec  # noqa: E402
+from ddiloco.core.shared.kernels import compile_kernels  # noqa: E402
+from ddiloco.core.sync_side.merge import merge_rule  # noqa: E402
+from ddiloco.core.sync_side.outer import NesterovSGD  # noqa: E402
+from ddiloco.core.sync_side.rounds import GlobalFragment  # noqa: E402
 from ddiloco.runtime.sync.round_log import RoundLog  # noqa: E402
 
 INT4 = get_codec("int4")

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.config import Config
-from ddiloco.config_sources import build_config
-from ddiloco.errors import ConfigError
-from ddiloco.experiment import run_virtual, run_warm_started
+from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.experiment import run_virtual, run_warm_started
 from ddiloco.workload.corpus import load_corpus
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision

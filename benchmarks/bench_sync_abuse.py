@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from ddiloco.core.messages import Join
+from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

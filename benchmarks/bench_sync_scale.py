@@ -47,10 +47,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import Contribution, Join, Session
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.messages import Contribution, Join, Session
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.launch.local_run import free_port
 
@@ -163,7 +163,7 @@ def _load(addresses: list[str], sizes: list[int], learners: range, warmup_s: flo
     """One load-generator process: learners as threads, each its own gRPC channel per shard.
 
     Each learner sends its fragments in turn, as fast as the synchronizer takes them, under
-    the learners' own send rule (``core/learner.py``): a fragment is not sent again until the
+    the learners' own send rule (``core/learner_side/learner_core.py``): a fragment is not sent again until the
     round of its last send has closed (its version moved on); it goes on with the next one.
     Uploads are pre-serialized (the header chunk is built per call, the payload chunks once)
     so that the generator spends as little CPU as it can: it shares the cores with the
@@ -505,7 +505,7 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
 def downlink_vs_model(quick: bool) -> float:
     import bench_crosscheck as xc
 
-    from ddiloco.config_sources import build_config
+    from ddiloco.settings.config_sources import build_config
     from ddiloco.scale.bandwidth_model import check_counted_bytes
     from ddiloco.sim.network import HEADER_BYTES
 

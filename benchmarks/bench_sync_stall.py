@@ -31,8 +31,8 @@ from runtime_helpers import Procs, free_port, learner_args, status_of, sync_args
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402
 
-from ddiloco.core.messages import Heartbeat, Join, Progress, Session  # noqa: E402
-from ddiloco.core.refusals import honest_learner_steps  # noqa: E402
+from ddiloco.core.shared.messages import Heartbeat, Join, Progress, Session  # noqa: E402
+from ddiloco.core.sync_side.refusals import honest_learner_steps  # noqa: E402
 from ddiloco.runtime import wire  # noqa: E402
 from ddiloco.runtime.client import SyncClient  # noqa: E402
 from ddiloco.runtime.proto import ddiloco_pb2 as pb  # noqa: E402

@@ -50,8 +50,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddiloco.config import Config
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.launch.run_log import read_timeline

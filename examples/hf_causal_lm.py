@@ -48,7 +48,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 PROG = "hf_causal_lm.py"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from byte_text import ByteBatches, TextError, learner_seed, load_bytes
 from torch import nn
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 PROG = "own_loop.py"

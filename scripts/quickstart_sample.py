@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 
 from ddiloco.commands.display import print_report, what_happened
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "quickstart.md"

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco import config_docs
+from ddiloco.settings import config_docs
 from ddiloco.cli import build_parser
 from ddiloco.commands.options import config_from_args
-from ddiloco.config import Config
+from ddiloco.settings.config import Config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-REGENERATE = "python -m ddiloco.config_docs > docs/config.md"
+REGENERATE = "python -m ddiloco.settings.config_docs > docs/config.md"
 
 
 def test_config_md_is_current():
@@ -23,7 +23,7 @@ def test_config_md_is_current():
 
 
 def test_module_prints_the_reference():
-    out = subprocess.run([sys.executable, "-m", "ddiloco.config_docs"], capture_output=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "ddiloco.settings.config_docs"], capture_output=True, check=True).stdout
     assert out.decode("utf-8") == config_docs.render()
 
 

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.actions import (
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
     Broadcast,
@@ -41,13 +41,13 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.fragments import flatten, plan_fragments
-from ddiloco.core.learner import Learner
-from ddiloco.core.learner_phase import LoopMove
-from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Session, StopNotice
-from ddiloco.core.registry import SESSION_TAG_BITS
-from ddiloco.core.run import RunLimits
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.fragments import flatten, plan_fragments
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import LoopMove
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Session, StopNotice
+from ddiloco.core.sync_side.registry import SESSION_TAG_BITS
+from ddiloco.core.sync_side.run_state import RunLimits
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.sim.events import (
     AtLearner,
     EventQueue,
@@ -57,7 +57,7 @@ from ddiloco.sim.events import (
     StateArrives,
     SyncTick,
 )
-from ddiloco.measures import ByteLedger, Direction
+from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.synthetic import WalkModel
@@ -254,7 +254,7 @@ class GrpcDriver:
             self.client.leave(message)
             return Accepted(name, message)
         except CallRefused as err:
-            from ddiloco.core.messages import RejectReason
+            from ddiloco.core.shared.messages import RejectReason
 
             return Refused(name, message, RejectReason(err.reason), err.detail)
 

@@ -1,6 +1,6 @@
 """Both drivers, the timing rules: the same contribution, join and resubscription get the same deadlines.
 
-Every deadline is one function of ``core/deadlines.py``; a driver supplies only its link. Here
+Every deadline is one function of ``core/shared/deadlines.py``; a driver supplies only its link. Here
 the virtual cluster's link is set to what a real learner expects of its own (``cluster.rpc_timeout_s``
 = ``CLIENT_ANSWER_S``, ``cluster.bandwidth_bps`` = 8 × ``CLIENT_UPLOAD_BYTES_PER_S``, and
 ``protocol.min_link_bytes_per_s`` the same rate, what the real client expects for a join), so
@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.config_sources import build_config
-from ddiloco.core import deadlines
-from ddiloco.core.actions import Admitted, Send, SendJoin
-from ddiloco.core.deadlines import (
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared import deadlines
+from ddiloco.core.shared.actions import Admitted, Send, SendJoin
+from ddiloco.core.shared.deadlines import (
     CLIENT_ANSWER_S,
     CLIENT_UPLOAD_BYTES_PER_S,
     CLIENT_UPLOAD_LINK,
@@ -38,9 +38,9 @@ from ddiloco.core.deadlines import (
     join_state_bytes,
     stream_deadline_s,
 )
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Contribution, FragmentUpdate, Join
-from ddiloco.core.registry import Registry
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Join
+from ddiloco.core.sync_side.registry import Registry
 from ddiloco.sim.events import CallTimeout, PushArrives, StateArrives
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import TOKENS_SHAPE, SyntheticWorkload, WalkModel

@@ -23,10 +23,10 @@ from collections import defaultdict
 
 import pytest
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.actions import Send, SendLeave
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import RejectReason
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.actions import Send, SendLeave
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import RejectReason
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import TOKENS_SHAPE, SyntheticWorkload, WalkModel

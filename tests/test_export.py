@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.layout import reference_layout

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ddiloco.chaos.schedule import Fault, load_schedule, seeded_schedule
-from ddiloco.errors import ConfigError
-from ddiloco.fault_kinds import REAL, SIMULATED, FaultKind, Injector
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.fault_kinds import REAL, SIMULATED, FaultKind, Injector
 from ddiloco.sim.swarm import run_simtest
 
 

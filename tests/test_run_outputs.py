@@ -17,8 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ddiloco.commands import display
 from ddiloco.commands.display import COLUMNS, compare_story, print_report, what_happened
 from ddiloco.commands.live_view import live_view
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import Interrupted, run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import Interrupted, run_virtual
 from runtime.runtime_helpers import wait_for
 
 MAIN_JOB = build_config(preset="tiny", main_job=True)

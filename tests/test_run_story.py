@@ -12,8 +12,8 @@ from ddiloco.cli import build_parser, main
 from ddiloco.commands.display import what_happened
 from ddiloco.commands.live_view import live_view
 from ddiloco.commands.options import config_from_args
-from ddiloco.config_sources import MAIN_JOB, PRESETS, build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import MAIN_JOB, PRESETS, build_config
+from ddiloco.sim.experiment import run_virtual
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

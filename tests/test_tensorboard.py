@@ -8,7 +8,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddiloco.cli import main
-from ddiloco.tb_log import EventLog, write_run_events
+from ddiloco.outputs.tb_log import EventLog, write_run_events
 
 
 def read_events(logdir) -> EventAccumulator:

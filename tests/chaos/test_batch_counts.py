@@ -11,7 +11,7 @@ import pytest
 from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.chaos.outcome import ChaosOutcome
 from ddiloco.chaos.report import build_report
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.batch_log import BatchLog, ProcessBatches, read_batch_log
 
 

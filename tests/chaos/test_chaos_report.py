@@ -10,8 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
 from ddiloco.chaos.schedule import Fault
-from ddiloco.config_sources import build_config
-from ddiloco.fault_kinds import FaultKind
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.fault_kinds import FaultKind
 
 
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),
@@ -51,7 +51,7 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
     assert report["sync_restarts"][0]["rounds_lost"] == 3
     # 4 after the restart (restored 0 of them is unknowable) plus the 1 stale lost to the crash.
     assert report["rejected"] == {"stale": 2, "unknown_learner": 4}
-    # The ledger's steps the same way; only the stale ones are honest work thrown away (core/refusals.py).
+    # The ledger's steps the same way; only the stale ones are honest work thrown away (core/sync_side/refusals.py).
     assert report["refused_steps"] == {"stale": 60, "unknown_learner": 90}
     assert report["honest_refused_steps"] == 60
     assert report["rejoins"] == 2 and report["learners_alive_at_end"] == 2 and report["violations"] == []
@@ -113,7 +113,7 @@ def test_a_reworded_synchronizer_log_does_not_change_the_rejoin_count(monkeypatc
     from runtime_helpers import InProcessSync
 
     import ddiloco.runtime.sync.service as service_module
-    from ddiloco.core.messages import Join
+    from ddiloco.core.shared.messages import Join
     from ddiloco.runtime.client import SyncClient
     from ddiloco.runtime.sharded import merge_statuses
     from ddiloco.runtime.sync.service import ServiceOptions

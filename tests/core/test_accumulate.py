@@ -14,13 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core import kernels
-from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import CODEC_NAMES, get_codec
-from ddiloco.core.merge import MERGE_RULES, MergeRuleName, merge_rule
-from ddiloco.core.messages import Rejected
-from ddiloco.core.outer import NesterovSGD
-from ddiloco.core.rounds import GlobalFragment
+from ddiloco.core.shared import kernels
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.shared.codecs import CODEC_NAMES, get_codec
+from ddiloco.core.sync_side.merge import MERGE_RULES, MergeRuleName, merge_rule
+from ddiloco.core.shared.messages import Rejected
+from ddiloco.core.sync_side.outer import NesterovSGD
+from ddiloco.core.sync_side.rounds import GlobalFragment
 from protocol_helpers import merged
 
 FAST = get_codec("int4", block_size=128)
@@ -160,10 +160,10 @@ def lean_residual(frag: GlobalFragment) -> torch.Tensor:
 
 CONCURRENT = """
 import math, threading, torch
-from ddiloco.core import kernels
-from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.merge import merge_rule
+from ddiloco.core.shared import kernels
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.sync_side.merge import merge_rule
 codec = get_codec("int4", block_size=128)
 numel = 1 << 20
 payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 0.01)
@@ -262,7 +262,7 @@ def test_open_rounds_hold_their_payloads_and_the_closes_share_one_buffer():
     borrows one buffer (the memory a 1B-parameter synchronizer is sized by)."""
     import tracemalloc
 
-    from ddiloco.core.accumulate import BufferPool
+    from ddiloco.core.sync_side.accumulate import BufferPool
 
     numel, fragments, learners = 1 << 20, 8, 4
     g = torch.Generator().manual_seed(5)

@@ -15,8 +15,8 @@ from protocol_helpers import make_cluster
 from test_hostile_members import BASE
 from test_synchronizer import contributions_for
 
-from ddiloco.core.actions import Refused, RoundClosed
-from ddiloco.core.claims import ClaimLimits, ClipReason, plausible_timing
+from ddiloco.core.shared.actions import Refused, RoundClosed
+from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, plausible_timing
 from ddiloco.runtime.sync.metrics import GoodputMeter
 
 CONFIG = dataclasses.replace(BASE, quorum=3, grace_max_s=30.0, lease_s=1e6, min_step_s=0.01)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.codecs import CODEC_NAMES, CodecName, get_codec
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.codecs import CODEC_NAMES, CodecName, get_codec
+from ddiloco.core.shared.errors import ConfigError
 
 BLOCK = 16  # small blocks so short tests cross many block boundaries
 

@@ -1,4 +1,4 @@
-"""Exactly-once data up to one period: where a learner's data resumes (``core/data_position.py``).
+"""Exactly-once data up to one period: where a learner's data resumes (``core/sync_side/data_position.py``).
 
 The synchronizer keeps, per learner id, the batch up to which every fragment's merged
 contributions cover the learner's steps; a new process of that learner resumes there and
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ddiloco.core.actions import Accepted, Admitted, MergedContribution, RoundClosed, SendJoin, StateDelivered
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core import data_position
-from ddiloco.core.data_position import DataPositions
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Heartbeat, RejectReason
+from ddiloco.core.shared.actions import Accepted, Admitted, MergedContribution, RoundClosed, SendJoin, StateDelivered
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side import data_position
+from ddiloco.core.sync_side.data_position import DataPositions
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Heartbeat, RejectReason
 from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.fragments import (
+from ddiloco.core.shared.fragments import (
     STRATEGIES,
     Fragment,
     FragmentPlan,
@@ -11,7 +11,7 @@ from ddiloco.core.fragments import (
     plan_fragments,
     unflatten_into,
 )
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 # A small transformer-like parameter list, in model order.
 MODEL = [

@@ -1,6 +1,6 @@
 """The adaptive grace window: g = min(γ·max(0, τ·ξ_step − (ξ_quorum + ξ_sync)), g_max)."""
 
-from ddiloco.core.grace import GraceWindow, effective_quorum
+from ddiloco.core.shared.grace import GraceWindow, effective_quorum
 
 
 def test_window_uses_the_slack_left_by_quorum_and_sync_times():

@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from ddiloco.core.actions import Admitted, LearnersForgotten, LinkStarved, Refused, StateDelivered, StopLearners, Tick
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
-from ddiloco.core.run import RunLimits, RunPhase
+from ddiloco.core.shared.actions import Admitted, LearnersForgotten, LinkStarved, Refused, StateDelivered, StopLearners, Tick
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.sync_side.run_state import RunLimits, RunPhase
 import torch
 from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, refused, step
 from test_synchronizer import contributions_for
@@ -120,7 +120,7 @@ def test_a_contribution_claiming_more_work_than_fits_its_time_is_refused_and_cha
         assert reply.reason == "implausible", reply.detail
     assert counters(sync, "l0") == (before[0], before[1] + 2, before[2])
     assert sync.pending_tokens() == 0
-    assert sync.status().honest_refused_steps == 0  # a member's refusals, never honest work (core/refusals.py)
+    assert sync.status().honest_refused_steps == 0  # a member's refusals, never honest work (core/sync_side/refusals.py)
     accepted = sync.handle(c, 1.0)[0]
     assert not isinstance(accepted, Refused), accepted  # the real one still goes through
 

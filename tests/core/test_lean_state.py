@@ -1,7 +1,7 @@
 """The synchronizer's lean outer state (bf16 momentum, int8 residual) against an fp32 one.
 
-The fused close keeps momentum in bf16 and the downlink residual in int8 (``core/kernels.py``,
-``core/rounds.py``). Both roundings are local: what the int8 residual drops is at most half of
+The fused close keeps momentum in bf16 and the downlink residual in int8 (``core/shared/kernels.py``,
+``core/sync_side/rounds.py``). Both roundings are local: what the int8 residual drops is at most half of
 1/254 of a quantization step per round, and the bf16 momentum's relative error (2⁻⁹) decays
 with the momentum itself. This test runs 200 rounds of the same contributions through the
 fused close and through the fp32 reference step (``GlobalFragment.step``) and bounds how far
@@ -16,11 +16,11 @@ import copy
 import pytest
 import torch
 
-from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.merge import merge_rule
-from ddiloco.core.outer import NesterovSGD
-from ddiloco.core.rounds import GlobalFragment
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.sync_side.merge import merge_rule
+from ddiloco.core.sync_side.outer import NesterovSGD
+from ddiloco.core.sync_side.rounds import GlobalFragment
 from protocol_helpers import merged
 
 INT4 = get_codec("int4", block_size=128)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from protocol_helpers import deliver, local_step, make_cluster, step
 
-from ddiloco.core.actions import Behind, Refused
-from ddiloco.core.config import ProtocolConfig
+from ddiloco.core.shared.actions import Behind, Refused
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)
 

@@ -1,4 +1,4 @@
-"""The liveness bounds are defined once (core/liveness.py) and both fault tools take them from there."""
+"""The liveness bounds are defined once (core/shared/liveness.py) and both fault tools take them from there."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.liveness import catch_up_bound_s, pause_bound_s
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.liveness import catch_up_bound_s, pause_bound_s
 from ddiloco.sim.swarm import draw_world, liveness_bound_s
 
 
@@ -25,7 +25,7 @@ def test_both_tools_import_the_one_definition():
 
     for module in (chaos_report, swarm):
         tree = ast.parse(inspect.getsource(module))
-        assert any(isinstance(n, ast.ImportFrom) and n.module == "ddiloco.core.liveness" for n in ast.walk(tree)), module
+        assert any(isinstance(n, ast.ImportFrom) and n.module == "ddiloco.core.shared.liveness" for n in ast.walk(tree)), module
 
 
 @pytest.mark.parametrize("seed", [0, 7])

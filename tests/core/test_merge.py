@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.merge import MergeRuleName, merge_rule, token_weights
+from ddiloco.core.sync_side.merge import MergeRuleName, merge_rule, token_weights
 
 merge_mean = merge_rule(MergeRuleName.MEAN).reference
 merge_rda = merge_rule(MergeRuleName.RDA).reference

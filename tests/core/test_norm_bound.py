@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from ddiloco.core.norm_bound import NORM_FLOOR, NORMS_KEPT, NORMS_NEEDED, NormBound
+from ddiloco.core.sync_side.norm_bound import NORM_FLOOR, NORMS_KEPT, NORMS_NEEDED, NormBound
 
 RATIO = 10.0
 _seq = itertools.count()

@@ -17,11 +17,11 @@ from test_hostile_members import BASE
 from test_learner import one_learner_sent
 from test_synchronizer import contributions_for
 
-from ddiloco.core.actions import Admitted, Stale, StateDelivered, Tick
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import FragmentUpdate, Join, RejectReason, Session
-from ddiloco.core.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
-from ddiloco.core.staleness import period_that_fits, staleness_limit, staleness_weight
+from ddiloco.core.shared.actions import Admitted, Stale, StateDelivered, Tick
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.messages import FragmentUpdate, Join, RejectReason, Session
+from ddiloco.core.sync_side.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
+from ddiloco.core.shared.staleness import period_that_fits, staleness_limit, staleness_weight
 
 CONFIG = dataclasses.replace(BASE, lease_s=10.0, min_step_s=0.01)
 PARTITION_END = 40.0
@@ -136,7 +136,7 @@ WARM = dataclasses.replace(BASE, quorum=4, codec="fp32", downlink_codec="fp32", 
 def test_an_honest_warm_up_jump_past_the_norm_bound_is_never_refused():
     """The GPU runs' one refusal per run, at a CPU size: norms grow 13x after the first round and
     the bound (10 x the lower median) lags behind until half its window was sent at the new scale.
-    Those contributions are now let in small (``core/norm_bound.py``) rather than refused."""
+    Those contributions are now let in small (``core/sync_side/norm_bound.py``) rather than refused."""
     sync = warm_up_rounds(WARM, (0.04, 0.55, 0.55, 0.55, 0.55, 0.55))
     status = sync.status()
     assert status.rejections == {} and status.honest_refused_steps == 0
@@ -161,7 +161,7 @@ def after_a_synchronizer_restart(boot: str = "b0"):
 
 def test_progress_kept_across_a_synchronizer_restart_is_accepted_up_to_what_a_learner_keeps():
     """A learner keeps at most ``staleness_max`` periods of progress when it registers again with
-    a synchronizer that holds its value (``core/learner.py``): that much is plausible at once."""
+    a synchronizer that holds its value (``core/learner_side/learner_core.py``): that much is plausible at once."""
     keeps = CONFIG.staleness_max * CONFIG.period
     sync, c, session = after_a_synchronizer_restart()
     assert refused(sync.handle(kept(c, session, keeps), PARTITION_END + 0.04)) is None

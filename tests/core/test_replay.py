@@ -1,6 +1,6 @@
 """The replay log: recent updates per fragment under one byte budget for the whole synchronizer."""
 
-from ddiloco.core.replay import REPLAY_BYTES_MIN, REPLAY_UPDATES, ReplayLog, replay_budget
+from ddiloco.core.sync_side.replay import REPLAY_BYTES_MIN, REPLAY_UPDATES, ReplayLog, replay_budget
 
 
 def test_the_budget_is_shared_by_every_fragment_and_the_oldest_update_goes_first():

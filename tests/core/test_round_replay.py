@@ -15,14 +15,14 @@ import copy
 import pytest
 import torch
 
-from ddiloco.core.accumulate import RoundAccumulator
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.merge import merge_rule
-from ddiloco.core.messages import FragmentUpdate
-from ddiloco.core.outer import NesterovSGD
-from ddiloco.core.rounds import GlobalFragment
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.merge import merge_rule
+from ddiloco.core.shared.messages import FragmentUpdate
+from ddiloco.core.sync_side.outer import NesterovSGD
+from ddiloco.core.sync_side.rounds import GlobalFragment
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 
 INT4 = get_codec("int4", block_size=128)
 OUTER = NesterovSGD(lr=0.4, momentum=0.9)

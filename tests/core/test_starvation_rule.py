@@ -1,4 +1,4 @@
-"""The link-starvation rule is written once (``core/deadlines.py``): the learner applies it in steps
+"""The link-starvation rule is written once (``core/shared/deadlines.py``): the learner applies it in steps
 (``LinkWatch.check`` via ``starved``), the synchronizer in time (``Registry`` via ``starved_after_s``); a learner stepping at a steady pace
 is called starved by both at the same step (within one step)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.core.actions import Starved
-from ddiloco.core.deadlines import starved_after_s
-from ddiloco.core.link_watch import LinkWatch
+from ddiloco.core.shared.actions import Starved
+from ddiloco.core.shared.deadlines import starved_after_s
+from ddiloco.core.learner_side.link_watch import LinkWatch
 
 
 @pytest.mark.parametrize("lease_s, period, step_s", [(10.0, 5, 0.01), (1.0, 20, 0.5), (2.0, 3, 1.0)])

@@ -9,11 +9,11 @@ import pytest
 from protocol_helpers import make_cluster, refused
 from test_synchronizer import BASE, contributions_for
 
-from ddiloco.core.actions import Tick
-from ddiloco.core.claims import ClaimLimits
-from ddiloco.core.messages import Heartbeat, Leave, Progress, Session
-from ddiloco.core.registry import ACCEPT_TIMES, LearnerRecord
-from ddiloco.core.run import RunLimits, RunPhase, RunState
+from ddiloco.core.shared.actions import Tick
+from ddiloco.core.sync_side.claims import ClaimLimits
+from ddiloco.core.shared.messages import Heartbeat, Leave, Progress, Session
+from ddiloco.core.sync_side.registry import ACCEPT_TIMES, LearnerRecord
+from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 
 
 def by_id(status):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ddiloco.core.actions import (
+from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
     Broadcast,
@@ -20,12 +20,12 @@ from ddiloco.core.actions import (
     StopLearners,
     Tick,
 )
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
-from ddiloco.core.rounds import RoundPhase
-from ddiloco.core.run import RunLimits, RunPhase
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.sync_side.rounds import RoundPhase
+from ddiloco.core.sync_side.run_state import RunLimits, RunPhase
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state

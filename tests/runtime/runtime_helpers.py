@@ -17,7 +17,7 @@ from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
 def netns_unavailable() -> str:
     """Why this machine cannot run ``--hosts netns`` (not root, no ``ip netns``), or "" where it can."""
-    from ddiloco.errors import ConfigError
+    from ddiloco.core.shared.errors import ConfigError
     from ddiloco.runtime.launch.netns import check_available
 
     try:

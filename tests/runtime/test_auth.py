@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddiloco import cli
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import (
     TOKEN_ENV,
     Authenticator,

@@ -52,7 +52,7 @@ def test_the_help_still_lists_every_command() -> None:
     (["status", "127.0.0.1:7000", "--timeout", "0"], "must be a positive number of seconds"),
     (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
     # The run's configuration is checked before what trains it is imported (the protocol's choices,
-    # the model's sizes and --resume's choices in torch-free modules: core/choices.py,
+    # the model's sizes and --resume's choices in torch-free modules: core/shared/choices.py,
     # workload/settings.py, runtime/sync/resume.py).
     (["run", "--set", "protocol.quorum=abc"], "protocol.quorum must be int, got 'abc'"),
     (["run", "--learners", "0"], "run.learners must be >= 1, got 0"),

@@ -1,5 +1,5 @@
 """A real ``ddiloco learner`` killed with kill -9 and started again resumes its data where its
-work reached the global model, and says so in one line (``core/data_position.py``).
+work reached the global model, and says so in one line (``core/sync_side/data_position.py``).
 
 Every wait polls the synchronizer's status with a generous deadline; nothing asserts on timing.
 """
@@ -15,7 +15,7 @@ import pytest
 from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
 
 from ddiloco.chaos.batch_counts import count_batches
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.batch_log import read_batch_log
 
 pytestmark = pytest.mark.slow

@@ -23,9 +23,9 @@ import pytest
 import torch
 from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Join
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.proto import ddiloco_pb2 as pb

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from runtime_helpers import train_steps
 
-from ddiloco.config import build_config
-from ddiloco.core.messages import Contribution, Progress, Session
+from ddiloco.settings.config import build_config
+from ddiloco.core.shared.messages import Contribution, Progress, Session
 from ddiloco.runtime.learner import helper_wire
 from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrames

@@ -17,10 +17,10 @@ import pytest
 import torch
 from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Heartbeat, Join, Leave, Progress, Session
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import Address, client_metadata
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
@@ -259,7 +259,7 @@ def test_metrics_are_served_on_the_services_interface_and_behind_its_token_beyon
 def test_a_learner_replaced_by_a_later_process_of_its_id_stops_with_one_clear_error(inproc_sync):
     """Finding 7: under Slurm an orphaned worker and its restart took one learner id back from each
     other about 104 times in 11 s. The earlier process must stop, not register again."""
-    from ddiloco.errors import DdilocoError
+    from ddiloco.core.shared.errors import DdilocoError
 
     config = tiny()
     s = inproc_sync(config)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from runtime_helpers import session_pids, status_of, wait_for
 

@@ -16,10 +16,10 @@ from runtime_helpers import (ddiloco_session, free_port, learner_args, session_p
                              wait_for, wait_until_running)
 
 from ddiloco.commands.display import what_happened
-from ddiloco.config_sources import build_config
-from ddiloco.reporting import SUMMARY_KEYS
+from ddiloco.settings.config_sources import build_config
+from ddiloco.outputs.reporting import SUMMARY_KEYS
 from ddiloco.runtime.checkpoint import load_checkpoint
-from ddiloco.runtime.launch.dp_worker import CHECKPOINT
+from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.workload.workload import Workload
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from runtime_helpers import train_steps, wait_for
 
-from ddiloco.config_sources import build_config
-from ddiloco.errors import DdilocoError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner import helper_process
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotError, SlotLayout
@@ -138,7 +138,7 @@ def test_a_delta_the_helper_compresses_and_updates_it_decodes_reach_both_sides(i
 
 TRAINER = textwrap.dedent("""
     import sys, time
-    from ddiloco.config import build_config
+    from ddiloco.settings.config import build_config
     from ddiloco.runtime.learner.runtime import LearnerRuntime
     from ddiloco.workload.workload import Workload
     config = build_config(preset="tiny", overrides=("run.learners=1",))

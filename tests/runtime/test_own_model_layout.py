@@ -11,8 +11,8 @@ from runtime_helpers import InProcessSync
 from safetensors import safe_open
 from torch import nn
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.config import ProtocolConfig
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner.runtime import (
     LayoutMismatch,
@@ -21,7 +21,7 @@ from ddiloco.runtime.learner.runtime import (
 )
 from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file, model_layout
 from ddiloco.runtime.sync.service import ServiceOptions
-from ddiloco.errors import ParameterError
+from ddiloco.core.shared.errors import ParameterError
 
 
 class TiedLM(nn.Module):

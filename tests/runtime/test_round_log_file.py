@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.codecs import get_codec
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments

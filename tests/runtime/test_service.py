@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ddiloco import cli
-from ddiloco.config_sources import build_config
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.messages import Contribution, Join, Session
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.messages import Contribution, Join, Session
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
@@ -298,7 +298,7 @@ def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync
 
 
 def test_sync_time_is_observed_once_a_listening_stream_has_written_the_update(inproc_sync):
-    """ξ_sync (core/grace.py) runs from the event that closes a round until the last recipient's
+    """ξ_sync (core/shared/grace.py) runs from the event that closes a round until the last recipient's
     stream has written its update; with nobody listening there is nothing to observe."""
     s = inproc_sync(tiny())
     with SyncClient(f"127.0.0.1:{s.port}") as client:
@@ -493,7 +493,7 @@ def test_an_idle_synchronizer_sleeps_between_ticks(inproc_sync, monkeypatch):
 
     from runtime_helpers import wait_for
 
-    from ddiloco.core.actions import Tick
+    from ddiloco.core.shared.actions import Tick
     from ddiloco.runtime.sync import core_host
 
     monkeypatch.setattr(core_host, "TIMER_MAX_WAIT_S", 0.2)

@@ -10,8 +10,8 @@ import pytest
 from runtime_helpers import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 
 from ddiloco import cli
-from ddiloco.config_sources import build_config
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.workload.workload import Workload

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.config_sources import build_config
-from ddiloco.core.actions import Admitted, Broadcast, Send, SendJoin
-from ddiloco.core.codecs import get_codec
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import flatten, plan_fragments
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Contribution, FragmentUpdate, Session
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.actions import Admitted, Broadcast, Send, SendJoin
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.fragments import flatten, plan_fragments
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Session
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout

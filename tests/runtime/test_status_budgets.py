@@ -15,8 +15,8 @@ from runtime_helpers import wait_for
 from test_status_page import CHROMIUM, api_status, browse
 
 from ddiloco import cli
-from ddiloco.config_sources import build_config
-from ddiloco.core.messages import Heartbeat, Join, Progress
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.messages import Heartbeat, Join, Progress
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.status_wire import status_to_dict

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import DEADLINE_S, free_port, learner_args, process_state, sync_args, wait_for
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.sync.status_page import StatusPage
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ddiloco.config_sources import build_config
-from ddiloco.core import kernels
-from ddiloco.core.messages import Contribution
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared import kernels
+from ddiloco.core.shared.messages import Contribution
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
@@ -31,7 +31,7 @@ from ddiloco.runtime.sync.memory import check_memory, memory_plan
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.state_dir import StateDir
-from ddiloco.units import human_bytes, human_count
+from ddiloco.settings.units import human_bytes, human_count
 
 from runtime_helpers import Honest, versions, wait_for
 
@@ -40,8 +40,8 @@ NUMEL = 2_000_000
 MEASURE = f"""
 import json, sys, torch
 from pathlib import Path
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime import wire
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.state_dir import StateDir

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ddiloco.cli import main
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.launch.netns import NS_PREFIX, tag_of
 from ddiloco.runtime.launch.topology import Link, load_topology, parse_rate, uniform
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.shared.messages import FragmentUpdate
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
 
 UPDATE = FragmentUpdate(fragment=0, version=1, codec="fp32", payload=bytes(16))

@@ -11,9 +11,9 @@ import pytest
 
 from ddiloco import __version__
 from ddiloco.cli import main
-from ddiloco.config_sources import build_config
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.learner.runtime import LearnerRuntime

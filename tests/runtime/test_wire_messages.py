@@ -1,7 +1,7 @@
 """Every field of every protocol message survives the wire (``runtime/wire.py``), both ways.
 
 Each message below sets every field of its dataclass to a value other than the field's
-default, so a field added to ``core/messages.py`` fails here until the test sets it, and then
+default, so a field added to ``core/shared/messages.py`` fails here until the test sets it, and then
 until ``wire.py`` carries it both ways (the recipe in docs/design.md, "How to add a wire field").
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Progress, Session
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 

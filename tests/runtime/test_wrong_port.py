@@ -15,8 +15,8 @@ import time
 import pytest
 from runtime_helpers import DEADLINE_S, free_port, learner_args, status_of, sync_args, wait_for
 
-from ddiloco.core.link_watch import OUTAGE_AFTER_S
-from ddiloco.errors import DdilocoError
+from ddiloco.core.learner_side.link_watch import OUTAGE_AFTER_S
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner.connect import probe_with_backoff
 

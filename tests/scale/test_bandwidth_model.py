@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.scale.bandwidth_model import (
     GBIT,
     PRESET_LINKS_GBPS,

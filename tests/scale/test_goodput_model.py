@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.scale.goodput_model import (
     CALIBRATION_CHIPS,
     DEFAULT_CHIPS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.core.actions import CloseReason, MergedContribution, RoundClosed
-from ddiloco.core.messages import Session
+from ddiloco.core.shared.actions import CloseReason, MergedContribution, RoundClosed
+from ddiloco.core.shared.messages import Session
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.invariants import InvariantChecker, InvariantViolation

@@ -8,9 +8,9 @@ import math
 import pytest
 from bench_loader import load_benchmark
 
-from ddiloco.config_sources import build_config
-from ddiloco.errors import ConfigError
-from ddiloco.experiment import run_warm_started
+from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.experiment import run_warm_started
 
 
 bench = load_benchmark("bench_scale")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from bench_loader import load_benchmark
 
-from ddiloco.core.codecs import get_codec
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.scale.bandwidth_model import BandwidthInputs, check_counted_bytes, learner_bytes_per_step
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import HEADER_BYTES

@@ -1,10 +1,10 @@
 """A crashed learner of the virtual cluster resumes its data at its data_position, as
 ``ddiloco learner`` does: what reached the global model is trained again for at most about one
-period, and no batch is skipped (``core/data_position.py``, ``sim/data_stream.py``)."""
+period, and no batch is skipped (``core/sync_side/data_position.py``, ``sim/data_stream.py``)."""
 
 from __future__ import annotations
 
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import SyntheticWorkload

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from ddiloco import cli
-from ddiloco.core.learner import Learner
-from ddiloco.core.merge import MERGE_RULES, MergeRuleName
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.sync_side.merge import MERGE_RULES, MergeRuleName
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.sim.swarm import DEFAULT_SEEDS, SeedResult, draw_world, run_simtest
 
 
@@ -46,7 +46,7 @@ def test_every_registered_merge_rule_is_swarm_tested():
 
 
 def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):
-    import ddiloco.core.synchronizer as sync_module
+    import ddiloco.core.sync_side.synchronizer as sync_module
 
     original = sync_module.check_contribution
     monkeypatch.setattr(sync_module, "check_contribution", lambda c, limits, **kw: original(c, limits, **{**kw, "last_seq": -1}))
@@ -56,7 +56,7 @@ def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):
 
 @pytest.mark.slow
 def test_a_planted_bug_merging_stale_work_is_found(monkeypatch):
-    from ddiloco.core.rounds import GlobalFragment
+    from ddiloco.core.sync_side.rounds import GlobalFragment
 
     original = GlobalFragment.check
     # Every check but the staleness bound: a stale contribution passes as if it were current.

@@ -9,8 +9,8 @@ is 2 s.
 
 from __future__ import annotations
 
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 
 
 def test_a_join_slower_than_the_lease_cannot_expire_its_own_lease_and_the_run_merges():

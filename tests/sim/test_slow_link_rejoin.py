@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.config_sources import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.workload.workload import Workload
@@ -43,7 +43,7 @@ def test_a_learner_whose_round_trip_spans_more_rounds_than_the_staleness_bound_d
 
 def test_a_long_link_learners_late_work_reaches_the_model_instead_of_being_refused():
     """Issue 42: the same learner, with late work merged at a weight falling with its lag
-    (``core/staleness.py``): none of its work is refused, and its steps are credited."""
+    (``core/shared/staleness.py``): none of its work is refused, and its steps are credited."""
     refusing = run_with_one_slow_link(1, "protocol.staleness_reach=1")
     result = run_with_one_slow_link(1, "protocol.staleness_reach=4")
     assert refusing["honest_refused_steps"] > 0  # before: all of its work thrown away

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.snapshot import ClusterSnapshot, LearnerState
 from ddiloco.sim.timeline import Happening, Timeline

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddiloco.cli import main
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.workload.device import process_group_backend, resolve_device
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the absent-device error cannot show")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.workload.corpus import BatchSampler, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
 from ddiloco.workload.model import VOCAB_SIZE, ByteTransformer, ModelConfig, MixtureOfExperts

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddiloco.cli import main
-from ddiloco.config_sources import build_config
-from ddiloco.experiment import run_virtual
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 from ddiloco.workload.trainer import InnerTrainer, LrSchedule, OptimizerSettings, Precision, build_model, decay_factor
 from ddiloco.workload.workload import Workload
 

@@ -1,7 +1,7 @@
 """Batches a learner trained more than once across its restarts, and batches it skipped.
 
 Issue 26's promise for a restarted learner: it resumes its data at the synchronizer's
-``data_position`` (``core/data_position.py``), so no batch is trained again beyond one period H
+``data_position`` (``core/sync_side/data_position.py``), so no batch is trained again beyond one period H
 and none is skipped. The evidence is the learner's batch log (``runtime/batch_log.py``): where
 each of its processes resumed (the position the synchronizer returned at its join) and the
 last batch it trained before it was killed or stopped. From it, per learner:

@@ -31,7 +31,7 @@ class ShardCounts:
     registrations: dict[str, int]
     """Per learner, its registrations at this process (the status's own counter)."""
     refused_steps: dict[str, int] = field(default_factory=dict)
-    """Steps of the contributions this process refused, by reason (``core/refusals.py``)."""
+    """Steps of the contributions this process refused, by reason (``core/sync_side/refusals.py``)."""
 
     @classmethod
     def from_status(cls, status: dict[str, Any]) -> ShardCounts:

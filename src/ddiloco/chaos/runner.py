@@ -24,9 +24,9 @@ from ddiloco.chaos.cluster import BATCH_LOGS, ChaosCluster
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
-from ddiloco.config import Config
-from ddiloco.core.run import RunPhase
-from ddiloco.fault_kinds import FaultKind
+from ddiloco.settings.config import Config
+from ddiloco.core.sync_side.run_state import RunPhase
+from ddiloco.sim.fault_kinds import FaultKind
 from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.config_sources import read_toml
-from ddiloco.errors import ConfigError
-from ddiloco.fault_kinds import REAL, FaultKind, parse_kind
+from ddiloco.settings.config_sources import read_toml
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.fault_kinds import REAL, FaultKind, parse_kind
 from ddiloco.runtime.launch.placement import sync_names
 
 SYNC_TARGET = "sync"

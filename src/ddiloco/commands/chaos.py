@@ -21,14 +21,14 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from ddiloco.chaos.runner import LiveState
     from ddiloco.chaos.schedule import Fault
-    from ddiloco.config import Config
+    from ddiloco.settings.config import Config
     from ddiloco.runtime.launch.topology import Topology
 
 HELP = "inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)"
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                                  shards=shards)
     topology = topology_from_args(args, config.run.learners)
     from ddiloco.commands.interrupt import sigterm_as_interrupt
-    from ddiloco.reporting import prepare_out
+    from ddiloco.outputs.reporting import prepare_out
     from ddiloco.workload.device import resolve_device
 
     device = str(resolve_device(args.device))

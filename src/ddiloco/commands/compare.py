@@ -11,7 +11,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddiloco.config import Config
+    from ddiloco.settings.config import Config
 
 
 HELP = "run decoupled, diloco, dp and dp-elastic side by side"
@@ -32,14 +32,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.options import config_from_args
-    from ddiloco.config import MODES
+    from ddiloco.settings.config import MODES
 
     base = config_from_args(args)
     # The configuration is checked: only now what trains it (torch), so a bad value costs no torch import.
     from ddiloco.commands.display import compare_story, console, print_report, progress_bar
     from ddiloco.commands.interrupt import sigterm_as_interrupt
-    from ddiloco.experiment import Interrupted, run_virtual
-    from ddiloco.reporting import prepare_out
+    from ddiloco.sim.experiment import Interrupted, run_virtual
+    from ddiloco.outputs.reporting import prepare_out
     from ddiloco.workload.device import resolve_device
     from ddiloco.workload.workload import Workload
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_compare(out: Path, base: Config, summaries: list[dict[str, Any]], curves: dict[str, list[dict[str, Any]]]) -> None:
-    from ddiloco.run_plot import plot_runs
+    from ddiloco.outputs.run_plot import plot_runs
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(summaries, indent=2) + "\n")

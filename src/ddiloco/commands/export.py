@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 
 HELP = "write a run's global model as a state_dict file (safetensors) or a Hugging Face folder"

@@ -21,7 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from ddiloco.scale import goodput_model as gp
@@ -109,7 +109,7 @@ def _model(args: argparse.Namespace, mtbi_days: float) -> gp.ClusterModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.config import check_seed
+    from ddiloco.settings.config import check_seed
     from ddiloco.scale import goodput_model as gp
 
     chips = [parse_chips(c) for c in args.chips] if args.chips else list(gp.DEFAULT_CHIPS)

@@ -22,7 +22,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 DEFAULT_OUT = "runs/launch"
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 max_restarts=args.max_restarts, http_port=args.http_port) as launch:
         code = launch.run()
     if code == 0:
-        from ddiloco.reporting import MODEL_FILE
+        from ddiloco.outputs.reporting import MODEL_FILE
         from ddiloco.runtime.global_model import export_run
 
         export_run([out / STATE_DIR], out / MODEL_FILE, Path(args.init) if args.init else None)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ddiloco.config import Config
+    from ddiloco.settings.config import Config
 
 HELP = "train the reference workload as one learner connected to `ddiloco sync`"
 
@@ -23,7 +23,7 @@ for one started later by hand or by a scheduler, short enough that a wrong addre
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from ddiloco.commands.options import add_device_option, add_log_level_option, add_workload_options
-    from ddiloco.config_sources import PRESETS
+    from ddiloco.settings.config_sources import PRESETS
 
     parser = sub.add_parser(
         "learner",
@@ -71,7 +71,7 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
     ``--set`` changes one value of the run it joins: it once switched to the default preset
     silently, then failed on a model shape the synchronizer did not have."""
     from ddiloco.commands.options import config_from_args
-    from ddiloco.config_sources import apply_override, load_toml
+    from ddiloco.settings.config_sources import apply_override, load_toml
     from ddiloco.runtime.learner import process
 
     if args.preset is None:

@@ -20,7 +20,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.reporting import ProgressFn
+from ddiloco.outputs.reporting import ProgressFn
 from ddiloco.sim.snapshot import ClusterSnapshot, LearnerState, LearnerView, SnapshotFn
 
 STATE_STYLE = {
@@ -89,7 +89,7 @@ class _Watch:
 
 @contextlib.contextmanager
 def live_view(label: str, console: Console) -> Iterator[tuple[ProgressFn, SnapshotFn]]:
-    """Yield (progress, observer) callbacks for :func:`ddiloco.experiment.run_virtual`."""
+    """Yield (progress, observer) callbacks for :func:`ddiloco.sim.experiment.run_virtual`."""
     watch = _Watch(label)
     if not console.is_terminal:
         def on_row(fraction: float, row: dict[str, Any]) -> None:

@@ -9,17 +9,17 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.workload.settings import DEVICE_CHOICES
 
 if TYPE_CHECKING:
-    from ddiloco.config import Config
+    from ddiloco.settings.config import Config
     from ddiloco.runtime.launch.topology import Topology
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:
     """Preset, config file, overrides, seed and corpus: what defines the workload."""
-    from ddiloco.config_sources import PRESETS
+    from ddiloco.settings.config_sources import PRESETS
 
     parser.add_argument("--preset", default="default", help=f"size preset: {', '.join(PRESETS)} (default: default)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with [run], [model], [train], [protocol], ...")
@@ -52,15 +52,15 @@ def add_log_level_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _by_preset(key: str) -> str:
-    from ddiloco.config_sources import MAIN_JOB, PRESETS
+    from ddiloco.settings.config_sources import MAIN_JOB, PRESETS
 
     return ", ".join(f"{p} {MAIN_JOB[p]['faults'][key]:g}" for p in PRESETS)
 
 
 def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = True, main_job: bool = False) -> None:
     """Everything a virtual run needs on top of the workload; ``main_job``: the failure
-    defaults are ``ddiloco run``'s (:data:`ddiloco.config_sources.MAIN_JOB`), else none."""
-    from ddiloco.config import MODES, FaultConfig
+    defaults are ``ddiloco run``'s (:data:`ddiloco.settings.config_sources.MAIN_JOB`), else none."""
+    from ddiloco.settings.config import MODES, FaultConfig
 
     add_workload_options(parser)
     if with_mode:
@@ -82,9 +82,9 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = Tr
 
 def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Config:
     """The run's configuration; ``main_job`` (``ddiloco run`` on the virtual cluster) adds the
-    preset's failures and slow learner (:data:`ddiloco.config_sources.MAIN_JOB`) beneath the file,
+    preset's failures and slow learner (:data:`ddiloco.settings.config_sources.MAIN_JOB`) beneath the file,
     the overrides and the flags."""
-    from ddiloco.config_sources import build_config
+    from ddiloco.settings.config_sources import build_config
 
     return build_config(
         preset=args.preset,

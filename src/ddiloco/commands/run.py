@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 HELP = "train on the virtual cluster (default: Decoupled DiLoCo, 4 learners)"
 
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.options import config_from_args, topology_from_args
-    from ddiloco.core.config import Mode
+    from ddiloco.core.shared.protocol_config import Mode
     from ddiloco.runtime.launch.placement import Hosts
 
     virtual = args.runtime == "virtual"
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.display import console, print_report, progress_bar, what_happened
     from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.commands.live_view import live_view
-    from ddiloco.experiment import Interrupted, run_virtual
-    from ddiloco.reporting import MODEL_FILE, prepare_out, write_run
+    from ddiloco.sim.experiment import Interrupted, run_virtual
+    from ddiloco.outputs.reporting import MODEL_FILE, prepare_out, write_run
     from ddiloco.workload.device import resolve_device
 
     device = resolve_device(args.device)

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from typing import TYPE_CHECKING
 
-from ddiloco.errors import ConfigError
-from ddiloco.fault_kinds import SIMULATED
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.fault_kinds import SIMULATED
 
 if TYPE_CHECKING:
     from ddiloco.sim.swarm import SeedResult, SimtestReport

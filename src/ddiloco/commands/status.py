@@ -11,8 +11,8 @@ from rich.table import Table
 
 from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
-from ddiloco.core.refusals import honest_total
-from ddiloco.errors import DdilocoError
+from ddiloco.core.sync_side.refusals import honest_total
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line

@@ -13,12 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     import grpc
 
-    from ddiloco.config import Config
+    from ddiloco.settings.config import Config
     from ddiloco.runtime.auth import Address
     from ddiloco.runtime.sync.service import ServiceOptions, SyncService
     from ddiloco.runtime.sync.status_process import StatusPageProcess

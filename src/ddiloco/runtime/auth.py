@@ -25,7 +25,7 @@ from typing import Sequence
 
 import grpc
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 TOKEN_ENV = "DDILOCO_TOKEN"
 SECRET_ENV = "DDILOCO_SECRET"
@@ -97,7 +97,7 @@ def load_credentials(path: str | None) -> dict[str, str] | None:
     first problem: unreadable, a line without ``id: secret``, an implausible id, a repeated id."""
     if not path:
         return None
-    from ddiloco.core.messages import check_id
+    from ddiloco.core.shared.messages import check_id
 
     credentials: dict[str, str] = {}
     for number, line in enumerate(_read_text(path, "--credentials").splitlines(), start=1):

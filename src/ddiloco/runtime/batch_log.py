@@ -1,7 +1,7 @@
 """Which batches of its data stream each learner process trained, in a file that outlives kill -9.
 
 A restarted ``ddiloco learner`` resumes its data at the synchronizer's ``data_position``
-(``core/data_position.py``): what reached the global model is trained again for at most about
+(``core/sync_side/data_position.py``): what reached the global model is trained again for at most about
 one period H, and nothing is skipped. Checking that on real processes (``ddiloco chaos``) needs
 where each process resumed and how far it trained before it died, and a kill -9 leaves no last
 word. So ``ddiloco learner --batch-log FILE`` appends a line when its data resumes

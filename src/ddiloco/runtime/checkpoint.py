@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 
 FORMAT = "ddiloco-checkpoint-1"
 _TENSOR_KEY = "__tensor__"

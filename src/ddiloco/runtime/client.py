@@ -1,12 +1,12 @@
 """A blocking client of the synchronizer service (learners, ``ddiloco status``, the launcher).
 
-Every call has a deadline (``core/deadlines.py``: the answer within ``CLIENT_ANSWER_S``, plus
+Every call has a deadline (``core/shared/deadlines.py``: the answer within ``CLIENT_ANSWER_S``, plus
 what the call carries at the rate a learner expects of its link). Failures come back as three kinds of exception, because a
 learner reacts to each differently:
 
 - :class:`CallRefused`: the synchronizer answered and rejected the message, with the core's
-  :class:`~ddiloco.core.messages.RejectReason` (what it means for a learner is the learner
-  core's decision, ``core/learner.py``, a refused secret included);
+  :class:`~ddiloco.core.shared.messages.RejectReason` (what it means for a learner is the learner
+  core's decision, ``core/learner_side/learner_core.py``, a refused secret included);
 - :class:`AuthenticationError`, a :class:`CallRefused` (``unauthenticated``) that command-line
   callers print as one line;
 - :class:`Unreachable`: no answer (down, restarting, network) — retry later.
@@ -23,10 +23,10 @@ from typing import Any, Iterator
 import grpc
 
 from ddiloco import __version__
-from ddiloco.config_sources import unknown_keys
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.deadlines import CLIENT_ANSWER_S, CLIENT_FETCH_S, CLIENT_UPLOAD_LINK, call_deadline_s
-from ddiloco.core.messages import (
+from ddiloco.settings.config_sources import unknown_keys
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.deadlines import CLIENT_ANSWER_S, CLIENT_FETCH_S, CLIENT_UPLOAD_LINK, call_deadline_s
+from ddiloco.core.shared.messages import (
     Contribution,
     FragmentUpdate,
     GlobalState,
@@ -37,8 +37,8 @@ from ddiloco.core.messages import (
     Session,
     StopNotice,
 )
-from ddiloco.core.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials, client_metadata
 from ddiloco.runtime.call_errors import Unreachable, credentials_refused, refusal_reason, unreachable
@@ -169,7 +169,7 @@ class SyncClient:
         """Register and download the full global state (``probe``: only the header, no registration).
 
         ``timeout_s``: a learner gives its join the deadline of the state it brings back
-        (``core/deadlines.py``, ``client_join_link``); the default is a call that carries nothing."""
+        (``core/shared/deadlines.py``, ``client_join_link``); the default is a call that carries nothing."""
         header: pb.JoinHeader | None = None
         assembler: wire.StateAssembler | None = None
         try:

@@ -1,7 +1,7 @@
 """Taking the trained model out: the global model Θ as a plain ``state_dict`` file.
 
 The synchronizer keeps Θ as flat fp32 vectors, one per fragment, in its own layout
-(:mod:`ddiloco.core.fragments`); a checkpoint holds them as of its copies and the round log
+(:mod:`ddiloco.core.shared.fragments`); a checkpoint holds them as of its copies and the round log
 the rounds merged since (:mod:`ddiloco.runtime.sync.round_log`). An export rebuilds Θ the way
 a resumed synchronizer does — a core restored from the latest checkpoint, then the log
 replayed into it (:func:`~ddiloco.runtime.sync.checkpoint_writer.restore_state`) — so nothing
@@ -28,10 +28,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ddiloco.config import Config
-from ddiloco.core.messages import FragmentUpdate
-from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.messages import FragmentUpdate
+from ddiloco.core.sync_side.synchronizer import Synchronizer
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
 from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters, save_state_dict

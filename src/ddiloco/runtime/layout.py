@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ddiloco.config import Config
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import Fragment, FragmentPlan, flatten, plan_fragments
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.fragments import Fragment, FragmentPlan, flatten, plan_fragments
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.workload.trainer import build_model
 

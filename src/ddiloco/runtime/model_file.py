@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddiloco.core.fragments import FragmentPlan
+from ddiloco.core.shared.fragments import FragmentPlan
 from ddiloco.runtime.checkpoint import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.auth import channel_credentials, client_metadata
 from ddiloco.runtime.call_errors import credentials_refused, refusal_reason, unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb

@@ -1,4 +1,4 @@
-"""The Status call's one conversion: the core's status (:mod:`ddiloco.core.sync_status`) to
+"""The Status call's one conversion: the core's status (:mod:`ddiloco.core.sync_side.sync_status`) to
 protobuf on the synchronizer, protobuf to the dict ``ddiloco status --json`` prints on the client.
 
 Both go by field name: a dataclass field travels in the message field of the same name
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 if TYPE_CHECKING:  # the client half (``ddiloco status``) must not import the core: it imports torch
-    from ddiloco.core.sync_status import SyncStatus
+    from ddiloco.core.sync_side.sync_status import SyncStatus
 
 
 class OnWire(NamedTuple):
@@ -59,7 +59,7 @@ def wire_name(name: str) -> str:
 
 def status_to_pb(core: SyncStatus, now: float) -> pb.StatusReply:
     """Every field of ``core`` in a StatusReply (``now``: the clock of ``core``'s times)."""
-    from ddiloco.core.run import RunPhase
+    from ddiloco.core.sync_side.run_state import RunPhase
 
     reply = pb.StatusReply(finished=core.phase is RunPhase.FINISHED)
     to_pb(core, reply, now, skip=_BY_FRAGMENT)

@@ -1,5 +1,5 @@
 """The wire between learners and the synchronizer: every conversion between the core's
-messages (:mod:`ddiloco.core.messages`) and protobuf (the Status call's is in
+messages (:mod:`ddiloco.core.shared.messages`) and protobuf (the Status call's is in
 :mod:`ddiloco.runtime.status_wire`), the chunking of large payloads, message sizes and
 channel options. Client and server both import from here, so neither
 depends on the other's module and no message is written by hand twice.
@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from ddiloco.core.messages import (
+from ddiloco.core.shared.messages import (
     Contribution,
     FragmentUpdate,
     FragmentValue,

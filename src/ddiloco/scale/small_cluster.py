@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddiloco.measures import covered_s
+from ddiloco.outputs.measures import covered_s
 
 
 class Accounting:

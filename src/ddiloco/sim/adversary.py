@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.config import FaultConfig
-from ddiloco.fault_kinds import FaultKind
+from ddiloco.settings.config import FaultConfig
+from ddiloco.sim.fault_kinds import FaultKind
 
 @dataclass(frozen=True, slots=True)
 class Window:

@@ -1,6 +1,6 @@
 """What each learner's data stream did across its restarts: batches trained again, skipped, merged twice.
 
-A learner process resumes its data at the synchronizer's ``data_position`` (``core/data_position.py``):
+A learner process resumes its data at the synchronizer's ``data_position`` (``core/sync_side/data_position.py``):
 the batches before it reached every fragment of the global model. Counted here, from what the
 run did rather than from what the protocol meant to do:
 

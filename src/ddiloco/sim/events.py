@@ -11,8 +11,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ddiloco.core.actions import Admitted, Reply
-from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
+from ddiloco.core.shared.actions import Admitted, Reply
+from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
 
 
 # ---- at a learner process ---------------------------------------------------------------------

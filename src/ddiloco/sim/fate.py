@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
-from ddiloco.core.learner import Learner
-from ddiloco.fault_kinds import FaultKind
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.sim.fault_kinds import FaultKind
 from ddiloco.sim.adversary import Window
 from ddiloco.sim.events import (
     Arrive,

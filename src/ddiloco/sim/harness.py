@@ -2,7 +2,7 @@
 
 Decoupled DiLoCo and its baselines are compared on the same workload
 (:class:`~ddiloco.workload.workload.Workload`), the same step-time draws and the same
-failures; this module builds those once from a :class:`~ddiloco.config.Config` and records
+failures; this module builds those once from a :class:`~ddiloco.settings.config.Config` and records
 what a run measures.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import Config
-from ddiloco.reporting import ProgressFn, RowFn
+from ddiloco.settings.config import Config
+from ddiloco.outputs.reporting import ProgressFn, RowFn
 from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
-from ddiloco.measures import ByteLedger, Direction
+from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.sim.speed import StepTimer
 from ddiloco.workload.workload import Workload
 

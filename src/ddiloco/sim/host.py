@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from ddiloco.core.actions import RoundClosed
-from ddiloco.core.messages import FragmentUpdate, StopNotice
+from ddiloco.core.shared.actions import RoundClosed
+from ddiloco.core.shared.messages import FragmentUpdate, StopNotice
 from ddiloco.sim.events import AtLearner, EventQueue
 from ddiloco.sim.invariants import InvariantChecker
 
@@ -27,7 +27,7 @@ class NodeHost(Protocol):
 
     def call_deadline_s(self, nbytes: int) -> float:
         """How long a caller waits for a call that carries ``nbytes`` both ways
-        (:func:`~ddiloco.core.deadlines.call_deadline_s` on this cluster's link)."""
+        (:func:`~ddiloco.core.shared.deadlines.call_deadline_s` on this cluster's link)."""
 
     def send_up(self, learner: str, fragment: int, payload_bytes: int) -> list[float]:
         """A learner's message to the synchronizer: when (and how often) it arrives."""
@@ -38,7 +38,7 @@ class NodeHost(Protocol):
     def push_to(self, learner: str, fragment: int, payload_bytes: int,
                 message: FragmentUpdate | StopNotice) -> float | None:
         """A message on ``learner``'s update stream (its current process); None: lost, or cut
-        because its transfer outlasts :func:`~ddiloco.core.deadlines.stream_deadline_s`."""
+        because its transfer outlasts :func:`~ddiloco.core.shared.deadlines.stream_deadline_s`."""
 
     def process_up(self, m: int, boot: int) -> bool:
         """Is learner ``m``'s process ``boot`` still running?"""

@@ -28,9 +28,9 @@ from typing import Sequence
 
 import torch
 
-from ddiloco.core.actions import CloseReason, RoundClosed
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Contribution
+from ddiloco.core.shared.actions import CloseReason, RoundClosed
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Contribution
 
 
 class InvariantViolation(AssertionError):

@@ -1,5 +1,5 @@
 """A learner process of the virtual cluster: a real model and trainer around the core's
-:class:`~ddiloco.core.learner.Learner`, whose actions it carries out over the virtual network.
+:class:`~ddiloco.core.learner_side.learner_core.Learner`, whose actions it carries out over the virtual network.
 
 It only executes: a ``Send`` becomes a call on the uplink, a reply or an update is handed
 back to the core, a call that gets no answer before its deadline is reported undelivered.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddiloco.core.actions import (
+from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
     Fail,
@@ -27,10 +27,10 @@ from ddiloco.core.actions import (
     SendJoin,
     SendLeave,
 )
-from ddiloco.core.deadlines import join_state_bytes
-from ddiloco.core.learner import Learner
-from ddiloco.core.learner_phase import LoopMove
-from ddiloco.core.messages import FragmentUpdate, Request, StopNotice
+from ddiloco.core.shared.deadlines import join_state_bytes
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import LoopMove
+from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
 from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
@@ -88,7 +88,7 @@ class LearnerNode:
     def call(self, host: NodeHost, request: Request, fragment: int, payload_bytes: int, shard: int, *,
              reply_bytes: int = 0) -> None:
         """One RPC to a synchronizer shard: the request travels up; the reply (or the deadline) comes back.
-        Its deadline counts what it carries both ways (``core/deadlines.py``)."""
+        Its deadline counts what it carries both ways (``core/shared/deadlines.py``)."""
         now = host.queue.now
         call_id = host.new_call_id()
         self.calls[call_id] = (request, shard)

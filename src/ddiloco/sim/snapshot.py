@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ddiloco.core.learner_phase import LearnerPhase, LoopMove
+from ddiloco.core.learner_side.learner_phase import LearnerPhase, LoopMove
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.learner_node import LearnerNode
 from ddiloco.sim.timeline import Happening, Timeline

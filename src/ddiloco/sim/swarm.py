@@ -9,7 +9,7 @@ synthetic workload (:mod:`ddiloco.sim.synthetic`) in two phases:
    messages, cuts learners off, freezes them past their lease, crashes learners and the
    synchronizer; the invariant checker runs after every event;
 2. **liveness**: faults stop. Once the last fault has ended (``quiet``), within the bound
-   ``B`` (:func:`ddiloco.core.liveness.catch_up_bound_s`) every learner that is up must be
+   ``B`` (:func:`ddiloco.core.shared.liveness.catch_up_bound_s`) every learner that is up must be
    training in the synchronizer's current incarnation, alive there, and hold every fragment at least at the version the synchronizer had at ``quiet``; and the
    run must then finish its budget (stop, flush, merge the last rounds).
 
@@ -28,13 +28,13 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ddiloco.config import Config, check_seed
-from ddiloco.config_sources import apply_override, apply_section
-from ddiloco.core.learner_phase import LearnerPhase
-from ddiloco.core.liveness import catch_up_bound_s
-from ddiloco.core.merge import MERGE_RULES
-from ddiloco.errors import ConfigError
-from ddiloco.fault_kinds import SIMULATED, FaultKind, parse_kind
+from ddiloco.settings.config import Config, check_seed
+from ddiloco.settings.config_sources import apply_override, apply_section
+from ddiloco.core.learner_side.learner_phase import LearnerPhase
+from ddiloco.core.shared.liveness import catch_up_bound_s
+from ddiloco.core.sync_side.merge import MERGE_RULES
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.sim.fault_kinds import SIMULATED, FaultKind, parse_kind
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantViolation
@@ -137,7 +137,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
 
 
 def liveness_bound_s(config: Config) -> float:
-    """B of this world: :func:`~ddiloco.core.liveness.catch_up_bound_s` with the virtual cluster's
+    """B of this world: :func:`~ddiloco.core.shared.liveness.catch_up_bound_s` with the virtual cluster's
     call deadline and its slowest learner's step."""
     c = config.cluster
     slowest_step_s = c.step_time_s * (c.slow_factor if c.slow_fraction else 1.0)

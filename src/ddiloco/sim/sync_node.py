@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
-from ddiloco.core.actions import (
+from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
     Broadcast,
@@ -30,10 +30,10 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.deadlines import state_bytes_of
-from ddiloco.core.messages import Contribution, FragmentUpdate, Request, StopNotice
-from ddiloco.core.replay import ReplayLog, replay_budget
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.deadlines import state_bytes_of
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Request, StopNotice
+from ddiloco.core.sync_side.replay import ReplayLog, replay_budget
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick
 from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
@@ -82,7 +82,7 @@ class SyncNode:
                                                host.queue.now))
 
     def replay_to(self, host: NodeHost, name: str, held: list[int]) -> None:
-        """A learner's stream is back (its partition ended): send what it missed (``core/replay.py``)."""
+        """A learner's stream is back (its partition ended): send what it missed (``core/sync_side/replay.py``)."""
         if self.up:
             for p, update in self.replay.since(held):
                 host.push_to(name, p, len(update.payload), update)
@@ -125,7 +125,7 @@ class SyncNode:
                 arrivals = [host.push_to(name, action.update.fragment, len(action.update.payload), action.update)
                             for name in action.recipients]
                 arrivals = [t for t in arrivals if t is not None]
-                if arrivals:  # ξ_sync (core/grace.py): until the update reaches its last recipient
+                if arrivals:  # ξ_sync (core/shared/grace.py): until the update reaches its last recipient
                     self.core.handle(SyncTimeObserved(max(arrivals) - now), now)
             elif isinstance(action, StopLearners):
                 for name in action.recipients:

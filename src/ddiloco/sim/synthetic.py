@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ddiloco.config import Config
+from ddiloco.settings.config import Config
 
 SHAPES = {"embed": (32, 4), "w1": (16, 8), "w2": (12, 8), "b1": (16,), "w3": (8, 6)}
 TOKENS_SHAPE = (2, 8)

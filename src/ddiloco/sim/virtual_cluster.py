@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
-from ddiloco.core import deadlines
-from ddiloco.core.actions import RoundClosed
-from ddiloco.core.deadlines import LinkExpectation, call_deadline_s
-from ddiloco.core.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
-from ddiloco.core.learner import Learner
-from ddiloco.core.refusals import honest_total
-from ddiloco.core.staleness import staleness_limit
-from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.measures import Direction, fragment_shares
-from ddiloco.fault_kinds import FaultKind
+from ddiloco.core.shared import deadlines
+from ddiloco.core.shared.actions import RoundClosed
+from ddiloco.core.shared.deadlines import LinkExpectation, call_deadline_s
+from ddiloco.core.shared.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.sync_side.refusals import honest_total
+from ddiloco.core.shared.staleness import staleness_limit
+from ddiloco.core.sync_side.synchronizer import Synchronizer
+from ddiloco.outputs.measures import Direction, fragment_shares
+from ddiloco.sim.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
 from ddiloco.sim.data_stream import DataStreams
 from ddiloco.sim.events import (
@@ -90,7 +90,7 @@ class VirtualCluster:
         embeds = [f.index for f in self.plan.fragments if f.is_embedding]
         run, cluster = config.run, config.cluster
         self.link = LinkExpectation(answer_s=cluster.rpc_timeout_s, bytes_per_s=cluster.bandwidth_bps / 8.0)
-        """Every learner's virtual link, as its calls' deadlines see it (``core/deadlines.py``)."""
+        """Every learner's virtual link, as its calls' deadlines see it (``core/shared/deadlines.py``)."""
         limits = config.run_limits(checkpoint_every_rounds=cluster.checkpoint_every_rounds,
                                    checkpoint_every_s=cluster.checkpoint_every_s)
         self.syncs = [
@@ -154,7 +154,7 @@ class VirtualCluster:
 
     def call_deadline_s(self, nbytes: int) -> float:
         """How long a caller waits for a call that carries ``nbytes`` both ways (gRPC's deadline):
-        the rule of ``core/deadlines.py`` on the virtual link, which the simulator knows exactly."""
+        the rule of ``core/shared/deadlines.py`` on the virtual link, which the simulator knows exactly."""
         return call_deadline_s(nbytes, self.link)
 
     # ---- the run -------------------------------------------------------------------------

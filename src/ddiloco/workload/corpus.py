@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 DEFAULT_MAX_BYTES = 16 * 2**20
 """Default cap on the corpus size, in bytes."""

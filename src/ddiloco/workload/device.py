@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.workload.settings import DEVICE_CHOICES
 
 

@@ -8,7 +8,7 @@ import enum
 import math
 from dataclasses import dataclass, fields
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 
 DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps"
 """What ``--device`` takes (:func:`ddiloco.workload.device.resolve_device`)."""

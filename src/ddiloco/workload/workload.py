@@ -2,7 +2,7 @@
 
 Decoupled DiLoCo and its baselines, on the virtual cluster or as real processes, are compared
 on the same corpus shards, the same initial weights and the same data order; this module
-builds those once from a :class:`~ddiloco.config.Config`.
+builds those once from a :class:`~ddiloco.settings.config.Config`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddiloco.config import Config
+from ddiloco.settings.config import Config
 from ddiloco.workload.corpus import BatchSampler, Corpus, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
 from ddiloco.workload.model import ByteTransformer

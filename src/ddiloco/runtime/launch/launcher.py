@@ -9,7 +9,7 @@ are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seco
 synchronizer serves its status page (``--http-port``) and the launcher prints its address.
 With a topology (``--hosts netns``, :mod:`ddiloco.runtime.launch.placement`) every process runs in
 its own network namespace behind a capped link; ``--mode dp`` runs real data parallel on
-the same hosts instead (:mod:`ddiloco.runtime.launch.data_parallel`). ``timeline.jsonl``
+the same hosts instead (:mod:`ddiloco.baseline.data_parallel`). ``timeline.jsonl``
 (:mod:`ddiloco.runtime.launch.run_log`) records the run once a second.
 
 SIGINT or SIGTERM stops the run cleanly: learners first (they flush), then the final model
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ddiloco.config import Config
-from ddiloco.core.config import Mode
-from ddiloco.errors import DdilocoError
-from ddiloco.reporting import ProgressFn, summarize
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.protocol_config import Mode
+from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.outputs.reporting import ProgressFn, summarize
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
@@ -75,7 +75,7 @@ def run_processes(
     """
     mode = Mode(config.run.mode)
     if mode is Mode.DP:
-        from ddiloco.runtime.launch.data_parallel import run_data_parallel
+        from ddiloco.baseline.data_parallel import run_data_parallel
 
         return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
     if not mode.uses_protocol:

@@ -1,5 +1,5 @@
 """The pieces of a run on one machine, shared by :func:`~ddiloco.runtime.launch.launcher.run_processes`,
-real data parallel (:mod:`~ddiloco.runtime.launch.data_parallel`) and ``ddiloco chaos``: the run's
+real data parallel (:mod:`~ddiloco.baseline.data_parallel`) and ``ddiloco chaos``: the run's
 files, the command lines of its processes, their threads and ports, and the evaluator of the
 global model.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.config import Config
-from ddiloco.core.fragments import unflatten_into
-from ddiloco.errors import DdilocoError
-from ddiloco.reporting import write_config
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.fragments import unflatten_into
+from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.outputs.reporting import write_config
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import sync_names
 from ddiloco.runtime.launch.processes import Processes, StopSignals

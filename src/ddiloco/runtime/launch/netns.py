@@ -32,7 +32,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime.launch.topology import Link, Topology
 
 NS_PREFIX = "ddiloco-"

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 
 class Processes:
     """The children of one run; every one of them is killed on close, whatever happens.

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime.launch import env
 from ddiloco.runtime.launch.child import EXEC
 from ddiloco.runtime.launch.local_run import LEAVE_TIMEOUT_S, POLL_S, announce, learner_names, learner_threads

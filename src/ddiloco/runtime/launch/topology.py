@@ -22,7 +22,7 @@ learner is its own region on a link of R. A topology file::
 
 Rates are bits per second with a unit, as ``tc`` writes them: ``bit``, ``kbit``, ``mbit``,
 ``gbit`` (``/s`` optional, any case). Every learner of the run is placed exactly once.
-Mistakes are one :class:`~ddiloco.errors.ConfigError` naming the file and the value,
+Mistakes are one :class:`~ddiloco.core.shared.errors.ConfigError` naming the file and the value,
 before anything is created.
 """
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.config_sources import read_toml
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config_sources import read_toml
+from ddiloco.core.shared.errors import ConfigError
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _RATE = re.compile(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)(?:/s)?\s*")

@@ -17,7 +17,7 @@ import itertools
 import threading
 from typing import Iterator
 
-from ddiloco.core.messages import Request
+from ddiloco.core.shared.messages import Request
 from ddiloco.runtime.learner.helper_process import HelperProcess
 from ddiloco.runtime.learner.helper_wire import PipeClosed
 

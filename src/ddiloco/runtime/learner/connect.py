@@ -8,9 +8,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ddiloco.core.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
-from ddiloco.core.shard_link import BACKOFF_START_S
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.core.learner_side.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
+from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import parse_address
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line

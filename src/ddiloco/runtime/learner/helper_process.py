@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import ddiloco
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner.helper_wire import HelperSpec, Msg, Pipe, PipeClosed
 
 HELPER_COMMAND = [sys.executable, "-m", "ddiloco.runtime.learner.helper"]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddiloco.core.messages import Contribution, GlobalState, Progress, Session
+from ddiloco.core.shared.messages import Contribution, GlobalState, Progress, Session
 from ddiloco.runtime.client import ClientSpec, JoinResult
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.learner.slots import SlotLayout

@@ -1,5 +1,5 @@
 """A learner's link to the synchronizer, as the training process sees it: a helper process,
-shared slots, and small threads. The core (:class:`~ddiloco.core.learner.Learner`) decides; the link carries its actions out and
+shared slots, and small threads. The core (:class:`~ddiloco.core.learner_side.learner_core.Learner`) decides; the link carries its actions out and
 reports how they ended. gRPC, protobuf, chunking, compression, decoding, retries and update
 streams run in a helper process (``helper.py``), so none of it takes the training thread's
 interpreter lock. Here: *dispatch* writes a due fragment's Δ into its out slot (one copy,
@@ -31,11 +31,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ddiloco.core.actions import Fail, LearnerAction, Outage, Send, SendHeartbeat, SendJoin, SendLeave
-from ddiloco.core.deadlines import call_deadline_s, client_join_link, join_state_bytes
-from ddiloco.core.learner import Learner
-from ddiloco.core.messages import Contribution, FragmentUpdate, Leave, Request
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.actions import Fail, LearnerAction, Outage, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Leave, Request
+from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess

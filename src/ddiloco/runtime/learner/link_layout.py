@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 
-from ddiloco.core.learner import Learner
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.helper_wire import HelperSpec
 from ddiloco.runtime.learner.slots import SlotLayout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ddiloco.core.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
+from ddiloco.core.shared.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
 
 log = logging.getLogger("ddiloco.learner")
 

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 import torch
 
-from ddiloco.core.actions import Send
+from ddiloco.core.shared.actions import Send
 from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 

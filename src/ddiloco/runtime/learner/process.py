@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddiloco.config import Config, check_seed
-from ddiloco.config_sources import apply_section
-from ddiloco.errors import ConfigError
+from ddiloco.settings.config import Config, check_seed
+from ddiloco.settings.config_sources import apply_section
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.batch_log import BatchLog
 from ddiloco.runtime.client import SyncClient
@@ -33,7 +33,7 @@ from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.connect import probe_with_backoff
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
-from ddiloco.tb_log import EventLog
+from ddiloco.outputs.tb_log import EventLog
 from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
 from ddiloco.workload.trainer import InnerTrainer

@@ -8,7 +8,7 @@ import random
 import time
 from typing import Callable
 
-from ddiloco.core.shard_link import backoff_after
+from ddiloco.core.learner_side.shard_link import backoff_after
 
 
 REPEAT_EVERY_S = 30.0

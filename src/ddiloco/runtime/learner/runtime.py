@@ -10,7 +10,7 @@ after every inner step::
         runtime.step(tokens=x.numel())
     runtime.close()
 
-The protocol is the core's :class:`~ddiloco.core.learner.Learner`; this module feeds it the
+The protocol is the core's :class:`~ddiloco.core.learner_side.learner_core.Learner`; this module feeds it the
 training loop's steps and carries out its actions through
 :class:`~ddiloco.runtime.learner.link.LearnerLink`, whose helper process compresses, uploads,
 heartbeats, rejoins and receives (the training process's interpreter is left to training).
@@ -45,12 +45,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.flat import ModelHold
-from ddiloco.core.learner import Learner
-from ddiloco.core.learner_phase import LoopMove, UpdateResult
-from ddiloco.core.learner_kernels import compile_learner_kernels
-from ddiloco.errors import ConfigError, DdilocoError, ParameterError
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.learner_side.flat import ModelHold
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import LoopMove, UpdateResult
+from ddiloco.core.learner_side.learner_kernels import compile_learner_kernels
+from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.errors import DdilocoError
+from ddiloco.core.shared.errors import DdilocoError
 
 HEADER_BYTES = 64
 """Sequence number, length and released number, on a cache line of their own."""

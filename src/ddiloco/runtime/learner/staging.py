@@ -22,7 +22,7 @@ stream has drained, so the GPU idles while the CPU queues the next step. Here in
   the values on. The core adds them to the anchor on the training stream between two steps,
   like any kernel, without a copy. On the CPU the helper process decodes into the slot; where
   the core applies an update straight from its payload (the CPU with int4: one fused pass,
-  ``core/flat.py``) nothing is decoded ahead: that would only add passes.
+  ``core/learner_side/flat.py``) nothing is decoded ahead: that would only add passes.
 
 Memory is safe by construction: pinned buffers come from PyTorch's caching host
 allocator, which records an event on the stream of every asynchronous copy and does not
@@ -45,9 +45,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ddiloco.core.actions import LearnerAction, Send
-from ddiloco.core.codecs import Codec
-from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.shared.actions import LearnerAction, Send
+from ddiloco.core.shared.codecs import Codec
+from ddiloco.core.shared.messages import FragmentUpdate
 
 log = logging.getLogger("ddiloco.learner")
 

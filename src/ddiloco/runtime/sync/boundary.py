@@ -18,11 +18,11 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ddiloco.core.actions import Refused
-from ddiloco.core.messages import Contribution, RejectReason, check_id
+from ddiloco.core.shared.actions import Refused
+from ddiloco.core.shared.messages import Contribution, RejectReason, check_id
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
-from ddiloco.measures import ByteLedger, Direction
+from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.runtime.sync.metrics import ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 

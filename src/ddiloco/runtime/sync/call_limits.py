@@ -18,7 +18,7 @@ accounted per learner.
 - Joins and state fetches hold one of ``transfers`` (each holds a copy of one fragment at a time).
 
 Every stream is held to the slowest link the run is configured for
-(``protocol.min_link_bytes_per_s``), by the rules of ``core/deadlines.py``: an upload's header
+(``protocol.min_link_bytes_per_s``), by the rules of ``core/shared/deadlines.py``: an upload's header
 must arrive within a lease, and every later message by when a sender at that rate, one lease
 late, would have delivered it (``upload_pace_s``); every message sent must leave within three
 leases plus its bytes at that rate (``stream_deadline_s``); a join's whole state within the
@@ -38,9 +38,9 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from ddiloco.core import deadlines
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.messages import RejectReason, Session
+from ddiloco.core.shared import deadlines
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.messages import RejectReason, Session
 from ddiloco.runtime.sync.boundary import Abort
 from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 

@@ -1,7 +1,7 @@
 """Writing the synchronizer's checkpoints in the background, and restoring from the latest.
 
 The core decides when a checkpoint is due and hands over its small state
-(:meth:`~ddiloco.core.synchronizer.Synchronizer.checkpoint_meta`); this writes it in the state
+(:meth:`~ddiloco.core.sync_side.synchronizer.Synchronizer.checkpoint_meta`); this writes it in the state
 directory (:mod:`ddiloco.runtime.sync.state_dir`) a fragment at a time: each fragment is
 copied on the core's thread, written off the event loop and let go before the next, so a
 checkpoint holds one fragment beyond the steady state. One write runs at a time; a checkpoint

@@ -4,7 +4,7 @@ The core is touched by that one thread only: every call into it (events, questio
 checkpoint's snapshot) runs on one dedicated worker thread, so its calls are serialized
 without locks and a long merge never stalls the sockets (which the asyncio event loop
 serves). After every event the thread publishes :attr:`SyncHost.view`, an immutable
-:class:`~ddiloco.core.sync_status.CoreView` (phase, versions, learners alive, tokens) that the
+:class:`~ddiloco.core.sync_side.sync_status.CoreView` (phase, versions, learners alive, tokens) that the
 event loop, metrics and logs read instead of the core; whatever else they need (status) is
 asked through :meth:`SyncHost.query`, which runs on the core's thread too. (Reading the core
 from the event loop while its thread registered a burst of learners once raised "dictionary
@@ -41,7 +41,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol, TypeVar
 
-from ddiloco.core.actions import (
+from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
     Broadcast,
@@ -59,8 +59,8 @@ from ddiloco.core.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.sync_status import CoreView, SyncStatus
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.sync_side.sync_status import CoreView, SyncStatus
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.streams import UpdateStreams
 
@@ -193,7 +193,7 @@ class SyncHost:
         self._wake.set()  # deadlines may have moved
 
     def _observe_sync(self, compute_s: float, started: float) -> Callable[[], None]:
-        """ξ_sync of one update (core/grace.py): the core's time on the event that closed its
+        """ξ_sync of one update (core/shared/grace.py): the core's time on the event that closed its
         round, then until the last recipient's stream has written it, the round log's wait included."""
 
         def sent() -> None:

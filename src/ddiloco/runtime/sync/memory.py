@@ -8,8 +8,8 @@ code has (docs/runtime.md, "The synchronizer's memory", measures each):
   other downlink codecs keep momentum and residual in fp32 (4 + 4);
 - while rounds are open: the int4 payloads of the contributions pending in them (about 0.53
   per learner) — at most every fragment's round at once — and one float32 buffer as large as
-  the largest fragment, which each round's close sums into (``core/accumulate.py``);
-- the replay log's budget (``core/replay.py``: an eighth of the fp32 state, at least 64 MiB);
+  the largest fragment, which each round's close sums into (``core/sync_side/accumulate.py``);
+- the replay log's budget (``core/sync_side/replay.py``: an eighth of the fp32 state, at least 64 MiB);
 - transients bounded by fragments, not by the model: each state transfer (join or fetch)
   holds a copy of one fragment, a checkpoint write one fragment's state and its file's bytes,
   a restore one fragment's file and tensors;
@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ddiloco.core.codecs import fused_int4
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.fragments import FragmentPlan
-from ddiloco.core.replay import replay_budget
+from ddiloco.core.shared.codecs import fused_int4
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.fragments import FragmentPlan
+from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.runtime.sync.call_limits import STATE_TRANSFERS
-from ddiloco.errors import ConfigError
-from ddiloco.units import human_bytes, human_count
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.units import human_bytes, human_count
 
 log = logging.getLogger("ddiloco.sync")
 

@@ -1,5 +1,5 @@
 """What the synchronizer service measures: goodput, Prometheus counters (bytes on the wire:
-:class:`ddiloco.measures.ByteLedger`, as the virtual cluster counts them).
+:class:`ddiloco.outputs.measures.ByteLedger`, as the virtual cluster counts them).
 
 These are observations of a real run, kept outside the protocol core: the core decides,
 the service counts. Everything here is plain bookkeeping with bounded memory.
@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
-from ddiloco.errors import ConfigError
-from ddiloco.measures import covered_s
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.outputs.measures import covered_s
 from ddiloco.runtime.auth import Address, http_authorized
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class GoodputMeter:
     times the fragment's share of the parameters — the same crediting as the virtual
     cluster's. Goodput = credited seconds / chip seconds, a learner's chip seconds counted from
     its first join (a learner still starting is not idle) to the run's end, when its budget is
-    spent (as the run's clock, ``core/run.py``; the drain, the last evaluation and the final
+    spent (as the run's clock, ``core/sync_side/run_state.py``; the drain, the last evaluation and the final
     checkpoint are not the run's), at most M × wall seconds.
     Uptime = share of wall time, first join to the run's end, covered by credited work, the
     work of a contribution being placed in the ``compute_s`` seconds before it arrived.

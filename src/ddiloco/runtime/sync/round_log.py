@@ -2,10 +2,10 @@
 
 A checkpoint alone loses the rounds merged since it was written, and with them the progress
 of every learner that already holds them. The log closes that gap: the core says when a
-round merged (:class:`~ddiloco.core.actions.LogRound`), the update is appended here, and the
+round merged (:class:`~ddiloco.core.shared.actions.LogRound`), the update is appended here, and the
 update stream sends it only once it is on disk (``core_host``). A restart with ``--resume``
 loads the latest checkpoint and replays what follows it
-(:meth:`~ddiloco.core.synchronizer.Synchronizer.replay_round`), so every fragment comes back
+(:meth:`~ddiloco.core.sync_side.synchronizer.Synchronizer.replay_round`), so every fragment comes back
 at the newest version any learner received, with the same value bit for bit.
 
 Why the update and not the whole state: the update is what the downlink sends (0.53 bytes

@@ -1,6 +1,6 @@
 """The synchronizer as a gRPC service: the handlers, and what the service itself counts.
 
-The protocol is the core's (:class:`~ddiloco.core.synchronizer.Synchronizer`, run by
+The protocol is the core's (:class:`~ddiloco.core.sync_side.synchronizer.Synchronizer`, run by
 :class:`~ddiloco.runtime.sync.core_host.SyncHost` on its own thread, the only one that touches
 it); this module only moves bytes in and out of it:
 
@@ -33,15 +33,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from ddiloco.config import Config
-from ddiloco.core.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, Refused, RoundClosed,
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, Refused, RoundClosed,
                                   StateDelivered, StopLearners, SyncAction)
-from ddiloco.core.config import Mode
-from ddiloco.core.messages import FragmentUpdate, Leave, RejectReason, StopNotice
-from ddiloco.core.replay import replay_budget
-from ddiloco.core.sync_status import CoreView
-from ddiloco.core.synchronizer import Synchronizer
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.protocol_config import Mode
+from ddiloco.core.shared.messages import FragmentUpdate, Leave, RejectReason, StopNotice
+from ddiloco.core.sync_side.replay import replay_budget
+from ddiloco.core.sync_side.sync_status import CoreView
+from ddiloco.core.sync_side.synchronizer import Synchronizer
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import REASON_HEADER, Authenticator
 from ddiloco.runtime.sync.boundary import Abort, Boundary
@@ -49,7 +49,7 @@ from ddiloco.runtime.sync.call_limits import CallLimits, timed_out
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.layout import ModelLayout, reference_layout
-from ddiloco.measures import ByteLedger, fragment_shares
+from ddiloco.outputs.measures import ByteLedger, fragment_shares
 from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
@@ -222,7 +222,7 @@ class SyncService:
                     self.ledger.rename(name, FORGOTTEN)
                     self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
-                self.goodput.finished(time.monotonic())  # the run's clock stops (core/run.py): so does the chip-time
+                self.goodput.finished(time.monotonic())  # the run's clock stops (core/sync_side/run_state.py): so does the chip-time
                 log.info("budget spent: asking learners %s to flush and leave", ", ".join(action.recipients) or "-")
             elif isinstance(action, LeaseExpired) and action.learner_id not in left:  # a leave ends its lease too
                 log.info("learner %s: lease expired", action.learner_id)

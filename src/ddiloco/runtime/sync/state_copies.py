@@ -14,8 +14,8 @@ from __future__ import annotations
 import weakref
 from typing import Awaitable, Callable, Sequence
 
-from ddiloco.core.messages import FragmentValue
-from ddiloco.core.synchronizer import Synchronizer
+from ddiloco.core.shared.messages import FragmentValue
+from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 

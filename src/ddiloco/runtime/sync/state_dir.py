@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.round_log import holds_rounds

@@ -23,7 +23,7 @@ from importlib import resources
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from ddiloco.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import Address, http_authorized
 
 log = logging.getLogger("ddiloco.sync")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ddiloco.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import Address
 
 log = logging.getLogger("ddiloco.sync")

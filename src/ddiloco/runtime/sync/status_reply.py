@@ -1,4 +1,4 @@
-"""The Status call's answer: the core's :class:`~ddiloco.core.sync_status.SyncStatus`, carried
+"""The Status call's answer: the core's :class:`~ddiloco.core.sync_side.sync_status.SyncStatus`, carried
 by :func:`~ddiloco.runtime.status_wire.status_to_pb`, plus what only the service measures
 (bytes on the wire, goodput, checkpoints, wire rejections), set here.
 
@@ -12,10 +12,10 @@ import time
 from dataclasses import replace
 from typing import Protocol
 
-from ddiloco.config import Config
-from ddiloco.core.config import ProtocolConfig
-from ddiloco.core.sync_status import SyncStatus
-from ddiloco.measures import ByteLedger, Direction
+from ddiloco.settings.config import Config
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.sync_status import SyncStatus
+from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.sync.boundary import Boundary
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter

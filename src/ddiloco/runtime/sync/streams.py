@@ -3,7 +3,7 @@
 Each learner holds one server stream (``Updates``); a broadcast is serialized once and
 queued to every recipient's stream, and a stop notice goes the same way. What is replayed to
 a learner that resubscribes, and when a stream is too slow, is the protocol's rule
-(:mod:`ddiloco.core.replay`, followed by the virtual cluster too).
+(:mod:`ddiloco.core.sync_side.replay`, followed by the virtual cluster too).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ddiloco.core.messages import FragmentUpdate, StopNotice
-from ddiloco.core.replay import ReplayLog, too_slow
+from ddiloco.core.shared.messages import FragmentUpdate, StopNotice
+from ddiloco.core.sync_side.replay import ReplayLog, too_slow
 from ddiloco.runtime.wire import update_chunks
 
 log = logging.getLogger("ddiloco.sync")
@@ -26,7 +26,7 @@ CLOSE = object()
 @dataclass(slots=True)
 class Delivery:
     """One update on its way into its recipients' streams: ``on_sent`` runs once the last of
-    them has written it, or dropped it with its stream (ξ_sync ends there: core/grace.py)."""
+    them has written it, or dropped it with its stream (ξ_sync ends there: core/shared/grace.py)."""
 
     on_sent: Callable[[], None]
     pending: int = 0

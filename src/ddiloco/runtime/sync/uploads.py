@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from ddiloco.core.messages import Contribution, Session
+from ddiloco.core.shared.messages import Contribution, Session
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.boundary import Abort, Boundary

@@ -1,0 +1,1 @@
+"""What a run leaves behind, whichever driver ran it: summaries, metrics, plots, TensorBoard events."""
