@@ -27,7 +27,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) and "slow" not in getattr(report, "keywords", {}):
-                took[report.nodeid] = took.get(report.nodeid, 0.0) + report.duration
+                took[report.nodeid] = took.get(report.nodeid, 0.0) + getattr(report, "duration", 0.0)
     unmarked = sorted(((s, nodeid) for nodeid, s in took.items() if s > UNMARKED_SLOW_S), reverse=True)
     if unmarked:
         terminalreporter.section(f"unmarked tests over {UNMARKED_SLOW_S:g} s (mark them slow)")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from runtime_helpers import train_steps
 
-from ddiloco.settings.config import build_config
+from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.messages import Contribution, Progress, Session
 from ddiloco.runtime.learner import helper_wire
 from ddiloco.runtime.learner.calls import HelperCalls

@@ -26,21 +26,21 @@ from typing import Mapping
 import torch
 
 from ddiloco.core.shared.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
-from ddiloco.core.shared.codecs import Codec
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.learner_side.flat import FlatFragment
 from ddiloco.core.shared.fragments import FragmentPlan
 from ddiloco.core.shared.grace import MovingAverage
 from ddiloco.core.shared.staleness import period_that_fits, staleness_limit
-from ddiloco.core.learner_side.learner_phase import FATAL, REJOIN_ON, LearnerPhase, LoopMove, UpdateResult
+from ddiloco.core.learner_side.learner_phase import FATAL, REJOIN_ON, LearnerPhase, UpdateResult
+from ddiloco.core.learner_side.learner_queries import LearnerQueries
 from ddiloco.core.learner_side.link_watch import LinkWatch
 from ddiloco.core.learner_side.send_schedule import SendSchedule
 from ddiloco.core.learner_side.shard_link import ShardLink
 from ddiloco.core.shared.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
-                                   Leave, Progress, RejectReason, Request, Session)
+                                   Leave, RejectReason, Request)
 
 
-class Learner:
+class Learner(LearnerQueries):
     """One learner's protocol state; binds the model's parameters, fragment by fragment, to one
     flat buffer each (``core/learner_side/flat.py``): the parameters become views into it, not copies."""
 
@@ -82,59 +82,7 @@ class Learner:
         self.run_over = False
         """The synchronizer said the run is finished: nothing queued is worth sending any more."""
 
-    # ---- queries -------------------------------------------------------------------------
-
-    @property
-    def joined(self) -> bool:
-        """Holds a global state (it may be rejoining)."""
-        return min(self.versions) >= 0
-
-    @property
-    def should_stop(self) -> bool:
-        return self.phase in (LearnerPhase.STOPPING, LearnerPhase.STOPPED, LearnerPhase.FAILED)
-
-    @property
-    def progress(self) -> Progress:
-        return Progress(self.boot, self._tokens_total, self.step)
-
-    @property
-    def session(self) -> Session | None:
-        """The session at the first (or only) shard."""
-        return self.links[0].session
-
-    def session_of(self, fragment: int) -> Session | None:
-        return self.links[self.config.shard_of(fragment)].session
-
-    def rejoining(self) -> bool:
-        """Some shard is being joined again (its fragments are not sent meanwhile)."""
-        return any(link.joining for link in self.links)
-
-    def between_steps(self, now: float) -> LoopMove:
-        """What the training loop does before its next inner step (both drivers ask this).
-
-        It waits before the first global state and while synchronous DiLoCo waits for the update
-        of a fragment it sent (``protocol.max_wait_s``); it trains on while it rejoins a shard.
-        """
-        if self.phase is LearnerPhase.STOPPING:
-            return LoopMove.CLOSE
-        if self.phase in (LearnerPhase.STOPPED, LearnerPhase.FAILED):
-            return LoopMove.END
-        if self.phase is LearnerPhase.IDLE or not self.joined or self.schedule.waiting(now):
-            return LoopMove.WAIT
-        return LoopMove.STEP
-
-    def stream_versions(self, shard: int) -> list[int] | None:
-        """What the learner announces when its update stream from ``shard`` is made again, so that
-        the synchronizer replays what it missed (``core/sync_side/replay.py``): the versions it holds. None
-        while it has no state or no session there: its join brings the state, nothing to replay."""
-        if self.links[shard].session is None or not self.joined:
-            return None
-        return list(self.versions)
-
-    def is_current(self, request: Request | Send) -> bool:
-        """Was this request made in the current session of its shard? (Older work is dropped.)"""
-        shard = self._shard_of(request)
-        return shard is not None and self._session_of_request(request) == self.links[shard].session
+    # ---- sending ------------------------------------------------------------------------
 
     def still_to_send(self, send: Send) -> bool:
         """A queued contribution is about to go out: is it still of the current session? If not
@@ -147,47 +95,6 @@ class Learner:
             return True
         self.dropped += 1
         return False
-
-    def _session_of_request(self, request: Request | Send) -> Session | None:
-        return request.header.session if isinstance(request, Send) else getattr(request, "session", None)
-
-    def _shard_of(self, request: Request | Send) -> int | None:
-        """Which shard a request was for: by fragment, or by the session it carries."""
-        if isinstance(request, Send):
-            return request.shard
-        if isinstance(request, Contribution):
-            return self.config.shard_of(request.fragment)
-        session = getattr(request, "session", None)
-        return next((i for i, link in enumerate(self.links) if link.session == session), None)
-
-    def next_deadline(self) -> float | None:
-        """When ``tick`` has something to do: a heartbeat, a join retry, the end of a wait."""
-        times = [t for link in self.links for t in (link.heartbeat_due_s, link.join_retry_s) if t is not None]
-        times += self.schedule.wait_deadlines()
-        return min(times) if times else None
-
-    @property
-    def next_batch(self) -> int:
-        """The batch of its data stream the next inner step trains (fixed by the first join's ``data_position``)."""
-        return self.schedule.first_batch + self.step
-
-    def anchor(self, fragment: int) -> torch.Tensor:
-        """The global value this learner last adopted for ``fragment`` (do not modify)."""
-        return self._flat[fragment].anchor
-
-    def decodes_updates(self, fragment: int) -> bool:
-        """Does the core apply ``fragment``'s updates straight from their payload (one fused pass),
-        so that a driver gains nothing by decoding them ahead?"""
-        return self._flat[fragment].fused_down
-
-    def encodes_contributions(self, fragment: int) -> bool:
-        """Does the core make ``fragment``'s uplink payload itself (one fused pass; a driver sends it as it is)?"""
-        return self._flat[fragment].fused_up
-
-    @property
-    def codecs(self) -> tuple[Codec, Codec]:
-        """The uplink and downlink codecs the core encodes and decodes with (their block size)."""
-        return self._uplink, self._downlink
 
     # ---- joining -------------------------------------------------------------------------
 

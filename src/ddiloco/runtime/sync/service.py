@@ -21,7 +21,6 @@ malformed message is counted and answered with a named reason instead of a gener
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import json
 import logging
@@ -34,10 +33,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import grpc
 
 from ddiloco.settings.config import Config
-from ddiloco.core.shared.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, Refused, RoundClosed,
-                                  StateDelivered, StopLearners, SyncAction)
+from ddiloco.core.shared.actions import Admitted, Refused, StateDelivered
 from ddiloco.core.shared.protocol_config import Mode
-from ddiloco.core.shared.messages import FragmentUpdate, Leave, RejectReason, StopNotice
+from ddiloco.core.shared.messages import RejectReason, StopNotice
 from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.core.sync_side.sync_status import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
@@ -53,9 +51,9 @@ from ddiloco.outputs.measures import ByteLedger, fragment_shares
 from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.service_records import ServiceRecords
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
@@ -64,8 +62,6 @@ from ddiloco.runtime.sync.uploads import Uploads
 log = logging.getLogger("ddiloco.sync")
 
 SERVICE_NAME = "ddiloco.v2.Synchronizer"
-FORGOTTEN = "(forgotten)"
-"""The byte ledger's key for the traffic of learners the registry forgot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +83,7 @@ class ServiceOptions:
     """Which shard of a synchronizer sharded by fragment (``protocol.shards``) this process is."""
 
 
-class SyncService:
+class SyncService(ServiceRecords):
     """Serves one run: handlers around a core host, its streams, state directory and counters."""
 
     def __init__(self, config: Config, options: ServiceOptions, *, layout: ModelLayout | None = None) -> None:
@@ -154,37 +150,6 @@ class SyncService:
     def finished(self) -> bool:
         return self.view.finished
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
-    def _restore(self, saved: dict[str, Any]) -> None:
-        """Restore the core and the service's counters from a checkpoint (before serving)."""
-        self.core.load_state_dict(saved["core"])
-        service = saved["service"]
-        self.boundary.known = {rec.learner_id for rec in self.core.status().learners}
-        self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
-        self.boundary.learner_rejected = collections.Counter(
-            {k: int(v) for k, v in service["learner_wire_rejected"].items()})
-        self.ledger.load_state_dict(service["bytes"])
-        self.goodput.load_state_dict(service["goodput"])
-
-    def _replay(self, r: LoggedRound) -> bool:
-        update = FragmentUpdate(r.fragment, r.version, self.protocol.downlink_codec, r.payload, self.incarnation)
-        return self.core.replay_round(update, plain=r.plain)
-
-    def service_state(self) -> dict[str, Any]:
-        return {
-            "layout_sha256": self.layout_sha256,
-            "wire_rejections": dict(self.boundary.rejections),
-            "learner_wire_rejected": dict(self.boundary.learner_rejected),
-            "bytes": self.ledger.state_dict(),
-            "goodput": self.goodput.state_dict(time.monotonic()),
-            "config": self.config.to_dict(),
-        }
-
-    def on_checkpoint(self, core_meta: dict[str, Any]) -> None:
-        """The core asks for a checkpoint: write it in the background, a fragment at a time."""
-        self.writer.submit(core_meta, self.service_state())
-
     async def checkpoint(self) -> None:
         """Snapshot now and write it (after any write already under way)."""
         if self.writer.state_dir is None or self.host is None:
@@ -192,43 +157,6 @@ class SyncService:
         core_meta = await self.host.query(lambda core: core.checkpoint_meta(self.options.clock()))
         self.on_checkpoint(core_meta)
         await self.writer.drain()
-
-    # ---- what the host reports -------------------------------------------------------------
-
-    def on_round(self, record: RoundClosed, elapsed_s: float) -> None:
-        self.metrics.rounds.labels(str(record.reason)).inc()
-        self.metrics.versions.labels(str(record.fragment)).set(record.version)
-        if len(record.merged) >= 2:
-            self.metrics.coherence.labels(str(record.fragment)).set(record.coherence)
-        self.metrics.merge_seconds.observe(elapsed_s)
-        for mc in record.merged:
-            self.goodput.credit(mc.compute_s, self._share[record.fragment], mc.arrived_s)
-        log.debug("fragment %d -> v%d (%s, %d contributions, %d of them late)", record.fragment, record.version,
-                  record.reason, len(record.merged), record.late)
-
-    def on_event(self, actions: list[SyncAction]) -> None:
-        """Runs on the event loop after every event: reads only the actions and the published view."""
-        view = self.view
-        self.metrics.alive.set(view.alive)
-        left = {a.learner_id for a in actions if isinstance(a, Accepted) and isinstance(a.request, Leave)}
-        for action in actions:
-            if isinstance(action, Admitted):
-                self.boundary.known.add(action.learner_id)
-                self.goodput.joined(action.learner_id, time.monotonic())
-            elif isinstance(action, LearnersForgotten):
-                for name in action.learner_ids:
-                    self.boundary.known.discard(name)
-                    self._joined.discard(name)
-                    self.ledger.rename(name, FORGOTTEN)
-                    self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
-            elif isinstance(action, StopLearners):
-                self.goodput.finished(time.monotonic())  # the run's clock stops (core/sync_side/run_state.py): so does the chip-time
-                log.info("budget spent: asking learners %s to flush and leave", ", ".join(action.recipients) or "-")
-            elif isinstance(action, LeaseExpired) and action.learner_id not in left:  # a leave ends its lease too
-                log.info("learner %s: lease expired", action.learner_id)
-            elif isinstance(action, Finished):
-                self.goodput.finished(time.monotonic())
-                log.info("run finished: %d tokens, fragment versions %s", view.tokens, list(view.versions))
 
     def _header(self, data_shard: int) -> pb.JoinHeader:
         return pb.JoinHeader(
