@@ -68,6 +68,7 @@ from ddiloco.core.refusals import honest_total
 from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
+from ddiloco.core.slice_assembly import SliceAssembler
 from ddiloco.core.staleness import staleness_limit, staleness_weight
 from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
@@ -119,6 +120,8 @@ class Synchronizer(SyncState):
                                   forget_after_s=config.forget_after_s,
                                   kept_s=config.staleness_max * config.period * config.min_step_s)
         self._positions = DataPositions(self.owned)
+        self._slices = SliceAssembler()
+        """Sharded learners' contributions whose slices are not all in yet (``core/slice_assembly.py``)."""
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._counters = SyncCounters()
@@ -245,6 +248,8 @@ class Synchronizer(SyncState):
     def _request(self, request: Request, now: float) -> list[SyncAction]:
         handlers = {Join: self._join, Heartbeat: self._heartbeat, Contribution: self._contribute, Leave: self._leave}
         handler = handlers.get(type(request))
+        if isinstance(request, Contribution) and request.slice is not None:
+            handler = self._contribute_slice
         if handler is None:
             raise TypeError(f"not a synchronizer event: {request!r}")
         try:
@@ -311,6 +316,33 @@ class Synchronizer(SyncState):
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
+    def _contribute_slice(self, c: Contribution, now: float) -> list[SyncAction]:
+        """One rank's slice of a sharded learner's contribution: held until its siblings are in, then the
+        whole goes through :meth:`_contribute` once; the slice that completed it gets the verdict."""
+        if self._run.phase is RunPhase.FINISHED:
+            raise Rejected(RejectReason.FINISHED, "the run is over")
+        rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
+        frag = self._fragments.get(c.fragment)
+        if frag is None:
+            raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
+                                                          f"{list(self._fragments)}")
+        if c.seq <= rec.last_seq.get(c.fragment, -1):
+            raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} of fragment {c.fragment} was taken already")
+        frag.check_version(c.base_version, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
+        whole, ended = self._slices.add(c, frag.value.numel(), self._uplink)
+        for lost in ended:
+            self._slice_lost(lost)
+        if whole is None:
+            self._registry.renew(rec, now)
+            return [Accepted(c.learner_id, c, stop=self._stopping)]
+        actions = self._contribute(whole, now)
+        actions[0] = Accepted(c.learner_id, c, stop=self._stopping)
+        return actions
+
+    def _slice_lost(self, c: Contribution) -> None:
+        self._counters.refused(RejectReason.SLICE_INCOMPLETE, c)
+        self._registry.refused(c, RejectReason.SLICE_INCOMPLETE)
+
     def _validate(self, c: Contribution, rec: LearnerRecord,
                   now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
         """Every check a contribution must pass but the norm bound (which learns from the norm it is
@@ -339,6 +371,7 @@ class Synchronizer(SyncState):
         expired = bool(actions)
         actions += [LinkStarved(name, for_s) for name, for_s in self._registry.newly_starved(now)]
         forgotten = self._registry.forget(now, also=self._run.progress.forget)
+        self._slices.forget(set(forgotten))
         actions += [LearnersForgotten(forgotten)] if forgotten else []
         for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
@@ -427,6 +460,8 @@ class Synchronizer(SyncState):
             coherence=coherence,
         )
         self._positions.merged(index, record.merged)
+        for lost in self._slices.expire(index):
+            self._slice_lost(lost)
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:
             overlap = self.config.overlap
