@@ -45,7 +45,10 @@ class Learner:
     flat buffer each (``core/flat.py``): the parameters become views into it, not copies."""
 
     def __init__(self, learner_id: str, config: ProtocolConfig, plan: FragmentPlan,
-                 named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0) -> None:
+                 named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0,
+                 bind: bool = True) -> None:
+        """``bind``: lay each fragment's parameters out in one flat buffer (``core/flat.py``); False keeps
+        them where they are (the local shards of an FSDP2 model: FSDP owns their memory)."""
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
@@ -62,7 +65,7 @@ class Learner:
         self._uplink = get_codec(config.codec, block_size=config.block_size)
         self._downlink = get_codec(config.downlink_codec, block_size=config.block_size)
         self._flat = [FlatFragment(f.index, f.param_names, [named_parameters[n] for n in f.param_names],
-                                   self._uplink, self._downlink) for f in plan.fragments]
+                                   self._uplink, self._downlink, bind=bind) for f in plan.fragments]
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._anchored_at = [0] * len(plan.fragments)
