@@ -59,6 +59,7 @@ from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
 from ddiloco.runtime.learner.ranks import StepFlags, cpu_group, distributed, share_step
+from ddiloco.runtime.learner.sharded_layout import is_sharded
 from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
@@ -109,6 +110,13 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
 
 class LearnerRuntime:
     """One learner of a Decoupled DiLoCo run, wrapped around a model you train yourself."""
+
+    def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if cls is LearnerRuntime and is_sharded(model):  # FSDP2: every rank streams its own slice
+            from ddiloco.runtime.learner.sharded import ShardedLearnerRuntime
+
+            return ShardedLearnerRuntime(model, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
