@@ -41,6 +41,7 @@ from ddiloco.core.learner import Learner
 from ddiloco.core.learner_phase import UpdateResult
 from ddiloco.core.messages import Contribution, FragmentValue, GlobalState, Join
 from ddiloco.core.slice_codec import decode_slice
+from ddiloco.core.slices import SliceSpec
 from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
@@ -126,6 +127,11 @@ class ShardedLearnerRuntime:
     @property
     def versions(self) -> list[int]:
         return list(self.core.versions)
+
+    @property
+    def slices(self) -> list[SliceSpec]:
+        """This rank's slice of each fragment."""
+        return list(self._specs)
 
     @property
     def bytes_up(self) -> int:
