@@ -139,6 +139,11 @@ class ShardedLearnerRuntime:
         return self.link.bytes_up
 
     @property
+    def contributions_sent(self) -> int:
+        """Slices this rank uploaded (and had answered)."""
+        return self.link.sent
+
+    @property
     def updates_applied(self) -> int:
         return self.core.updates.get(UpdateResult.APPLIED, 0)
 
