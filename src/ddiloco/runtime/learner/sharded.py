@@ -46,6 +46,7 @@ from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff
+from ddiloco.runtime.learner.runtime import RuntimeStats
 from ddiloco.runtime.learner.ranks import cpu_group
 from ddiloco.runtime.learner.sharded_layout import sharded_params
 from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
@@ -100,6 +101,8 @@ class ShardedLearnerRuntime:
         self._wants_join = False
         self._failure: str | None = None
         self._steps = 0
+        self._joins = 0
+        self._overhead_s = 0.0
         self._closed = False
         self._take(self.core.start(time.monotonic()))
         deadline = None if not join_timeout_s else time.monotonic() + join_timeout_s
@@ -129,6 +132,21 @@ class ShardedLearnerRuntime:
         return list(self.core.versions)
 
     @property
+    def stats(self) -> RuntimeStats:
+        """What this rank did so far (its own uploads; the updates every rank applied)."""
+        updates = self.core.updates
+        return RuntimeStats(steps=self._steps, contributions_sent=self.link.sent, contributions_dropped=self.core.dropped,
+                            rejected=dict(self.link.rejected), updates_applied=updates.get(UpdateResult.APPLIED, 0),
+                            updates_ignored=updates.get(UpdateResult.IGNORED, 0), gaps=updates.get(UpdateResult.GAP, 0),
+                            joins=self._joins, unreachable=self.link.unreachable, bytes_up=self.link.bytes_up,
+                            step_overhead_s=self._overhead_s)
+
+    @property
+    def backlog(self) -> int:
+        """Uploads of this rank waiting for its sender thread."""
+        return self.link.backlog
+
+    @property
     def slices(self) -> list[SliceSpec]:
         """This rank's slice of each fragment."""
         return list(self._specs)
@@ -143,10 +161,6 @@ class ShardedLearnerRuntime:
         """Slices this rank uploaded (and had answered)."""
         return self.link.sent
 
-    @property
-    def updates_applied(self) -> int:
-        return self.core.updates.get(UpdateResult.APPLIED, 0)
-
     def step(self, tokens: int, duration_s: float | None = None) -> None:
         """Account one finished inner step of ``tokens`` tokens (this rank's batch), then exchange with the
         other ranks what came back (every rank calls it after the same step: it is collective)."""
@@ -158,6 +172,7 @@ class ShardedLearnerRuntime:
         self._take(self.core.record_step(tokens * self.world, duration_s, time.monotonic()))
         self._exchange()
         self._last_step_end = time.perf_counter()
+        self._overhead_s += self._last_step_end - entered
 
     def close(self, *, flush: bool = True) -> None:
         """Send what is left (``flush``: every rank its slices), then rank 0 leaves (collective)."""
@@ -245,6 +260,7 @@ class ShardedLearnerRuntime:
             self.core.links[0].start_join()  # every rank takes the registration rank 0 made
         state = GlobalState(tuple(fragments), incarnation=incarnation, session=session, data_position=data_position)
         self._take(self.core.on_admitted(state, now, stop=stop))
+        self._joins += 1
         if self.is_leader:
             self.link.follow(session, list(self.core.versions))
         log.info("rank %d adopted the global state at versions %s", self.rank, list(self.core.versions))

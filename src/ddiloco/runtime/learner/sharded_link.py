@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from ddiloco.core.actions import LearnerAction, Send, SendHeartbeat, SendLeave
@@ -57,6 +58,8 @@ class RankLink:
         self.leader = leader
         self.bytes_up = 0
         self.sent = 0
+        self.unreachable = 0
+        self.rejected: Counter[str] = Counter()
         self._outbox: queue.Queue[LearnerAction | None] = queue.Queue()
         self._outcomes: list[Outcome] = []
         self._updates: list[FragmentUpdate] = []
@@ -81,6 +84,10 @@ class RankLink:
         for action in actions:
             if isinstance(action, Send) or (self.leader and isinstance(action, (SendHeartbeat, SendLeave))):
                 self._outbox.put(action)
+
+    @property
+    def backlog(self) -> int:
+        return self._outbox.qsize()
 
     def take(self) -> tuple[list[Outcome], list[FragmentUpdate], bool]:
         """The outcomes and updates since the last call, and whether the stream said the run stopped."""
@@ -155,8 +162,10 @@ class RankLink:
                     stop = False
                 self._record(Outcome(request, Answer.ACCEPTED, stop=stop))
             except CallRefused as err:
+                self.rejected[str(err.reason)] += 1
                 self._record(Outcome(request, Answer.REFUSED, err.reason))
             except Unreachable:
+                self.unreachable += 1
                 self._record(Outcome(request, Answer.UNANSWERED))
 
     def _receive_loop(self) -> None:
