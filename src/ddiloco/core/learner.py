@@ -47,8 +47,7 @@ class Learner:
     def __init__(self, learner_id: str, config: ProtocolConfig, plan: FragmentPlan,
                  named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0,
                  bind: bool = True) -> None:
-        """``bind``: lay each fragment's parameters out in one flat buffer (``core/flat.py``); False keeps
-        them where they are (the local shards of an FSDP2 model: FSDP owns their memory)."""
+        """``bind``: lay out each fragment's parameters in one flat buffer (False: FSDP2 shards, FSDP owns them)."""
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")

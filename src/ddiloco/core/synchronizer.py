@@ -69,12 +69,13 @@ from ddiloco.core.registry import LearnerRecord, Registry
 from ddiloco.core.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.run import RunLimits, RunPhase, RunState
 from ddiloco.core.slice_assembly import SliceAssembler
+from ddiloco.core.sync_slices import SliceIntake
 from ddiloco.core.staleness import staleness_limit, staleness_weight
 from ddiloco.core.sync_state import SyncState
 from ddiloco.core.sync_status import CoreView, SyncCounters, SyncStatus
 
 
-class Synchronizer(SyncState):
+class Synchronizer(SyncState, SliceIntake):
     """Collects contributions per fragment, merges at quorum + grace, applies the outer step."""
 
     def __init__(
@@ -316,43 +317,20 @@ class Synchronizer(SyncState):
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _contribute_slice(self, c: Contribution, now: float) -> list[SyncAction]:
-        """One rank's slice of a sharded learner's contribution: held until its siblings are in, then the
-        whole goes through :meth:`_contribute` once; the slice that completed it gets the verdict."""
-        if self._run.phase is RunPhase.FINISHED:
-            raise Rejected(RejectReason.FINISHED, "the run is over")
-        rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
+    def _fragment(self, c: Contribution) -> GlobalFragment:
         frag = self._fragments.get(c.fragment)
         if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
-                                                          f"{list(self._fragments)}")
-        if c.seq <= rec.last_seq.get(c.fragment, -1):
-            raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} of fragment {c.fragment} was taken already")
-        frag.check_version(c.base_version, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
-        whole, ended = self._slices.add(c, frag.value.numel(), self._uplink)
-        for lost in ended:
-            self._slice_lost(lost)
-        if whole is None:
-            self._registry.renew(rec, now)
-            return [Accepted(c.learner_id, c, stop=self._stopping)]
-        actions = self._contribute(whole, now)
-        actions[0] = Accepted(c.learner_id, c, stop=self._stopping)
-        return actions
-
-    def _slice_lost(self, c: Contribution) -> None:
-        self._counters.refused(RejectReason.SLICE_INCOMPLETE, c)
-        self._registry.refused(c, RejectReason.SLICE_INCOMPLETE)
+                                                          f"{list(self._fragments)} (shard {self.shard} of "
+                                                          f"{self.config.shards})")
+        return frag
 
     def _validate(self, c: Contribution, rec: LearnerRecord,
                   now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
         """Every check a contribution must pass but the norm bound (which learns from the norm it is
         shown, ``core/norm_bound.py``), changing nothing: returns ‖Δ‖, what the round will hold,
         and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
-        frag = self._fragments.get(c.fragment)
-        if frag is None:
-            raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
-                                                          f"{list(self._fragments)} (shard {self.shard} of "
-                                                          f"{self.config.shards})")
+        frag = self._fragment(c)
         frag.check(c, self._uplink, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
         plausible, clipped = check_contribution(
             c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
@@ -460,8 +438,7 @@ class Synchronizer(SyncState):
             coherence=coherence,
         )
         self._positions.merged(index, record.merged)
-        for lost in self._slices.expire(index):
-            self._slice_lost(lost)
+        self._slices_lost(self._slices.expire(index))
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:
             overlap = self.config.overlap

@@ -3,7 +3,7 @@
 Every rank uploads its own slices (``core/slices.py``), so the learner's uplink is spread over its
 ranks and no rank builds a whole fragment's Δ. Rank 0 alone speaks for the learner otherwise: it
 joins, heartbeats, leaves and holds the update stream (the updates and the joined state reach the
-other ranks through the job's own group, ``runtime/learner/sharded.py``).
+other ranks through the job's own group, ``runtime/learner/sharded_runtime.py``).
 
 Nothing here decides anything: each call's outcome (accepted, refused and why, or unanswered) is
 recorded for the training thread, which applies the outcomes of all ranks to every rank's learner

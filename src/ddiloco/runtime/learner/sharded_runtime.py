@@ -46,10 +46,10 @@ from ddiloco.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff
-from ddiloco.runtime.learner.runtime import RuntimeStats
 from ddiloco.runtime.learner.ranks import cpu_group
 from ddiloco.runtime.learner.sharded_layout import sharded_params
 from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
+from ddiloco.runtime.learner.stats import RuntimeStats
 
 log = logging.getLogger("ddiloco.learner")
 
