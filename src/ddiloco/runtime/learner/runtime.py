@@ -37,7 +37,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ddiloco.core.actions import LearnerAction, Send, SendHeartbeat, SendLeave
-from ddiloco.core.messages import Contribution, FragmentUpdate, Join, RejectReason, Request, Session, StopNotice
+from ddiloco.core.messages import FragmentUpdate, Join, RejectReason, Request, Session, StopNotice
 from ddiloco.core.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.slices import SliceSpec
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
