@@ -7,10 +7,9 @@ One ``ddiloco sync --init`` (its own process, 127.0.0.1) serves the model; each 
 process (a 2-rank ``torchrun`` job with gloo for the sharded ones). Printed:
 
 1. memory: VmHWM of each training process (the peak resident set, read from /proc at the end; glibc's
-   mmap threshold fixed for every process, see ``ENV``), and the same above its resident set before
-   the model was built (what the model, its optimizer, FSDP
-   and ddiloco hold, without the interpreter and torch); the target is a sharded rank at <= 0.6 x the
-   unsharded learner.
+   mmap threshold fixed for every process, see ``ENV``), and the same above its resident set once
+   the interpreter, torch, gRPC and ddiloco are imported (~340 MiB in every mode: what the model, its
+   optimizer, FSDP and ddiloco hold); the target is a sharded rank at <= 0.6 x the unsharded learner.
 2. bytes: payload bytes each process uploaded over the same number of steps; target ~1/2 per rank.
 3. throughput: the sharded learner's steps/s with ddiloco attached over the same FSDP2 loop alone,
    in pairs whose order alternates; target: per-pair median >= 0.98.
@@ -67,25 +66,33 @@ def memory_kb(field: str) -> int:
 
 
 def learner(args: argparse.Namespace) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from ddiloco.runtime.learner.runtime import LearnerRuntime
+
     torch.set_num_threads(1)
-    baseline_kb = memory_kb("VmRSS")
     sharded = args.mode in ("sharded", "alone")
     if sharded:
-        from torch.distributed.fsdp import fully_shard
-
         dist.init_process_group("gloo")
-    model = build(args.width, args.depth)
-    if sharded:
+    baseline_kb = memory_kb("VmRSS")  # the interpreter, torch, gRPC and ddiloco imported: the same in every mode
+    if sharded:  # FSDP2's recipe for a model larger than a device: built on no device, sharded, then allocated
+        with torch.device("meta"):
+            model = build(args.width, args.depth)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)  # one layer's full weights at a time during forward and backward
         fully_shard(model)
+        model.to_empty(device="cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()  # each rank its shard (a learner's join then replaces them)
+    else:
+        model = build(args.width, args.depth)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     runtime = None
     if args.mode != "alone":
-        from ddiloco.runtime.learner.runtime import LearnerRuntime
-
         runtime = LearnerRuntime(model, f"127.0.0.1:{args.port}", "bench", tokens_per_step=BATCH)
+    joined_kb = memory_kb("VmHWM")
     g = torch.Generator().manual_seed(dist.get_rank() if sharded else 0)
     started = None
     for step in range(args.steps + WARMUP_STEPS):
@@ -109,7 +116,8 @@ def learner(args: argparse.Namespace) -> None:
     else:
         bytes_up, sent = runtime.stats.bytes_up, runtime.stats.contributions_sent
     result = {"mode": args.mode, "rank": dist.get_rank() if sharded else 0, "steps_per_s": steps_per_s,
-              "vmhwm_kb": memory_kb("VmHWM"), "baseline_kb": baseline_kb, "bytes_up": bytes_up,
+              "vmhwm_kb": memory_kb("VmHWM"), "baseline_kb": baseline_kb,
+              "vmhwm_after_join_kb": joined_kb, "bytes_up": bytes_up,
               "contributions_sent": sent}
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")

@@ -89,7 +89,6 @@ class ShardedLearnerRuntime:
             raise ConfigError("a sharded learner does not support protocol.shards > 1, protocol.blocking or "
                               "protocol.max_wait_s > 0 yet")
         self._specs = params.slices(self.plan)
-        self._all_specs = [params.slices(self.plan, r) for r in range(self.world)] if self.is_leader else []
         self._numel = [f.numel for f in self.plan.fragments]
         self._downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
         self._join_timeout_s = call_deadline_s(join_state_bytes(self.plan, protocol, 0), client_join_link(protocol))
@@ -223,12 +222,14 @@ class ShardedLearnerRuntime:
                 None if joined is None else (joined.state.session, joined.state.incarnation,
                                              joined.state.data_position, joined.state.versions(),
                                              bool(joined.header.stop)))
+        values: list[torch.Tensor | None] = [] if joined is None else [f.values for f in joined.state.fragments]
+        admission = joined = None  # the values alone are kept, and dropped as they are sent
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, news, group=self._group)
         now = time.monotonic()
         _, _, updates, stop, join_outcome, header = everyone[0]
         if header is not None:
-            self._adopt(joined, header, now)
+            self._adopt(values, header, now)
         elif join_outcome is not None:
             self._settle_one(join_outcome, now)
         self._settle([e[0] for e in everyone], now)
@@ -243,19 +244,21 @@ class ShardedLearnerRuntime:
             raise DdilocoError(f"rank {failures[0][0]}: {failures[0][1]}")
         self._take(self.core.tick(now))
 
-    def _adopt(self, joined: JoinResult | None, header: tuple, now: float) -> None:
-        """The state rank 0 joined with: each rank receives its slice of every fragment, and adopts it."""
+    def _adopt(self, values: list[torch.Tensor | None], header: tuple, now: float) -> None:
+        """The state rank 0 joined with (``values``, rank 0's; each dropped once sent): a fragment at a time,
+        every rank receives it over the job's group and keeps its slice, then adopts them all."""
         session, incarnation, data_position, versions, stop = header
         fragments = []
         for p, version in enumerate(versions):
-            box: list[Any] = [None]
-            parts = None
-            if joined is not None:
-                values = joined.state.fragments[p].values.to(torch.float32).flatten()
-                parts = [torch.cat([values[a:a + n] for a, n in specs[p].ranges]) if specs[p].ranges
-                         else torch.empty(0) for specs in self._all_specs]
-            dist.scatter_object_list(box, parts, src=0, group=self._group)
-            fragments.append(FragmentValue(p, version, box[0]))
+            held = values[p] if self.is_leader else None
+            buf = torch.empty(self._numel[p]) if held is None else held.to(torch.float32).flatten().contiguous()
+            if self.is_leader:
+                values[p] = held = None
+            dist.broadcast(buf, src=0, group=self._group)
+            ranges = self._specs[p].ranges
+            fragments.append(FragmentValue(p, version, torch.cat([buf[a:a + n] for a, n in ranges]) if ranges
+                                           else torch.empty(0)))
+            del buf  # one whole fragment at a time
         if not self.core.links[0].joining:
             self.core.links[0].start_join()  # every rank takes the registration rank 0 made
         state = GlobalState(tuple(fragments), incarnation=incarnation, session=session, data_position=data_position)
