@@ -109,16 +109,15 @@ def learner(args: argparse.Namespace) -> None:
     steps_per_s = args.steps / (time.perf_counter() - started)
     if runtime is not None:
         runtime.close()  # its flush counts: both kinds of learner send every step they trained
-    if runtime is None:
-        bytes_up = sent = 0
-    elif sharded:
-        bytes_up, sent = runtime.bytes_up, runtime.contributions_sent
-    else:
-        bytes_up, sent = runtime.stats.bytes_up, runtime.stats.contributions_sent
+    stats = runtime.stats if runtime is not None else None
+    bytes_up, sent = (stats.bytes_up, stats.contributions_sent) if stats is not None else (0, 0)
+    # Seconds inside runtime.step per step (its exchange waits for the slowest rank): the runtime's cost
+    # to the loop, less sensitive to the machine's load than two runs' steps/s.
+    overhead_s = stats.step_overhead_s / stats.steps if stats is not None and stats.steps else 0.0
     result = {"mode": args.mode, "rank": dist.get_rank() if sharded else 0, "steps_per_s": steps_per_s,
               "vmhwm_kb": memory_kb("VmHWM"), "baseline_kb": baseline_kb,
               "vmhwm_after_join_kb": joined_kb, "bytes_up": bytes_up,
-              "contributions_sent": sent}
+              "contributions_sent": sent, "step_overhead_s": overhead_s, "step_s": 1.0 / steps_per_s}
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if sharded:
