@@ -104,3 +104,31 @@ def test_a_rank_killed_mid_run_restarts_the_learner_whose_next_contributions_are
     finally:
         sync.terminate()
         sync.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_ddiloco_learner_fsdp_trains_the_built_in_model_sharded_over_its_ranks(tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
+    with open(tmp_path / "sync.log", "ab") as log:
+        sync = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--learners", "1",
+                                 "--tokens", "10000000", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                                 "--state-dir", str(tmp_path / "state")], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        wait_for(lambda: port_file.exists() and port_file.read_text().strip() or sync.poll() is not None,
+                 "the synchronizer's port file", timeout_s=DEADLINE_S)
+        port = int(port_file.read_text())
+        with open(tmp_path / "learner.log", "ab") as log:
+            run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                  "--master-port", str(free_port()), "-m", "ddiloco.cli", "learner", "--fsdp",
+                                  "--connect", f"127.0.0.1:{port}", "--id", "learner-0", "--threads", "1",
+                                  "--max-steps", "30"], env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                 timeout=DEADLINE_S)
+        text = (tmp_path / "learner.log").read_text()
+        assert run.returncode == 0, text[-4000:]
+        assert "done: 30 steps" in text and "rank 1 adopted the global state" in text
+        status = status_of(port)
+        assert status is not None and min(f["version"] for f in status["fragments"]) >= 1
+        assert "slice_mismatch" not in status["rejections"], status["rejections"]
+    finally:
+        sync.terminate()
+        sync.wait(timeout=60)
