@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for the rare GPU session (15 minutes of device time, all of it counted): the CUDA
-# tests, the learner's throughput attached/alone (the `gpu` model and a ~100M-parameter one, bf16,
-# int4 both ways; per-pair medians of fresh processes), the training thread's profile, and the
-# quality ladder's next point. Ends within 9 minutes (each step has its own timeout, and a step
+# tests, a sharded (FSDP2) learner's steps with NCCL at world 1 (scripts/fsdp_step.sh), the
+# learner's throughput attached/alone (the `gpu` model and a ~100M-parameter one, bf16, int4 both
+# ways; per-pair medians of fresh processes), the training thread's profile, and the quality
+# ladder's next point. Ends within 10 minutes (each step has its own timeout, and a step
 # that fails or runs out does not stop the next). Writes its logs and stamped JSON into OUTDIR
 # (a few files, each well under 16 MB).
 #
@@ -52,6 +53,7 @@ fi
 BENCH="$PY benchmarks/bench_runtime.py --device cuda --precision bf16"
 step cuda_tests 75 $PY -m pytest -q -x tests/runtime/test_staging.py tests/core/test_codecs.py \
   tests/workload/test_device.py tests/workload/test_trainer.py tests/runtime/test_link_helper.py
+step fsdp_nccl 45 bash scripts/fsdp_step.sh "$OUTDIR/fsdp"
 step throughput_gpu 110 $BENCH --only throughput --model gpu --steps 60 --repeats 5 \
   --json "$OUTDIR/throughput_gpu.json"
 step throughput_100m 140 $BENCH --only throughput --model gpu100m --steps 40 --repeats 5 \

@@ -364,6 +364,7 @@ def test_slurm_command_lines_are_accepted_and_consistent(case, tmp_path):
         cpus = (16 - reserved) // sharing
         assert int(options["--cpus-per-task"]) == cpus
         assert int(args.threads) == cpus // int(env.get("NPROC_PER_NODE", "8"))
+        assert args.fsdp == (per_learner > 1)  # a learner over several nodes is one FSDP2 job
     torchruns = sorted((c for c in recorded if c[0] == "torchrun"), key=lambda c: flag(c, "--id"))
     assert [flag(c, "--rdzv_endpoint") for c in torchruns] == [f"{group[0]}.ib:{29500 + i}" for i, group in enumerate(groups)]
     assert all(flag(c, "--nnodes") == str(per_learner) for c in torchruns)

@@ -243,3 +243,49 @@ def test_hf_learner_whose_model_has_an_unserved_head_exits_2_with_one_line_namin
     assert errors == [("hf_causal_lm.py: error: parameters ['lm_head.weight'] are not served by the synchronizer "
                        f"(another model?): {SERVE_YOUR_MODEL}")]
     assert "Traceback" not in untied.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_example_a_two_rank_sharded_learner_beside_an_unsharded_one_spends_the_budget(tmp_path: Path,
+                                                                                         start_sync) -> None:
+    """examples/fsdp_loop.py: own_loop's model, sharded over a 2-rank torchrun job (gloo), and own_loop's
+    unsharded learner beside it: both are merged, and the global model predicts bytes better."""
+    example = CASES["own_gru"]
+    init = tmp_path / "init.safetensors"
+    made = run_example(example.script, "init", str(init), *example.model_options, log=tmp_path / "init.log")
+    assert made.wait(timeout=DEADLINE_S) == 0, (tmp_path / "init.log").read_text()
+    sync = start_sync(init)
+    common = ("learner", "--connect", f"127.0.0.1:{sync.port}", *example.model_options, *example.learner_options,
+              "--threads", "1", "--log-every", "5")
+    from runtime.runtime_helpers import free_port
+
+    # The unsharded learner joins first; the sharded one trains 2 ranks' batches a step, so half the steps
+    # each leave the budget to be spent by both together.
+    plain = run_example("own_loop.py", *common, "--id", "learner-1", "--max-steps", str(MAX_STEPS),
+                        log=tmp_path / "plain.log")
+    wait_for(lambda: (s := status(sync.port)) and any(lr["id"] == "learner-1" for lr in s["learners"]),
+             "the unsharded learner to join")
+    with open(tmp_path / "sharded.log", "ab") as out:
+        sharded = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                    "--master-port", str(free_port()), str(EXAMPLES / "fsdp_loop.py"), *common,
+                                    "--id", "learner-0", "--max-steps", str(MAX_STEPS // 2)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    for proc, log in ((sharded, "sharded.log"), (plain, "plain.log")):
+        try:
+            code = proc.wait(timeout=2 * DEADLINE_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert code == 0, (tmp_path / log).read_text()[-4000:]
+    text = (tmp_path / "sharded.log").read_text()
+    assert "learner-0 rank 0 done after" in text and "learner-0 rank 1 done after" in text
+
+    finished = wait_for(lambda: (s := status(sync.port)) and s["finished"] and s, "the run to finish")
+    assert {lr["id"] for lr in finished["learners"] if lr["accepted"] > 0} == {"learner-0", "learner-1"}
+    assert "slice_mismatch" not in finished["rejections"], finished["rejections"]
+    initial = load_file(str(init))
+    final, versions = global_weights(sync.port)
+    assert min(versions) >= 1, f"a fragment was never merged: versions {versions}"
+    module = example_module(example.script)
+    assert held_out_loss(module, example, final) < held_out_loss(module, example, initial) - 0.1
+    assert sync.stop() == 0, sync.log.read_text()

@@ -34,7 +34,8 @@ def test_the_dry_run_lists_every_step_and_seeds_a_table_the_next_point_runs_from
     done = gpu_check("--dry-run", str(out))
     assert done.returncode == 0, done.stderr
     steps = [line.split("]")[0].lstrip("[") for line in done.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["cuda_tests", "throughput_gpu", "throughput_100m", "profile", "scale"]
+    assert steps == ["cuda_tests", "fsdp_nccl", "throughput_gpu", "throughput_100m", "profile", "scale"]
+    assert "scripts/fsdp_step.sh" in done.stdout
     assert "--model gpu100m" in done.stdout and "--sizes 8m" in done.stdout
     table_path = out / "scale" / "table.json"
     runs = json.loads(table_path.read_text())["runs"]

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
@@ -37,7 +38,8 @@ MESSAGES = [
     (Heartbeat("learner-1", SESSION, PROGRESS), lambda m: wire.heartbeat_from_pb(wire.heartbeat_to_pb(m))),
     (Leave("learner-1", SESSION, PROGRESS), lambda m: wire.leave_from_pb(wire.leave_to_pb(m))),
     (Contribution("learner-1", SESSION, fragment=2, base_version=5, seq=9, tokens=2048, steps=2, compute_s=1.5,
-                  step_time_s=0.75, codec="int4", payload=bytes(range(256)) * 5000, first_step=11, progress=PROGRESS),
+                  step_time_s=0.75, codec="int4", payload=bytes(range(256)) * 5000, first_step=11, progress=PROGRESS,
+                  slice=SliceSpec(1, 3, ((4, 8), (20, 3)))),
      contribution_round_trip),
     (FragmentUpdate(fragment=3, version=6, codec="int4", payload=bytes(range(256)) * 9000, incarnation=0xBEEF,
                     round_age_s=0.25), update_round_trip),
@@ -49,3 +51,15 @@ def test_every_field_of_a_message_comes_back_from_the_wire(message, round_trip):
     for field in dataclasses.fields(message):
         assert getattr(message, field.name) != field.default, f"set {type(message).__name__}.{field.name} here"
     assert round_trip(message) == message
+
+
+def test_a_slice_whose_starts_and_lengths_differ_in_number_is_a_wire_error():
+    c = MESSAGES[3][0]
+    header = wire.contribution_header(c)
+    header.slice.lengths.append(5)
+    with pytest.raises(wire.WireError, match="3 lengths"):
+        wire.contribution_from_pb(header, c.payload)
+    header.slice.starts.append(40)
+    header.slice.rank = 3
+    with pytest.raises(wire.WireError, match="rank 3 of world 3"):
+        wire.contribution_from_pb(header, c.payload)

@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for action in parser._actions:  # noqa: SLF001 - the shared option's help names another default
         if action.dest == "preset":
             action.help = f"size preset: {', '.join(PRESETS)} (default: the synchronizer's whole configuration)"
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: shard the model over the job's ranks with FSDP2 (each rank holds, sends "
+                        "and receives its own slice) instead of data parallel copies")
     parser.add_argument("--token-file", metavar="FILE", help="shared auth token (else $DDILOCO_TOKEN)")
     parser.add_argument("--secret-file", metavar="FILE",
                         help="this learner's own secret, when the synchronizer has --credentials (else $DDILOCO_SECRET)")

@@ -23,6 +23,7 @@ from ddiloco.core.shared.messages import (
     Progress,
     Session,
 )
+from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
@@ -109,7 +110,19 @@ def contribution_header(c: Contribution) -> pb.ContributionHeader:
     )
     if c.progress is not None:
         header.progress.CopyFrom(progress_to_pb(c.progress))
+    if c.slice is not None:
+        header.slice.CopyFrom(pb.Slice(rank=c.slice.rank, world=c.slice.world,
+                                       starts=[a for a, _ in c.slice.ranges], lengths=[n for _, n in c.slice.ranges]))
     return header
+
+
+def slice_from_pb(header: pb.ContributionHeader) -> SliceSpec | None:
+    if not header.HasField("slice"):
+        return None
+    msg = header.slice
+    if len(msg.starts) != len(msg.lengths):
+        raise WireError(f"a slice of {len(msg.starts)} starts and {len(msg.lengths)} lengths")
+    return _checked(SliceSpec, int(msg.rank), int(msg.world), tuple(zip(map(int, msg.starts), map(int, msg.lengths))))
 
 
 def contribution_from_pb(header: pb.ContributionHeader, payload: bytes) -> Contribution:
@@ -128,6 +141,7 @@ def contribution_from_pb(header: pb.ContributionHeader, payload: bytes) -> Contr
         payload=payload,
         first_step=int(header.first_step),
         progress=progress_from_pb(header.progress),
+        slice=slice_from_pb(header),
     )
 
 

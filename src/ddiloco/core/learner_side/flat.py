@@ -38,12 +38,13 @@ class FlatFragment:
     """One fragment: its parameters bound to one flat buffer, and its float32 anchor."""
 
     def __init__(self, index: int, names: Sequence[str], tensors: Sequence[Tensor], uplink: Codec,
-                 downlink: Codec) -> None:
+                 downlink: Codec, *, bind: bool = True) -> None:
         self.index = index
         self.names = tuple(names)
         self._tensors = tuple(tensors)
-        self.buffer = _bind(self.names, self._tensors)
-        """The parameters back to back (None: they differ in dtype or device, and stay apart)."""
+        self.buffer = _bind(self.names, self._tensors) if bind else None
+        """The parameters back to back (None: they differ in dtype or device, or must keep the memory
+        they have — an FSDP2 shard, which FSDP reads from its own buffer — and stay apart)."""
         self._views = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in self._tensors)
         self.anchor = self._gather().to(torch.float32, copy=True)
         """The global value last adopted (beside the parameters, on their device)."""

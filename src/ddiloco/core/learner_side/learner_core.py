@@ -45,7 +45,9 @@ class Learner(LearnerQueries):
     flat buffer each (``core/learner_side/flat.py``): the parameters become views into it, not copies."""
 
     def __init__(self, learner_id: str, config: ProtocolConfig, plan: FragmentPlan,
-                 named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0) -> None:
+                 named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0,
+                 bind: bool = True) -> None:
+        """``bind``: lay out each fragment's parameters in one flat buffer (False: FSDP2 shards, FSDP owns them)."""
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
@@ -62,7 +64,7 @@ class Learner(LearnerQueries):
         self._uplink = config.uplink()
         self._downlink = config.downlink()
         self._flat = [FlatFragment(f.index, f.param_names, [named_parameters[n] for n in f.param_names],
-                                   self._uplink, self._downlink) for f in plan.fragments]
+                                   self._uplink, self._downlink, bind=bind) for f in plan.fragments]
         self.versions: list[int] = [-1] * len(plan.fragments)
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._anchored_at = [0] * len(plan.fragments)

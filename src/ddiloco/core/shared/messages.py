@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.core.shared.slices import SliceSpec
+
 # Bounds on what a message may claim. Anything beyond them comes from a bug or a hostile
 # member, and would otherwise reach counters, ledgers, checkpoints and status replies.
 MAX_ID_CHARS = 128
@@ -78,6 +80,10 @@ class RejectReason(enum.StrEnum):
     """A stream that stalled past its deadline (an upload or a download), or too many at once."""
     BUSY = "busy"
     """Too many calls at once from this peer or in all: try again later."""
+    SLICE_MISMATCH = "slice_mismatch"
+    """The slices of one sharded learner's contribution disagree (counters, base version, layout)."""
+    SLICE_INCOMPLETE = "slice_incomplete"
+    """Part of a sharded learner's contribution whose other slices did not come before its round closed."""
     UNRECOGNIZED = "unrecognized"
     """A code this learner does not know (a newer synchronizer's): the refused message is dropped."""
 
@@ -207,6 +213,10 @@ class Contribution:
     synchronizer keeps how far each learner's data reached the global model."""
     progress: Progress | None = None
     """The learner's cumulative progress, reported on the way (the budget)."""
+    slice: SliceSpec | None = None
+    """The part of the fragment this message carries, for one rank of a sharded learner (None: all
+    of it). The payload holds the slice's values only; its counters are the whole learner's, and the
+    synchronizer admits the contribution once all its slices are in (``core/sync_side/slice_assembly.py``)."""
 
     def __post_init__(self) -> None:
         check_id(self.learner_id, "learner id")

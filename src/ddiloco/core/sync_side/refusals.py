@@ -8,11 +8,12 @@ ledger makes it visible. Each reason is of one :class:`RefusalKind`, decided by 
 learner that follows the protocol can earn it and whether the work is then lost:
 
 - ``HONEST``: a well-behaved learner can earn it and its work is thrown away (``stale``,
-  ``norm_bound``, ``future_version``, ``replaced``). Every such refusal is a defect to drive to
+  ``norm_bound``, ``future_version``, ``replaced``, ``slice_incomplete``: a rank of a sharded
+  learner died before sending its slice). Every such refusal is a defect to drive to
   zero; the run's figure is :func:`honest_total` of its steps.
 - ``MEMBER``: only a misbehaving member earns it — a claim the clock, the configuration or the
   message bounds rule out (``implausible``, ``malformed``, ``bad_codec``, ``bad_size``,
-  ``non_finite``, ``unknown_fragment``). It is a member's refusal, never honest work.
+  ``non_finite``, ``unknown_fragment``, ``slice_mismatch``). It is a member's refusal, never honest work.
 - ``RESENT``: no work is lost at the refusal: the learner sends it again after registering
   (``unknown_learner``, ``superseded``, ``registry_full``), it was merged already
   (``duplicate``: a retry whose first reply was lost), or it lies past the spent budget
@@ -48,12 +49,14 @@ KIND_OF: dict[str, RefusalKind] = {
     "norm_bound": RefusalKind.HONEST,
     "future_version": RefusalKind.HONEST,
     "replaced": RefusalKind.HONEST,
+    "slice_incomplete": RefusalKind.HONEST,
     "implausible": RefusalKind.MEMBER,
     "malformed": RefusalKind.MEMBER,
     "bad_codec": RefusalKind.MEMBER,
     "bad_size": RefusalKind.MEMBER,
     "non_finite": RefusalKind.MEMBER,
     "unknown_fragment": RefusalKind.MEMBER,
+    "slice_mismatch": RefusalKind.MEMBER,
 }
 """Each refusal's kind by its :class:`~ddiloco.core.shared.messages.RejectReason` code, where not
 ``RESENT``. Codes, not the enum: ``ddiloco status`` reads this without the core's messages

@@ -193,10 +193,14 @@ class GlobalFragment:
         if len(c.payload) != expected:
             raise Rejected(RejectReason.BAD_SIZE, f"{len(c.payload)} payload bytes, expected {expected} for "
                                                   f"{self.value.numel()} values")
-        if c.base_version > self.version:
-            raise Rejected(RejectReason.FUTURE_VERSION, f"base version {c.base_version} > current {self.version}")
-        if self.version - c.base_version > limit:
-            raise Rejected(RejectReason.STALE, f"base version {c.base_version} lags {self.version} by more "
+        self.check_version(c.base_version, limit)
+
+    def check_version(self, base_version: int, limit: int) -> None:
+        """:class:`Rejected` unless Δ measured from ``base_version`` can be merged now (at most ``limit`` behind)."""
+        if base_version > self.version:
+            raise Rejected(RejectReason.FUTURE_VERSION, f"base version {base_version} > current {self.version}")
+        if self.version - base_version > limit:
+            raise Rejected(RejectReason.STALE, f"base version {base_version} lags {self.version} by more "
                                                f"than {limit}")
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:

@@ -65,13 +65,15 @@ from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.registry import LearnerRecord, Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
+from ddiloco.core.sync_side.slice_assembly import SliceAssembler
+from ddiloco.core.sync_side.sync_slices import SliceIntake
 from ddiloco.core.shared.staleness import staleness_limit, staleness_weight
 from ddiloco.core.sync_side.sync_queries import SyncQueries
 from ddiloco.core.sync_side.sync_state import SyncState
 from ddiloco.core.sync_side.sync_status import SyncCounters
 
 
-class Synchronizer(SyncState, SyncQueries):
+class Synchronizer(SyncState, SyncQueries, SliceIntake):
     """Collects contributions per fragment, merges at quorum + grace, applies the outer step."""
 
     def __init__(
@@ -117,6 +119,8 @@ class Synchronizer(SyncState, SyncQueries):
                                   forget_after_s=config.forget_after_s,
                                   kept_s=config.staleness_max * config.period * config.min_step_s)
         self._positions = DataPositions(self.owned)
+        self._slices = SliceAssembler()
+        """Sharded learners' contributions whose slices are not all in yet (``core/sync_side/slice_assembly.py``)."""
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
         self._run = RunState.new(limits, self._claims)
         self._counters = SyncCounters()
@@ -146,6 +150,8 @@ class Synchronizer(SyncState, SyncQueries):
     def _request(self, request: Request, now: float) -> list[SyncAction]:
         handlers = {Join: self._join, Heartbeat: self._heartbeat, Contribution: self._contribute, Leave: self._leave}
         handler = handlers.get(type(request))
+        if isinstance(request, Contribution) and request.slice is not None:
+            handler = self._contribute_slice
         if handler is None:
             raise TypeError(f"not a synchronizer event: {request!r}")
         try:
@@ -213,16 +219,20 @@ class Synchronizer(SyncState, SyncQueries):
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
 
-    def _validate(self, c: Contribution, rec: LearnerRecord,
-                  now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
-        """Every check a contribution must pass but the norm bound (which learns from the norm it is
-        shown, ``core/sync_side/norm_bound.py``), changing nothing: returns ‖Δ‖, what the round will hold,
-        and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
+    def _fragment(self, c: Contribution) -> GlobalFragment:
         frag = self._fragments.get(c.fragment)
         if frag is None:
             raise Rejected(RejectReason.UNKNOWN_FRAGMENT, f"fragment {c.fragment} is not one of this synchronizer's "
                                                           f"{list(self._fragments)} (shard {self.shard} of "
                                                           f"{self.config.shards})")
+        return frag
+
+    def _validate(self, c: Contribution, rec: LearnerRecord,
+                  now: float) -> tuple[float, Pending, Contribution, tuple[ClipReason, ...]]:
+        """Every check a contribution must pass but the norm bound (which learns from the norm it is
+        shown, ``core/sync_side/norm_bound.py``), changing nothing: returns ‖Δ‖, what the round will hold,
+        and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
+        frag = self._fragment(c)
         frag.check(c, self._uplink, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
         plausible, clipped = check_contribution(
             c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
@@ -241,6 +251,7 @@ class Synchronizer(SyncState, SyncQueries):
         expired = bool(actions)
         actions += [LinkStarved(name, for_s) for name, for_s in self._registry.newly_starved(now)]
         forgotten = self._registry.forget(now, also=self._run.progress.forget)
+        self._slices.forget(set(forgotten))
         actions += [LearnersForgotten(forgotten)] if forgotten else []
         for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
@@ -329,6 +340,7 @@ class Synchronizer(SyncState, SyncQueries):
             coherence=coherence,
         )
         self._positions.merged(index, record.merged)
+        self._slices_lost(self._slices.expire(index))
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:
             overlap = self.config.overlap

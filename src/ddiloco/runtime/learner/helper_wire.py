@@ -114,8 +114,10 @@ _SEND = struct.Struct("<qqqQ?Qqqqqqddq?qq")
 number), base version, seq, tokens, steps, compute_s, step_time_s, first step; its progress
 (present, tokens, steps)."""
 _CARRIED = ("learner_id", "session", "fragment", "base_version", "seq", "tokens", "steps", "compute_s",
-            "step_time_s", "codec", "payload", "first_step", "progress")
-"""Every field of a Contribution, as ``SendFrames`` carries it (a test fails if one is added: carry it too)."""
+            "step_time_s", "codec", "payload", "first_step", "progress", "slice")
+"""Every field of a Contribution, as ``SendFrames`` carries it (a test fails if one is added: carry it too).
+``slice`` only as absent: a sharded learner's ranks send their slices over links of their own
+(``runtime/learner/sharded_link.py``), never through a helper; one that came here would be pickled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +134,7 @@ class SendFrames:
         """A whole SEND frame."""
         progress = header.progress
         if (header.learner_id == self.learner_id and header.codec == self.codec and not header.payload
-                and (progress is None or progress.boot == self.boot)):
+                and header.slice is None and (progress is None or progress.boot == self.boot)):
             session = header.session
             try:
                 body = _SEND.pack(rid, shard, fragment, seq, raw, session.incarnation, session.number,

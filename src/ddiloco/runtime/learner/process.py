@@ -113,11 +113,12 @@ def probe_run(args: argparse.Namespace, place: Place) -> tuple[list[SyncClient],
     if not addresses:
         raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT[,HOST:PORT...]")
     clients: list[SyncClient] = []
-    if place.rank == 0:
+    if place.rank == 0 or args.fsdp:  # every rank of a sharded learner talks to the synchronizer itself
         secret = load_secret(args.secret_file)
         token = secret or load_token(args.token_file)
         clients = [SyncClient(a, token=token, tls_ca=args.tls_ca, learner_id=args.id if secret else None)
                    for a in addresses]
+    if place.rank == 0:
         probe = probe_with_backoff(clients[0], args.id, timeout_s=args.join_timeout)
         box = [probe.run_config, args.index if args.index is not None else probe.header.data_shard]
     else:
@@ -197,7 +198,13 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     workload = Workload.build(config, place.device)
     model = workload.new_model()
     trained = model
-    if place.world > 1:
+    if place.world > 1 and args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(model, "blocks", ()):
+            fully_shard(block)  # one block's full weights at a time
+        fully_shard(model)  # LearnerRuntime then makes each rank send its own slices (runtime/learner/sharded_runtime.py)
+    elif place.world > 1:
         trained = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[place.device] if place.device.type == "cuda" else None)
     trainer = workload.new_trainer(trained)
@@ -223,6 +230,7 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
                  steps, elapsed, s.contributions_sent, s.updates_applied, s.joins,
                  ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none")
     if place.world > 1:
-        log.info("rank %d of %d: weights sha256 %s", place.rank, place.world, weights_sha256(model))
+        if not args.fsdp:  # a sharded model's ranks hold different slices
+            log.info("rank %d of %d: weights sha256 %s", place.rank, place.world, weights_sha256(model))
         dist.destroy_process_group()
     return 0

@@ -36,7 +36,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -57,29 +56,13 @@ from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
 from ddiloco.runtime.learner.ranks import StepFlags, cpu_group, distributed, share_step
+from ddiloco.runtime.learner.sharded_layout import is_sharded
 from ddiloco.runtime.learner.staging import HostStaging
+from ddiloco.runtime.learner.stats import RuntimeStats
 
 log = logging.getLogger("ddiloco.learner")
 
 __all__ = ["LayoutMismatch", "LearnerRuntime", "RuntimeStats", "probe_with_backoff", "save_initial_state"]
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeStats:
-    """What the runtime did so far, for logs, tests and benchmarks."""
-
-    steps: int
-    contributions_sent: int
-    contributions_dropped: int
-    rejected: dict[str, int]
-    updates_applied: int
-    updates_ignored: int
-    gaps: int
-    joins: int
-    unreachable: int
-    bytes_up: int
-    step_overhead_s: float
-    """Seconds spent inside ``step`` (the runtime's whole cost to the training loop)."""
 
 
 def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list[str] | None = None) -> None:
@@ -107,6 +90,13 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
 
 class LearnerRuntime:
     """One learner of a Decoupled DiLoCo run, wrapped around a model you train yourself."""
+
+    def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if cls is LearnerRuntime and is_sharded(model):  # FSDP2: every rank streams its own slice
+            from ddiloco.runtime.learner.sharded_runtime import ShardedLearnerRuntime
+
+            return ShardedLearnerRuntime(model, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -131,7 +131,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "session", "progress")
+    __slots__ = ("learner_id", "fragment", "base_version", "seq", "tokens", "steps", "compute_s", "step_time_s", "codec", "payload_bytes", "first_step", "session", "progress", "slice")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ContributionHeader(_message.Message):
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fragment: int
     base_version: int
@@ -158,7 +159,20 @@ class ContributionHeader(_message.Message):
     first_step: int
     session: Session
     progress: Progress
-    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    slice: Slice
+    def __init__(self, learner_id: _Optional[str] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ..., seq: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., compute_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., slice: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
+
+class Slice(_message.Message):
+    __slots__ = ("rank", "world", "starts", "lengths")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world: int
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ContributionChunk(_message.Message):
     __slots__ = ("header", "offset", "data")

@@ -40,7 +40,9 @@ class Uploads:
             problem = await self._host().query(lambda core: core.session_problem(name, session, boot))
             if problem is not None:
                 raise Abort(problem.reason, problem.detail)
-            paced.slot = await self.calls.uploads.take(name, session, int(header.fragment), self._live)
+            # Each rank of a sharded learner uploads its own slices, at once: the limits hold per rank.
+            uploader = f"{name}/rank{header.slice.rank}" if header.HasField("slice") else name
+            paced.slot = await self.calls.uploads.take(uploader, session, int(header.fragment), self._live)
             held.append(paced.slot)
             self.calls.bound_to_session()
 

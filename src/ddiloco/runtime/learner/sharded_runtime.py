@@ -1,0 +1,306 @@
+"""A learner bigger than one device: an FSDP2 job whose every rank streams its own slice.
+
+``LearnerRuntime(model, ...)`` comes here when the model's parameters are FSDP2 shards
+(``torch.distributed.fsdp.fully_shard``). Each rank runs its own learner core
+(:class:`~ddiloco.core.learner_side.learner_core.Learner`) over its local shards only: its anchors, Δ and merges
+are its slice of each fragment (``core/shared/slices.py``), so no rank holds more than its shard plus its
+slice's anchor. Each rank uploads its slices itself (``sharded_link.RankLink``); the synchronizer
+admits a contribution once all its slices are in (``core/sync_side/slice_assembly.py``). Rank 0 speaks for
+the learner otherwise: it registers, heartbeats, leaves and receives the update stream.
+
+The W cores must make the same decisions at the same step, or their slices would stop matching.
+So nothing reaches a core between two steps: after every step the ranks exchange, over the job's
+CPU group, what each one's calls came to and what rank 0 received (a join's state, updates, the
+stop), and every rank applies all of it, in one order, to its core — an update as its own slice of
+the payload (``core/learner_side/slice_codec.py``). A contribution counts as accepted once every rank's slice
+was; refused if any was (the synchronizer's verdict on the whole comes to the rank whose slice
+completed it); unanswered if any went unanswered (its steps go into the next one, whose slices end
+the incomplete set at the synchronizer).
+
+Not supported yet (refused in one line): a sharded synchronizer, synchronous DiLoCo and
+``protocol.max_wait_s`` (waits end at times each rank would see differently).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddiloco.core.shared.actions import Fail, LearnerAction, SendJoin, SendLeave
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import UpdateResult
+from ddiloco.core.shared.messages import Contribution, FragmentValue, GlobalState, Join
+from ddiloco.core.learner_side.slice_codec import decode_slice
+from ddiloco.core.shared.slices import SliceSpec
+from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
+from ddiloco.runtime.client import JoinResult, SyncClient
+from ddiloco.runtime.layout import plan_from_layout
+from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff
+from ddiloco.runtime.learner.ranks import cpu_group
+from ddiloco.runtime.learner.sharded_layout import sharded_params
+from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
+from ddiloco.runtime.learner.stats import RuntimeStats
+
+log = logging.getLogger("ddiloco.learner")
+
+
+class ShardedLearnerRuntime:
+    """One learner of a run, spread over the ranks of an FSDP2 job (the API of ``LearnerRuntime``)."""
+
+    def __init__(self, model: nn.Module, connect: str | SyncClient | Sequence[str | SyncClient] | None,
+                 learner_id: str, *, token: str | None = None, secret: str | None = None, tls_ca: str | None = None,
+                 join_timeout_s: float | None = None, tokens_per_step: int = 0,
+                 on_data_position: Callable[[int], None] | None = None) -> None:
+        if not learner_id:
+            raise ConfigError("a learner needs a non-empty id")
+        if token is not None and secret is not None:
+            raise ConfigError("give a learner the run's shared token or its own secret, not both")
+        if connect is None:
+            raise ConfigError("every rank of a sharded learner needs the synchronizer's address")
+        self.model = model
+        self.learner_id = learner_id
+        self._group = cpu_group()
+        params, sharded = sharded_params(model, self._group)
+        self.rank, self.world = params.rank, params.world
+        self.is_leader = self.rank == 0
+        box = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        self.boot = box[0]  # one learner, one boot: rank 0's
+        clients = connect_all(connect, token=secret or token, tls_ca=tls_ca,
+                              learner_id=learner_id if secret is not None else None)
+        if len(clients) != 1:
+            raise ConfigError(f"a sharded learner connects to one synchronizer, got {len(clients)} addresses (a "
+                              "sharded synchronizer is not supported with FSDP2 learners yet)")
+        probe = probe_with_backoff(clients[0], learner_id, timeout_s=join_timeout_s)
+        self.plan = plan_from_layout(probe.header, dict(model.named_parameters()))
+        params.check_fragments(self.plan, sharded)
+        protocol = ProtocolConfig(**probe.protocol)
+        if protocol.shards != 1 or protocol.blocking or protocol.max_wait_s > 0:
+            raise ConfigError("a sharded learner does not support protocol.shards > 1, protocol.blocking or "
+                              "protocol.max_wait_s > 0 yet")
+        self._specs = params.slices(self.plan)
+        self._numel = [f.numel for f in self.plan.fragments]
+        self._downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+        self._join_timeout_s = call_deadline_s(join_state_bytes(self.plan, protocol, 0), client_join_link(protocol))
+        self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
+                            tokens_per_step=tokens_per_step * self.world, bind=False)
+        self._shards = [(n, p, params.local[n].data_ptr()) for n, p in model.named_parameters() if n in sharded]
+        self.link = RankLink(clients[0], learner_id, self._specs, leader=self.is_leader)
+        self._pending: dict[tuple[int, int, Any], dict[int, Outcome]] = {}
+        self._wants_join = False
+        self._failure: str | None = None
+        self._steps = 0
+        self._joins = 0
+        self._overhead_s = 0.0
+        self._closed = False
+        self._take(self.core.start(time.monotonic()))
+        deadline = None if not join_timeout_s else time.monotonic() + join_timeout_s
+        while not self.core.joined:  # decided by the exchange: every rank leaves this loop at the same round
+            self._exchange()
+            if not self.core.joined:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DdilocoError(f"{learner_id!r} could not join the synchronizer in {join_timeout_s:g}s")
+                time.sleep(0.05)
+        self._data_position = self.core.next_batch
+        if on_data_position is not None:
+            on_data_position(self._data_position)
+        self._last_step_end = time.perf_counter()
+
+    # ---- the training thread's API ---------------------------------------------------------
+
+    @property
+    def should_stop(self) -> bool:
+        return self.core.should_stop
+
+    @property
+    def data_position(self) -> int:
+        return self._data_position
+
+    @property
+    def versions(self) -> list[int]:
+        return list(self.core.versions)
+
+    @property
+    def stats(self) -> RuntimeStats:
+        """What this rank did so far (its own uploads; the updates every rank applied)."""
+        updates = self.core.updates
+        return RuntimeStats(steps=self._steps, contributions_sent=self.link.sent, contributions_dropped=self.core.dropped,
+                            rejected=dict(self.link.rejected), updates_applied=updates.get(UpdateResult.APPLIED, 0),
+                            updates_ignored=updates.get(UpdateResult.IGNORED, 0), gaps=updates.get(UpdateResult.GAP, 0),
+                            joins=self._joins, unreachable=self.link.unreachable, bytes_up=self.link.bytes_up,
+                            step_overhead_s=self._overhead_s)
+
+    @property
+    def backlog(self) -> int:
+        """Uploads of this rank waiting for its sender thread."""
+        return self.link.backlog
+
+    @property
+    def slices(self) -> list[SliceSpec]:
+        """This rank's slice of each fragment."""
+        return list(self._specs)
+
+    @property
+    def bytes_up(self) -> int:
+        """Payload bytes this rank uploaded (its slices)."""
+        return self.link.bytes_up
+
+    @property
+    def contributions_sent(self) -> int:
+        """Slices this rank uploaded (and had answered)."""
+        return self.link.sent
+
+    def step(self, tokens: int, duration_s: float | None = None) -> None:
+        """Account one finished inner step of ``tokens`` tokens (this rank's batch), then exchange with the
+        other ranks what came back (every rank calls it after the same step: it is collective)."""
+        entered = time.perf_counter()
+        if duration_s is None:
+            duration_s = entered - self._last_step_end
+        self._check_shards()
+        self._steps += 1
+        self._take(self.core.record_step(tokens * self.world, duration_s, time.monotonic()))
+        self._exchange()
+        self._last_step_end = time.perf_counter()
+        self._overhead_s += self._last_step_end - entered
+
+    def close(self, *, flush: bool = True) -> None:
+        """Send what is left (``flush``: every rank its slices), then rank 0 leaves (collective)."""
+        if self._closed:
+            return
+        self._closed = True
+        actions = self.core.close(time.monotonic()) if flush and self._failure is None else []
+        self.link.dispatch([a for a in actions if not isinstance(a, SendLeave)])
+        self.link.drain()
+        dist.barrier(group=self._group)  # every slice answered before the learner leaves
+        self.link.dispatch([a for a in actions if isinstance(a, SendLeave)])
+        self.link.drain()
+        self.link.close()
+
+    def __enter__(self) -> "ShardedLearnerRuntime":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.close(flush=exc_type is None)
+
+    # ---- between two steps -----------------------------------------------------------------
+
+    def _check_shards(self) -> None:
+        for name, p, ptr in self._shards:
+            if p.to_local().data_ptr() != ptr:
+                raise ParameterError(f"parameter {name!r}'s shard moved to other memory after the learner started "
+                                     "(model.to() or a new fully_shard?)")
+
+    def _take(self, actions: list[LearnerAction]) -> None:
+        """Carry out a core's actions: uploads to the link; a join and a failure wait for the next exchange."""
+        for action in actions:
+            if isinstance(action, SendJoin):
+                self._wants_join = self._wants_join or self.is_leader
+            elif isinstance(action, Fail):
+                self._failure = self._failure or action.detail
+        self.link.dispatch(actions)
+
+    def _exchange(self) -> None:
+        """Every rank hands every core the same news, in the same order (see the module's docstring)."""
+        admission: JoinResult | Outcome | None = None
+        if self.is_leader and self._wants_join:
+            self._wants_join = False
+            admission = self.link.join(Join(self.learner_id, self.boot, self.core.tokens_per_step),
+                                       self._join_timeout_s)
+        outcomes, updates, stop = self.link.take()
+        joined = admission if isinstance(admission, JoinResult) else None
+        news = (outcomes, self._failure, updates, stop, admission if isinstance(admission, Outcome) else None,
+                None if joined is None else (joined.state.session, joined.state.incarnation,
+                                             joined.state.data_position, joined.state.versions(),
+                                             bool(joined.header.stop)))
+        values: list[torch.Tensor | None] = [] if joined is None else [f.values for f in joined.state.fragments]
+        admission = joined = None  # the values alone are kept, and dropped as they are sent
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, news, group=self._group)
+        now = time.monotonic()
+        _, _, updates, stop, join_outcome, header = everyone[0]
+        if header is not None:
+            self._adopt(values, header, now)
+        elif join_outcome is not None:
+            self._settle_one(join_outcome, now)
+        self._settle([e[0] for e in everyone], now)
+        for update in updates:
+            values = decode_slice(self._downlink, update.payload, self._numel[update.fragment],
+                                  self._specs[update.fragment])
+            self._take(self.core.on_update(update, now, values=values))
+        if stop:
+            self._take(self.core.on_stop(now))
+        failures = [(r, e[1]) for r, e in enumerate(everyone) if e[1]]
+        if failures:
+            raise DdilocoError(f"rank {failures[0][0]}: {failures[0][1]}")
+        self._take(self.core.tick(now))
+
+    def _adopt(self, values: list[torch.Tensor | None], header: tuple, now: float) -> None:
+        """The state rank 0 joined with (``values``, rank 0's; each dropped once sent): a fragment at a time,
+        every rank receives it over the job's group and keeps its slice, then adopts them all."""
+        session, incarnation, data_position, versions, stop = header
+        fragments = []
+        for p, version in enumerate(versions):
+            held = values[p] if self.is_leader else None
+            buf = torch.empty(self._numel[p]) if held is None else held.to(torch.float32).flatten().contiguous()
+            if self.is_leader:
+                values[p] = held = None
+            dist.broadcast(buf, src=0, group=self._group)
+            ranges = self._specs[p].ranges
+            fragments.append(FragmentValue(p, version, torch.cat([buf[a:a + n] for a, n in ranges]) if ranges
+                                           else torch.empty(0)))
+            del buf  # one whole fragment at a time
+        if not self.core.links[0].joining:
+            self.core.links[0].start_join()  # every rank takes the registration rank 0 made
+        state = GlobalState(tuple(fragments), incarnation=incarnation, session=session, data_position=data_position)
+        self._take(self.core.on_admitted(state, now, stop=stop))
+        self._joins += 1
+        if self.is_leader:
+            self.link.follow(session, list(self.core.versions))
+        log.info("rank %d adopted the global state at versions %s", self.rank, list(self.core.versions))
+
+    def _settle(self, per_rank: list[list[Outcome]], now: float) -> None:
+        """Apply a contribution's outcome once every rank's slice has one; others (rank 0's) at once."""
+        done = []
+        for rank, outcomes in enumerate(per_rank):
+            for outcome in outcomes:
+                c = outcome.request
+                if not isinstance(c, Contribution):
+                    self._settle_one(outcome, now)
+                    continue
+                key = (c.fragment, c.seq, c.session)
+                slot = self._pending.setdefault(key, {})
+                slot[rank] = outcome
+                if len(slot) == self.world:
+                    done.append(key)
+        for key in done:
+            slot = self._pending.pop(key)
+            answers = [slot[r] for r in range(self.world)]
+            refused = [o for o in answers if o.answer is Answer.REFUSED]
+            unanswered = [o for o in answers if o.answer is Answer.UNANSWERED]
+            first = answers[0]
+            if refused:
+                self._settle_one(Outcome(first.request, Answer.REFUSED, refused[0].reason), now)
+            elif unanswered:
+                self._settle_one(Outcome(first.request, Answer.UNANSWERED), now)
+            else:
+                self._settle_one(Outcome(first.request, Answer.ACCEPTED, stop=any(o.stop for o in answers)), now)
+
+    def _settle_one(self, outcome: Outcome, now: float) -> None:
+        core = self.core
+        if outcome.answer is Answer.ACCEPTED:
+            self._take(core.on_accepted(outcome.request, now, stop=outcome.stop))
+        elif outcome.answer is Answer.REFUSED:
+            assert outcome.reason is not None
+            self._take(core.on_refused(outcome.request, outcome.reason, now))
+        else:
+            self._take(core.on_undelivered(outcome.request, now))

@@ -1,0 +1,24 @@
+"""What a learner's runtime did so far: one type for the unsharded runtime (``runtime.py``) and the
+sharded one (``sharded_runtime.py``), so the training loops that log it (``process.py``) need not know which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """What the runtime did so far, for logs, tests and benchmarks."""
+
+    steps: int
+    contributions_sent: int
+    contributions_dropped: int
+    rejected: dict[str, int]
+    updates_applied: int
+    updates_ignored: int
+    gaps: int
+    joins: int
+    unreachable: int
+    bytes_up: int
+    step_overhead_s: float
+    """Seconds spent inside ``step`` (the runtime's whole cost to the training loop)."""

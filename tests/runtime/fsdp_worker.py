@@ -1,0 +1,82 @@
+"""A small FSDP2 learner for the sharded-learner tests: ``init FILE`` writes its initial weights;
+under ``torchrun``, ``learn PORT ID STEPS OUT`` trains it against ``ddiloco sync`` and each rank writes
+``OUT/rank{r}.pt``: its fragments' slices (ranges), anchors and versions, just before it closes (and
+rank 0 the synchronizer's global model then, ``OUT/global.pt``).
+``--kill-at STEP``: rank 1 of the first incarnation kills itself (SIGKILL) at that step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
+
+BATCH = 8
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 7), nn.Tanh(), nn.Linear(7, 12))
+
+
+def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    runtime = LearnerRuntime(model, f"127.0.0.1:{port}", learner_id, tokens_per_step=BATCH, join_timeout_s=60)
+    g = torch.Generator().manual_seed(1000 * rank + runtime.data_position)
+    first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    for step in range(steps):
+        if runtime.should_stop:
+            break
+        x = torch.randn(BATCH, 12, generator=g)
+        loss = ((model(x) - x.flip(1)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        runtime.step(tokens=BATCH)
+        if kill_at is not None and first and rank == 1 and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-run: slices of this rank may be on their way
+    core = runtime.core
+    if rank == 0:  # the global model now, before the flush of close() moves it on
+        with SyncClient(f"127.0.0.1:{port}") as client:
+            state = client.fetch_state()
+        torch.save({"versions": list(state.versions()), "values": [f.values for f in state.fragments]},
+                   out / "global.pt")
+    torch.save({"ranges": [s.ranges for s in runtime.slices], "versions": list(core.versions),
+                "anchors": [core.anchor(p).clone() for p in range(len(core.versions))],
+                "bytes_up": runtime.bytes_up, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
+               out / f"rank{rank}.pt")
+    runtime.close()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[0] == "init":
+            save_initial_state(build(), argv[1])
+        else:
+            kill_at = int(argv[6]) if len(argv) > 6 and argv[5] == "--kill-at" else None
+            learn(argv[1], argv[2], int(argv[3]), Path(argv[4]), kill_at)
+    except DdilocoError as err:
+        print(f"fsdp_worker.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
