@@ -138,7 +138,7 @@ def test_a_delta_the_helper_compresses_and_updates_it_decodes_reach_both_sides(i
 
 TRAINER = textwrap.dedent("""
     import sys, time
-    from ddiloco.settings.config import build_config
+    from ddiloco.settings.config_sources import build_config
     from ddiloco.runtime.learner.runtime import LearnerRuntime
     from ddiloco.workload.workload import Workload
     config = build_config(preset="tiny", overrides=("run.learners=1",))

@@ -89,6 +89,8 @@ def test_a_two_rank_fsdp2_learner_trains_against_a_real_synchronizer(tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.skip(reason="issue 43, open: in the merged suite at load 3 the restarted job hung until the 240 s timeout "
+                         "and left its two ranks running; passes alone (its author's runs), kept out of CI until found")
 def test_a_rank_killed_mid_run_restarts_the_learner_whose_next_contributions_are_accepted(tmp_path: Path) -> None:
     sync, port = start_sync(tmp_path)
     try:
