@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per setting (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0): more seeds for a row without running the first ones again")
     parser.add_argument("--spans", default="2,4,8", help="the far round trip in staleness_max rounds (default 2,4,8)")
     parser.add_argument("--time-s", type=float, default=8.0, help="virtual seconds per run (default 8)")
     parser.add_argument("--rules", default="near,refuse,weighted",
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         spans = [int(s) for s in args.spans.split(",")]
     except ValueError:
         raise SystemExit(f"bench_long_link: error: --spans {args.spans!r}: comma-separated whole numbers") from None
-    if args.preset not in PRESETS or args.seeds < 1 or args.time_s <= 0 or min(spans) < 1:
-        raise SystemExit("bench_long_link: error: --preset must be a preset, --seeds, --time-s and --spans positive")
+    if args.preset not in PRESETS or args.seeds < 1 or args.first_seed < 0 or args.time_s <= 0 or min(spans) < 1:
+        raise SystemExit("bench_long_link: error: --preset must be a preset, --seeds, --time-s and --spans positive, "
+                         "--first-seed not negative")
     rules = [r for r in args.rules.split(",") if r]
     if not set(rules) <= {"near", *RULES}:
         raise SystemExit(f"bench_long_link: error: --rules {args.rules!r}: choose from near, {', '.join(RULES)}")
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_config(preset=args.preset)
     data = load_corpus(base.train.corpus or None, max_bytes=base.train.corpus_max_bytes)
     console = Console()
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     cases = [("near", 0)] if "near" in rules else []
     cases += [(rule, k) for k in spans for rule in RULES if rule in rules]
     without = [run_one(args.preset, "without", 0, seed, args.time_s, data) for seed in seeds]

@@ -174,9 +174,9 @@ def test_progress_kept_across_a_synchronizer_restart_is_accepted_up_to_what_a_le
 
 def test_late_work_beyond_staleness_max_is_merged_with_a_weight_falling_with_its_lag():
     """The long-link learner: every contribution arrives more than ``staleness_max`` versions late.
-    It was refused (all its work thrown away); with a reach above 1 it is merged, weighted down, up
-    to the reach (the default reach is 1: docs/design.md, *One learner on a long link*)."""
-    sync, c, session = after_a_partition(config=dataclasses.replace(CONFIG, staleness_reach=4.0))
+    It was refused (all its work thrown away); it is merged, weighted down, up to the reach (4 by
+    default: docs/design.md, *One learner on a long link*)."""
+    sync, c, session = after_a_partition()
     frag = sync._fragments[1]
     late = CONFIG.staleness_max + 3
     frag.version = late  # the fragment moved on while l0's work was on its way

@@ -92,11 +92,12 @@ class ProtocolConfig:
     """Upper bound on the grace window, seconds."""
     staleness_max: int = 4
     """Contributions whose base version lags the current one by at most this are merged at full
-    weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/shared/staleness.py``)."""
-    staleness_reach: float = 1.0
+    weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/staleness.py``)."""
+    staleness_reach: float = 4.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
-    stale. 1 (the default): every one beyond ``staleness_max``, since merging a long link's late
-    work weighted down measured worse than refusing it: docs/design.md, "Decisions the paper leaves open",
+    stale (1 = every one beyond ``staleness_max``, the rule before issue 42). Merged up to 4x,
+    a long link's late work measured no worse than refused over 6 seeds, and a transient link
+    fault's is not thrown away: docs/design.md, "Decisions the paper leaves open",
     *One learner on a long link*."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
