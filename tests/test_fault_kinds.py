@@ -6,7 +6,7 @@ import pytest
 
 from ddiloco.chaos.schedule import Fault, load_schedule, seeded_schedule
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.sim.fault_kinds import REAL, SIMULATED, FaultKind, Injector
+from ddiloco.settings.fault_kinds import REAL, SIMULATED, FaultKind, Injector
 from ddiloco.sim.swarm import run_simtest
 
 

@@ -11,7 +11,7 @@ from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoin
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
 from ddiloco.chaos.schedule import Fault
 from ddiloco.settings.config_sources import build_config
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 
 
 def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[bool, ...] = (True, True),

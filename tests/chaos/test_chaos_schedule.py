@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
-from ddiloco.sim.fault_kinds import REAL, FaultKind
+from ddiloco.settings.fault_kinds import REAL, FaultKind
 from ddiloco.core.shared.errors import ConfigError
 
 

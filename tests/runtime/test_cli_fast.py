@@ -53,7 +53,7 @@ def test_the_help_still_lists_every_command() -> None:
     (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
     # The run's configuration is checked before what trains it is imported (the protocol's choices,
     # the model's sizes and --resume's choices in torch-free modules: core/shared/choices.py,
-    # workload/settings.py, runtime/sync/resume.py).
+    # settings/workload_settings.py, runtime/sync/resume.py).
     (["run", "--set", "protocol.quorum=abc"], "protocol.quorum must be int, got 'abc'"),
     (["run", "--learners", "0"], "run.learners must be >= 1, got 0"),
     (["compare", "--seed", "-1"], "run.seed must be an integer from 0 to 2**63 - 1, got -1"),

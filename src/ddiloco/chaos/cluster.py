@@ -18,7 +18,7 @@ from typing import Callable
 
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.runtime.launch.local_run import RunFiles, learner_command, sync_command
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement

@@ -16,7 +16,7 @@ from ddiloco.settings.config import Config
 from ddiloco.core.shared.liveness import pause_bound_s
 from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.sync_side.run_state import RunPhase
-from ddiloco.sim.fault_kinds import REAL, FaultKind
+from ddiloco.settings.fault_kinds import REAL, FaultKind
 from ddiloco.outputs.tb_log import STEP_KEY, TIME_KEY, write_run_events
 
 LOOP_SLACK = 1

@@ -26,7 +26,7 @@ from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.settings.config import Config
 from ddiloco.core.sync_side.run_state import RunPhase
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,

@@ -28,7 +28,7 @@ from typing import Any
 
 from ddiloco.settings.config_sources import read_toml
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.sim.fault_kinds import REAL, FaultKind, parse_kind
+from ddiloco.settings.fault_kinds import REAL, FaultKind, parse_kind
 from ddiloco.runtime.launch.placement import sync_names
 
 SYNC_TARGET = "sync"

@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.workload.settings import DEVICE_CHOICES
+from ddiloco.settings.workload_settings import DEVICE_CHOICES
 
 if TYPE_CHECKING:
     from ddiloco.settings.config import Config

@@ -12,7 +12,7 @@ from rich.table import Table
 from typing import TYPE_CHECKING
 
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.sim.fault_kinds import SIMULATED
+from ddiloco.settings.fault_kinds import SIMULATED
 
 if TYPE_CHECKING:
     from ddiloco.sim.swarm import SeedResult, SimtestReport

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ddiloco.core.shared.protocol_config import Mode, ProtocolConfig, one_of
 from ddiloco.core.shared.deadlines import drain_after_stop_s
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.sim.fault_kinds import SIMULATED, FaultKind
-from ddiloco.workload.settings import LrSchedule, ModelConfig, Precision
+from ddiloco.settings.fault_kinds import SIMULATED, FaultKind
+from ddiloco.settings.workload_settings import LrSchedule, ModelConfig, Precision
 
 if TYPE_CHECKING:  # the run's limits are the core's (claims, messages: torch), built only for a run
     from ddiloco.core.sync_side.run_state import RunLimits

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddiloco.settings.config import FaultConfig
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 
 @dataclass(frozen=True, slots=True)
 class Window:

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Callable
 
 from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.sim.adversary import Window
 from ddiloco.sim.events import (
     Arrive,

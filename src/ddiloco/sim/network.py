@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.outputs.measures import ByteLedger, Direction
 
 HEADER_BYTES = 64

@@ -34,7 +34,7 @@ from ddiloco.core.learner_side.learner_phase import LearnerPhase
 from ddiloco.core.shared.liveness import catch_up_bound_s
 from ddiloco.core.sync_side.merge import MERGE_RULES
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.sim.fault_kinds import SIMULATED, FaultKind, parse_kind
+from ddiloco.settings.fault_kinds import SIMULATED, FaultKind, parse_kind
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantViolation

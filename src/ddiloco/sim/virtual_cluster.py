@@ -35,7 +35,7 @@ from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.shared.staleness import staleness_limit
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.outputs.measures import Direction, fragment_shares
-from ddiloco.sim.fault_kinds import FaultKind
+from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
 from ddiloco.sim.data_stream import DataStreams
 from ddiloco.sim.events import (

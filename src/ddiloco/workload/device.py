@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.workload.settings import DEVICE_CHOICES
+from ddiloco.settings.workload_settings import DEVICE_CHOICES
 
 
 def resolve_device(name: str) -> torch.device:

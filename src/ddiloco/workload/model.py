@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddiloco.workload.settings import ModelConfig
+from ddiloco.settings.workload_settings import ModelConfig
 
 VOCAB_SIZE = 256
 """One token per byte value."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ddiloco.workload.model import ByteTransformer
-from ddiloco.workload.settings import LrSchedule, ModelConfig, Precision
+from ddiloco.settings.workload_settings import LrSchedule, ModelConfig, Precision
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
