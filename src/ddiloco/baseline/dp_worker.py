@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from ddiloco.settings.config import Config
 from ddiloco.settings.config_sources import build_config
 from ddiloco.outputs.measures import BF16_BYTES, all_reduce_bytes
 from ddiloco.runtime.checkpoint import save_checkpoint
+from ddiloco.runtime.learner.ranks import leave_group
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.workload import Workload, weights_sha256
@@ -95,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.epoch is None:
         args.epoch = time.time()
@@ -109,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     world = config.run.learners
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=world,
                             timeout=INIT_TIMEOUT)
-    try:
-        return _train(config, args, stop, world)
-    finally:
-        dist.destroy_process_group()
+    code = _train(config, args, stop, world)  # raises: a traceback, exit code 1, the launcher stops the run
+    leave_group()
+    # What is left to tear down is C++ (gloo's threads, torch's statics): exit without the interpreter's
+    # finalization, which has crashed a finished rank before (see leave_group); every file is written.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train(config: Config, args: argparse.Namespace, stop: threading.Event, world: int) -> int:
@@ -205,4 +210,4 @@ class _Evaluator:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

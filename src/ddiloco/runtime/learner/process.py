@@ -31,6 +31,7 @@ from ddiloco.runtime.batch_log import BatchLog
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.connect import probe_with_backoff
+from ddiloco.runtime.learner.ranks import leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.outputs.tb_log import EventLog
@@ -232,5 +233,5 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     if place.world > 1:
         if not args.fsdp:  # a sharded model's ranks hold different slices
             log.info("rank %d of %d: weights sha256 %s", place.rank, place.world, weights_sha256(model))
-        dist.destroy_process_group()
+        leave_group()
     return 0

@@ -10,6 +10,7 @@ step, and the training thread would wait for the GPU to drain.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -60,3 +61,19 @@ def cpu_group() -> Any:
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def leave_group() -> None:
+    """Leave the process group together with every sibling rank, while the interpreter is whole.
+
+    The barrier first: a rank that tears its gloo connections down while a sibling is still busy
+    (rank 0 writing the final checkpoint) can take a gloo thread down with it, and the process then
+    dies by ``std::terminate`` (SIGABRT, "terminate called without an active exception") after its
+    work was done; a launcher that judges ranks by their exit codes calls that run failed. Then the
+    group is destroyed and the objects still holding it (DDP's reducer) are collected here, not
+    during the interpreter's finalization, when their threads can no longer take the GIL."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
