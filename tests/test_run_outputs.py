@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -170,3 +171,23 @@ def test_a_live_views_last_line_ends_before_the_next_line_in_a_log():
     print("sync: status page at http://127.0.0.1:2/", file=out)
     assert out.getvalue().splitlines()[-2:] == ["status page http://127.0.0.1:1/",
                                                 "sync: status page at http://127.0.0.1:2/"]
+
+
+def test_a_sigterm_while_a_row_is_written_leaves_metrics_and_events_the_same_rows(tmp_path, monkeypatch):
+    """The signal arrives between the row's two files (sent from inside the TensorBoard write): the
+    interrupt waits until both hold the row, so the files never disagree about how far the run got."""
+    from ddiloco.commands.interrupt import sigterm_as_interrupt
+    from ddiloco.outputs import reporting
+
+    real_add_row = reporting.add_row
+
+    def add_row_signalled(events, row):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_add_row(events, row)
+
+    monkeypatch.setattr(reporting, "add_row", add_row_signalled)
+    writer = reporting.RunWriter(tmp_path, build_config(preset="tiny"))
+    row = {"tokens": 0, "virtual_time_s": 0.0, "eval_loss": 5.5}
+    with sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        writer.add_row(row)
+    assert len(read_rows(tmp_path)) == len(scalars(tmp_path, "eval_loss")) == 1

@@ -8,10 +8,13 @@ keys (and the same TensorBoard event file, :mod:`ddiloco.outputs.tb_log`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ddiloco.settings.config import Config
 from ddiloco.core.shared.errors import ConfigError
@@ -70,11 +73,12 @@ class RunWriter:
         self.rows: list[dict[str, Any]] = []
 
     def add_row(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
-        add_row(self._events, row)
-        self._events.flush()
+        with _signals_held():  # an interrupt between the two files would leave them a row apart
+            self.rows.append(row)
+            self._metrics.write(json.dumps(row) + "\n")
+            self._metrics.flush()
+            add_row(self._events, row)
+            self._events.flush()
 
     def finish(self, summary: dict[str, Any], model: torch.nn.Module | None = None) -> None:
         """Close the rows' files, then write ``model.safetensors`` (``model``'s ``state_dict``: load it
@@ -95,6 +99,22 @@ class RunWriter:
                       slow_factor=self.config.cluster.slow_factor,
                       title=f"{mode}, M={summary['learners']}, seed {summary['seed']}"
                       + (" (interrupted)" if summary.get("interrupted") else ""))
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait (blocked in the kernel, delivered on leaving) while inside: a run stopped
+    by either unwinds by KeyboardInterrupt, which must not land between two writes that belong together.
+    Only the main thread receives Python's signal handlers, so elsewhere this holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_run(out: Path, config: Config, summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
