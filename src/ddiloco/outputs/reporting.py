@@ -103,18 +103,28 @@ class RunWriter:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait (blocked in the kernel, delivered on leaving) while inside: a run stopped
-    by either unwinds by KeyboardInterrupt, which must not land between two writes that belong together.
-    Only the main thread receives Python's signal handlers, so elsewhere this holds nothing."""
+    """SIGINT and SIGTERM wait until the block is left: a run stopped by either unwinds by
+    KeyboardInterrupt, which must not land between two writes that belong together. The handlers are
+    swapped, not the signal mask: a process-directed signal reaches Python through whichever thread
+    the kernel picks (TensorBoard's writer thread among them), and Python runs handlers in the main
+    thread only, so only the main thread can hold them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in caught:  # delivered now, to whatever would have received them
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 def write_run(out: Path, config: Config, summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
