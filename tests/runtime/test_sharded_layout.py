@@ -20,7 +20,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddiloco.core.shared.fragments import plan_fragments
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.runtime.learner.sharded_layout import is_sharded, sharded_params
+from ddiloco.runtime.learner.runtime import is_sharded
+from ddiloco.runtime.learner.sharded_layout import sharded_params
 
 
 @pytest.fixture

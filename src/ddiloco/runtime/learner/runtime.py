@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -56,7 +57,6 @@ from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
 from ddiloco.runtime.learner.ranks import StepFlags, cpu_group, distributed, share_step
-from ddiloco.runtime.learner.sharded_layout import is_sharded
 from ddiloco.runtime.learner.staging import HostStaging
 from ddiloco.runtime.learner.stats import RuntimeStats
 
@@ -86,6 +86,14 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     if hasattr(hf_config, "to_json_string"):
         metadata["hf_config"] = hf_config.to_json_string(use_diff=False)
     save_file(tensors, str(path), metadata=metadata)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Does the model hold any parameter as a ``DTensor`` (FSDP2's ``fully_shard``)? Only a process
+    that imported ``torch.distributed.tensor`` can hold one, so it is looked up, never imported:
+    an unsharded learner is spared the import (about a second of CPU, sympy's among it)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 class LearnerRuntime:

@@ -24,11 +24,6 @@ from ddiloco.core.shared.slices import SliceSpec, fragment_slice, shard_rows
 from ddiloco.core.shared.errors import ConfigError
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Does the model hold any parameter as a ``DTensor`` (FSDP2's ``fully_shard``)?"""
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 @dataclass(frozen=True, slots=True)
 class ShardedParams:
     """The model's parameters on this rank: global shapes, and the local shards the learner trains on."""
