@@ -49,7 +49,7 @@ def test_the_batch_script_runs_under_a_real_slurm(slurm, tmp_path):
     lost for good, so the job fails with exit code 3 while the others finish the run."""
     run_dir = tmp_path / "run"
     config = tmp_path / "run.toml"
-    config.write_text("[run]\ntokens = 0\ntime_s = 30.0\n")  # wall seconds from the first join: room for two kills
+    config.write_text("[run]\ntokens = 0\ntime_s = 18.0\n")  # wall seconds from the first join: room for two kills
     env = {"RUN_DIR": str(run_dir), "PRESET": "tiny", "CONFIG": str(config), "LEARNERS": "3", "NPROC_PER_NODE": "1",
            "SYNC_PORT": str(free_port()), "RDZV_PORT": str(free_port()), "MAX_RESTARTS": "1", "RESTART_DELAY": "1"}
     job = slurm.sbatch(SBATCH, "--nodes=2", f"--output={tmp_path / 'job.out'}", env=env)

@@ -63,7 +63,7 @@ def test_a_late_learner_process_joins_the_run_under_way_and_its_work_reaches_the
     """Scavenging on real processes: the launcher starts learner-2 eight seconds in, after the
     others have trained; it joins the running job over gRPC (a state transfer, as a restarted
     learner) and trains its own shard."""
-    config = build_config(preset="tiny", overrides=("run.learners=3", "run.time_s=30", "cluster.late_learners=1",
+    config = build_config(preset="tiny", overrides=("run.learners=3", "run.time_s=20", "cluster.late_learners=1",
                                                     "cluster.late_join_s=8"))
     summary, _ = run_processes(config, tmp_path, timeout_s=240)
     log = (tmp_path / "logs" / "learner-2.log").read_text()

@@ -67,8 +67,8 @@ def test_synchronizer_killed_9_resumes_from_checkpoint_and_learners_finish(procs
     port = free_port()
     state = str(tmp_path / "state")
     # Learners train on while the synchronizer is down (and it takes seconds to restart), so
-    # the budget leaves plenty of work for after the restart: ~450 steps of 40 ms per learner.
-    budget = 2 * 450 * 256
+    # the budget leaves plenty of work for after the restart: ~300 steps of 40 ms per learner.
+    budget = 2 * 300 * 256
     pace = ("--min-step-s", "0.04")
     args = sync_args(port, "--tokens", str(budget), "--state-dir", state, "--checkpoint-every-rounds", "1")
     procs.start("sync", *args)
