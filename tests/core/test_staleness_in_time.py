@@ -14,13 +14,15 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from protocol_helpers import deliver, make_cluster, refused
 from test_hostile_members import BASE
 from test_synchronizer import closed, contributions_for
 
 from ddiloco.core.shared.actions import Tick
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.core.shared.staleness import StalenessBound, SupersededTimes, staleness_limit
+from ddiloco.core.shared.staleness import StalenessBound, SupersededTimes, staleness_limit, staleness_weight
+from ddiloco.core.sync_side.merge import token_weight
 
 FAST = dataclasses.replace(BASE, quorum=1, lease_s=5.0, grace_max_s=1e-3)
 """The chaos run's lease; one learner's fresh work closes a round (a grace window of at most 1 ms)."""
@@ -60,6 +62,22 @@ def test_work_held_two_seconds_while_the_run_merges_twenty_versions_a_second_is_
     (d,) = contributions_for(cores[1:], params[1:], fragment=1, seed=1000)  # l1's next fresh work closes the round
     (record,) = closed(sync.handle(d, 2.0 + ROUND_S) + sync.handle(Tick(), 2.0 + ROUND_S + 1e-3))
     assert sorted((m.learner_id, m.base_version) for m in record.merged) == [("l0", 0), ("l1", lag)]
+
+
+def test_a_member_sending_old_based_work_within_the_time_bound_cannot_steer_the_model():
+    """The time bound lets in old-based Δ from anyone, a hostile member too: what holds it is what
+    holds fresh work (any payload could be sent from the current version at full weight). Its
+    weight is scaled down by its lag, and a norm no change of scale explains is still refused."""
+    config = dataclasses.replace(FAST, codec="fp32", downlink_codec="fp32")
+    sync, c, reply, lag, cores, params = held(config, hold_s=2.0)
+    assert refused(reply) is None and lag == 39
+    (entry,) = [e for key, e in sync._fragments[1].accumulator._entries.items() if key[0] == "l0"]
+    assert entry.weight == pytest.approx(token_weight(c.tokens, c.steps) * staleness_weight(lag, config.staleness_max))
+    assert staleness_weight(lag, config.staleness_max) == pytest.approx(5 / 40)
+    n = len(c.payload) // 4
+    huge = torch.full((n,), 1e6 / n**0.5)  # ‖Δ‖ = 10^6: far beyond ten times the bound
+    steer = dataclasses.replace(c, seq=c.seq + 1, payload=huge.numpy().tobytes())
+    assert refused(sync.handle(steer, 2.01)).reason == "norm_bound"
 
 
 def test_the_bound_in_versions_alone_refused_that_work_as_stale():
