@@ -83,7 +83,7 @@ def test_a_member_sending_old_based_work_within_the_time_bound_cannot_steer_the_
 def test_the_bound_in_versions_alone_refused_that_work_as_stale():
     """What the code before this bound did (``staleness_leases=0``): the same work thrown away."""
     sync, c, reply, lag, cores, params = held(dataclasses.replace(FAST, staleness_leases=0.0), hold_s=2.0)
-    assert refused(reply).reason == "stale"
+    assert refused(reply).reason == "stale" and refused(reply).detail == "base version 0 lags 39 by more than 16"
     assert sync.status().honest_refused_steps == c.steps
 
 

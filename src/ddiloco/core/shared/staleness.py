@@ -90,6 +90,15 @@ class StalenessBound:
         (None: not known, e.g. superseded before a restart), can still be merged."""
         return lag <= self.versions or (age_s is not None and age_s < self.seconds)
 
+    def why_not(self, base_version: int, version: int, age_s: float | None) -> str:
+        """The refusal's detail for work measured from ``base_version`` at ``version``, beyond both bounds."""
+        said = f"base version {base_version} lags {version} by more than {self.versions}"
+        if self.seconds <= 0.0:
+            return said
+        when = ("at a time not known (before this synchronizer started)" if age_s is None else
+                f"{age_s:.2f} s ago" if math.isfinite(age_s) else f"more than {self.seconds:g} s ago")
+        return f"{said} and was superseded {when} (bound {self.seconds:g} s)"
+
 
 class SupersededTimes:
     """When each recent version of one fragment stopped being current (the synchronizer's clock).

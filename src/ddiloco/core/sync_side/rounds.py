@@ -14,7 +14,6 @@ of it drift from an fp32 outer state; other downlink codecs keep fp32 momentum a
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,11 +206,7 @@ class GlobalFragment:
         lag = self.version - base_version
         age_s = self.superseded.age_s(base_version, now)
         if not bound.merges(lag, age_s):
-            since = ("at a time not known (before this synchronizer started)" if age_s is None else
-                     f"{age_s:.2f} s ago" if math.isfinite(age_s) else f"more than {bound.seconds:g} s ago")
-            raise Rejected(RejectReason.STALE, f"base version {base_version} lags {self.version} by more than "
-                                               f"{bound.versions} and was superseded {since} "
-                                               f"(bound {bound.seconds:g} s)")
+            raise Rejected(RejectReason.STALE, bound.why_not(base_version, self.version, age_s))
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
         """Merge the round, apply the outer step to Θ, return the compressed update and the
