@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spans", default="2,4,8", help="the far round trip in staleness_max rounds (default 2,4,8)")
     parser.add_argument("--time-s", type=float, default=8.0, help="virtual seconds per run (default 8)")
     parser.add_argument("--rules", default="near,refuse,weighted,default",
-                        help="runs besides without, which every row is paired with (default near,refuse,weighted)")
+                        help="runs besides without, which every row is paired with (default near,refuse,weighted,default)")
     parser.add_argument("--json", metavar="FILE", help="write the runs and rows as JSON")
     args = parser.parse_args(argv)
     stamped = stamp(__file__, argv)
