@@ -95,7 +95,8 @@ class ProtocolConfig:
     weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/shared/staleness.py``)."""
     staleness_reach: float = 4.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
-    stale (1 = every one beyond ``staleness_max``, the rule before issue 42). Merged up to 4x,
+    stale unless the bound in time lets them in (``staleness_leases``; 1 = every one beyond
+    ``staleness_max``, the rule before issue 42, with ``staleness_leases`` 0). Merged up to 4x,
     a long link's late work measured no worse than refused over 6 seeds, and a transient link
     fault's is not thrown away: docs/design.md, "Decisions the paper leaves open",
     *One learner on a long link*."""
