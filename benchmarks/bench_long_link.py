@@ -7,9 +7,13 @@ learners on the default link, and a fourth whose round trip spans ``k`` times
 - ``without``: the three near learners alone (the far learner's chip left out);
 - ``near``: a fourth learner on the default link too (what any fourth learner does here);
 - ``refuse``: the far learner, every contribution more than ``staleness_max`` versions late
-  refused (the rule before issue 42: ``protocol.staleness_reach=1``);
+  refused (the rule before issue 42: ``protocol.staleness_reach=1``, no bound in time:
+  ``protocol.staleness_leases=0``);
 - ``weighted``: the far learner, late work merged with weight (staleness_max + 1) / (lag + 1)
-  at any lag (``protocol.staleness_reach`` far above it).
+  at any lag (``protocol.staleness_reach`` far above it);
+- ``default``: the far learner under the shipped rule (the same weight, merged up to
+  ``staleness_reach`` x ``staleness_max`` versions late or, beyond that, when its base version
+  was superseded less than ``staleness_leases`` leases ago).
 
 Three things make the comparison sound, each found wrong in the first version of this
 benchmark, which read a fourth near learner as 0.5 worse than three:
@@ -54,7 +58,8 @@ from stamp import load_now, stamp  # noqa: E402
 FAR = "learner-3"
 SHARDS = 4
 """Every run's corpus split: four shards, so every run is evaluated on the same held-out data."""
-RULES = {"refuse": ("protocol.staleness_reach=1",), "weighted": ("protocol.staleness_reach=1000",)}
+RULES = {"refuse": ("protocol.staleness_reach=1", "protocol.staleness_leases=0"),
+         "weighted": ("protocol.staleness_reach=1000",), "default": ()}
 STEP_S = 0.01
 """The virtual step time: a fragment's round every period x this."""
 EVAL_BATCHES = 32
@@ -106,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the first seed (default 0): more seeds for a row without running the first ones again")
     parser.add_argument("--spans", default="2,4,8", help="the far round trip in staleness_max rounds (default 2,4,8)")
     parser.add_argument("--time-s", type=float, default=8.0, help="virtual seconds per run (default 8)")
-    parser.add_argument("--rules", default="near,refuse,weighted",
-                        help="runs besides without, which every row is paired with (default near,refuse,weighted)")
+    parser.add_argument("--rules", default="near,refuse,weighted,default",
+                        help="runs besides without, which every row is paired with (default near,refuse,weighted,default)")
     parser.add_argument("--json", metavar="FILE", help="write the runs and rows as JSON")
     args = parser.parse_args(argv)
     stamped = stamp(__file__, argv)

@@ -230,7 +230,7 @@ def test_a_fragment_whose_honest_norms_grow_past_the_bound_in_a_warm_up_moves_ag
 
 
 def test_duplicates_and_stale_contributions_are_rejected():
-    config = dataclasses.replace(BASE, quorum=1, staleness_max=1, staleness_reach=1.0, lease_s=1e6)
+    config = dataclasses.replace(BASE, quorum=1, staleness_max=1, staleness_reach=1.0, lease_s=1e6, staleness_leases=0.0)
     plan, sync, cores, params = make_cluster(config, learners=3)
     (c,) = contributions_for(cores[:1], params[:1], fragment=1)
     sync.handle(c, 1.0)

@@ -56,11 +56,13 @@ def test_a_planted_bug_accepting_duplicates_is_found(monkeypatch):
 
 @pytest.mark.slow
 def test_a_planted_bug_merging_stale_work_is_found(monkeypatch):
+    from ddiloco.core.shared.staleness import StalenessBound
     from ddiloco.core.sync_side.rounds import GlobalFragment
 
     original = GlobalFragment.check
     # Every check but the staleness bound: a stale contribution passes as if it were current.
-    monkeypatch.setattr(GlobalFragment, "check", lambda self, c, uplink, staleness_max: original(self, c, uplink, 2**62))
+    monkeypatch.setattr(GlobalFragment, "check",
+                        lambda self, c, uplink, bound, now: original(self, c, uplink, StalenessBound(2**62, 0.0), now))
     found = first_failure()
     assert "staleness bound" in found.violation and f"seed {found.seed}" in found.violation
 

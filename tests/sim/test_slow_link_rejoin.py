@@ -33,7 +33,7 @@ def run_with_one_slow_link(seed: int, *overrides: str) -> dict:
 
 @pytest.mark.slow
 def test_a_learner_whose_round_trip_spans_more_rounds_than_the_staleness_bound_does_not_rejoin_in_a_loop():
-    result = run_with_one_slow_link(1, "protocol.staleness_reach=1")  # late work refused, as before issue 42
+    result = run_with_one_slow_link(1, "protocol.staleness_reach=1", "protocol.staleness_leases=0")  # late work refused, as before issue 42
     assert result["rejections"].get("stale", 0) >= 10  # the latency made its contributions stale ...
     assert result["events"]["rejoins"] == 0  # ... and none of those refusals made it register again
     slow, fast = result["steps_per_learner"][1], result["steps_per_learner"][0]
@@ -44,7 +44,7 @@ def test_a_learner_whose_round_trip_spans_more_rounds_than_the_staleness_bound_d
 def test_a_long_link_learners_late_work_reaches_the_model_instead_of_being_refused():
     """Issue 42: the same learner, with late work merged at a weight falling with its lag
     (``core/shared/staleness.py``): none of its work is refused, and its steps are credited."""
-    refusing = run_with_one_slow_link(1, "protocol.staleness_reach=1")
+    refusing = run_with_one_slow_link(1, "protocol.staleness_reach=1", "protocol.staleness_leases=0")
     result = run_with_one_slow_link(1, "protocol.staleness_reach=4")
     assert refusing["honest_refused_steps"] > 0  # before: all of its work thrown away
     assert result["rejections"] == {} and result["honest_refused_steps"] == 0

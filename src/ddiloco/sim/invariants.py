@@ -9,7 +9,9 @@ Safety properties of the protocol, whatever the adversary does:
   from what its checkpoint and round log restored (never past it);
 - a fragment's version never goes back across a synchronizer crash: a restarted incarnation
   starts at the newest version any earlier one merged, with the same value bit for bit;
-- every merged contribution was measured from a version at most ``staleness_max`` behind;
+- every merged contribution was measured from a version at most ``staleness_max`` behind, or
+  from one that stopped being current at most ``staleness_s`` before it arrived (the time of
+  each version's end taken from the round records, whichever incarnation merged them);
 - no contribution is accepted (or merged) twice;
 - the tokens an incarnation accepted are exactly the tokens it merged, plus what it still
   holds (or lost with it when it crashed);
@@ -43,9 +45,12 @@ def _digest(tensor: torch.Tensor) -> str:
 
 class InvariantChecker:
     def __init__(self, *, seed: int, staleness_max: int, quorum: int, strict_quorum: bool,
-                 initial_values: Sequence[torch.Tensor]) -> None:
+                 initial_values: Sequence[torch.Tensor], staleness_s: float = 0.0) -> None:
         self.seed = seed
         self.staleness_max = staleness_max
+        self.staleness_s = staleness_s
+        self._ended: dict[tuple[int, int], float] = {}
+        """(fragment, version) -> when the round that replaced it closed."""
         self.quorum = quorum
         self.strict_quorum = strict_quorum
         self.tokens_accepted: Counter[int] = Counter()
@@ -102,10 +107,15 @@ class InvariantChecker:
         if record.version != previous + 1:
             self._fail(f"fragment {p}: version {record.version} after {previous} (incarnation {inc})")
         self._versions[(inc, p)] = record.version
+        self._ended.setdefault((p, record.version - 1), record.closed_at_s)
         for m in record.merged:
-            if not record.version - 1 - self.staleness_max <= m.base_version <= record.version - 1:
+            ended = self._ended.get((p, m.base_version))
+            recent = ended is not None and m.arrived_s - ended < self.staleness_s
+            if not (record.version - 1 - self.staleness_max <= m.base_version or recent) or \
+                    m.base_version > record.version - 1:
                 self._fail(f"fragment {p} v{record.version} merged {m.learner_id}'s work from version "
-                           f"{m.base_version} (staleness bound {self.staleness_max})")
+                           f"{m.base_version} (staleness bound {self.staleness_max} versions, "
+                           f"{self.staleness_s:g} s)")
             key = (inc, m.learner_id, m.session, p, m.seq)
             if key in self._merged:
                 self._fail(f"contribution {key} merged twice")

@@ -124,6 +124,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
     safety_s = float(rng.uniform(120.0, 200.0))
     # Drawn last, so every earlier draw of a seed is what it was before this key existed.
     sections["protocol"]["staleness_reach"] = float(rng.choice([1.0, 4.0]))
+    sections["protocol"]["staleness_leases"] = float(rng.choice([0.0, 1.0, 4.0]))
     config = Config()
     for section, values in sections.items():
         config = apply_section(config, section, values, origin=f"simtest seed {seed}")

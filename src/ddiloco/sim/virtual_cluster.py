@@ -32,7 +32,7 @@ from ddiloco.core.shared.deadlines import LinkExpectation, call_deadline_s
 from ddiloco.core.shared.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.sync_side.refusals import honest_total
-from ddiloco.core.shared.staleness import staleness_limit
+from ddiloco.core.shared.staleness import StalenessBound
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.outputs.measures import Direction, fragment_shares
 from ddiloco.settings.fault_kinds import FaultKind
@@ -104,7 +104,8 @@ class VirtualCluster:
         self._share = fragment_shares(f.numel for f in self.plan.fragments)
         self.eval_model = reference  # receives the synchronizer's values before each evaluation
         self.checker = (InvariantChecker(seed=run.seed, quorum=protocol.quorum,
-                                         staleness_max=staleness_limit(protocol.staleness_max, protocol.staleness_reach),
+                                         staleness_max=StalenessBound.of(protocol).versions,
+                                         staleness_s=StalenessBound.of(protocol).seconds,
                                          strict_quorum=protocol.strict_quorum, initial_values=initial)
                         if check_invariants else None)
         self.queue = EventQueue()

@@ -95,10 +95,17 @@ class ProtocolConfig:
     weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/shared/staleness.py``)."""
     staleness_reach: float = 4.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
-    stale (1 = every one beyond ``staleness_max``, the rule before issue 42). Merged up to 4x,
+    stale unless the bound in time lets them in (``staleness_leases``; 1 = every one beyond
+    ``staleness_max``, the rule before issue 42, with ``staleness_leases`` 0). Merged up to 4x,
     a long link's late work measured no worse than refused over 6 seeds, and a transient link
     fault's is not thrown away: docs/design.md, "Decisions the paper leaves open",
     *One learner on a long link*."""
+    staleness_leases: float = 1.0
+    """A contribution beyond ``staleness_reach`` x ``staleness_max`` versions is still merged (at the
+    same falling weight) when its base version stopped being current less than this many leases ago
+    (0 = the bound in versions alone): a link fault of seconds makes work tens of versions late on a
+    fast run, and a delay shorter than a lease is one the protocol counts a live learner's
+    (``core/shared/staleness.py``; docs/chaos.md, "The CI version")."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
     heartbeat_s: float = 2.0
@@ -177,6 +184,8 @@ class ProtocolConfig:
             raise ConfigError(f"protocol.staleness_max must be >= 0, got {self.staleness_max}")
         if not self.staleness_reach >= 1.0:
             raise ConfigError(f"protocol.staleness_reach must be >= 1, got {self.staleness_reach}")
+        if not self.staleness_leases >= 0.0:
+            raise ConfigError(f"protocol.staleness_leases must be >= 0, got {self.staleness_leases}")
         for key, value in (("protocol.max_weight_ratio", self.max_weight_ratio),
                            ("protocol.forget_after_s", self.forget_after_s)):
             if not value >= 0:

@@ -24,6 +24,7 @@ from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.shared.codecs import Codec, fused_int4
 from ddiloco.core.shared.kernels import RESIDUAL_LEVELS, outer_step_int4
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
+from ddiloco.core.shared.staleness import StalenessBound, SupersededTimes
 from ddiloco.core.sync_side.norm_bound import NormBound
 from ddiloco.core.sync_side.outer import NesterovSGD
 
@@ -183,25 +184,29 @@ class GlobalFragment:
     """The next round may not reach its quorum before this time (``protocol.space_rounds``)."""
     norm_bound: NormBound = field(default_factory=NormBound)
     """The largest ‖Δ‖ this fragment accepts, and the recent norms behind it."""
+    superseded: SupersededTimes = field(default_factory=SupersededTimes)
+    """When its recent versions stopped being current (the staleness bound in time)."""
 
-    def check(self, c: Contribution, uplink: Codec, limit: int) -> None:
+    def check(self, c: Contribution, uplink: Codec, bound: StalenessBound, now: float) -> None:
         """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured
-        from, at most ``limit`` versions behind (``core/shared/staleness.py``)."""
+        from, not beyond the staleness ``bound`` (``core/shared/staleness.py``)."""
         if c.codec != uplink.name:
             raise Rejected(RejectReason.BAD_CODEC, f"codec {c.codec!r}, expected {uplink.name!r}")
         expected = uplink.encoded_size(self.value.numel())
         if len(c.payload) != expected:
             raise Rejected(RejectReason.BAD_SIZE, f"{len(c.payload)} payload bytes, expected {expected} for "
                                                   f"{self.value.numel()} values")
-        self.check_version(c.base_version, limit)
+        self.check_version(c.base_version, bound, now)
 
-    def check_version(self, base_version: int, limit: int) -> None:
-        """:class:`Rejected` unless Δ measured from ``base_version`` can be merged now (at most ``limit`` behind)."""
+    def check_version(self, base_version: int, bound: StalenessBound, now: float) -> None:
+        """:class:`Rejected` unless Δ measured from ``base_version`` can be merged at ``now``: at most
+        ``bound.versions`` behind, or superseded at most ``bound.seconds`` ago."""
         if base_version > self.version:
             raise Rejected(RejectReason.FUTURE_VERSION, f"base version {base_version} > current {self.version}")
-        if self.version - base_version > limit:
-            raise Rejected(RejectReason.STALE, f"base version {base_version} lags {self.version} by more "
-                                               f"than {limit}")
+        lag = self.version - base_version
+        age_s = self.superseded.age_s(base_version, now)
+        if not bound.merges(lag, age_s):
+            raise Rejected(RejectReason.STALE, bound.why_not(base_version, self.version, age_s))
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
         """Merge the round, apply the outer step to Θ, return the compressed update and the
@@ -274,6 +279,7 @@ class GlobalFragment:
         self.version += 1
         self.round.clear()
         self.accumulator.clear()
+        self.superseded.clear()  # when it was superseded belongs to the crashed process's clock
 
     def _residual_values(self, downlink: Codec) -> torch.Tensor:
         """The residual as float32 values (the lean int8 form times its block's unit)."""
@@ -316,6 +322,7 @@ class GlobalFragment:
         self.norm_bound.load_state_dict(saved.get("norm_bound", saved))  # before NormBound: the same keys, flat
         self.round.clear()
         self.accumulator.clear()
+        self.superseded.clear()
 
     def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int,
                        round_age_s: float) -> FragmentUpdate:

@@ -18,7 +18,7 @@ from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.run_state import RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
-from ddiloco.core.shared.staleness import staleness_limit
+from ddiloco.core.shared.staleness import StalenessBound
 from ddiloco.core.sync_side.sync_status import SyncCounters
 
 
@@ -28,6 +28,7 @@ class SliceIntake:
     _counters: SyncCounters
     _run: RunState
     _uplink: Codec
+    _staleness: StalenessBound
     _slices: SliceAssembler
     _stopping: bool
 
@@ -45,7 +46,7 @@ class SliceIntake:
         frag = self._fragment(c)
         if c.seq <= rec.last_seq.get(c.fragment, -1):
             raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} of fragment {c.fragment} was taken already")
-        frag.check_version(c.base_version, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
+        frag.check_version(c.base_version, self._staleness, now)
         whole, ended = self._slices.add(c, frag.value.numel(), self._uplink)
         self._slices_lost(ended)
         if whole is None:

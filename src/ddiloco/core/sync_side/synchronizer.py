@@ -67,7 +67,7 @@ from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, Ro
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
 from ddiloco.core.sync_side.sync_slices import SliceIntake
-from ddiloco.core.shared.staleness import staleness_limit, staleness_weight
+from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
 from ddiloco.core.sync_side.sync_queries import SyncQueries
 from ddiloco.core.sync_side.sync_state import SyncState
 from ddiloco.core.sync_side.sync_status import SyncCounters
@@ -122,6 +122,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         self._slices = SliceAssembler()
         """Sharded learners' contributions whose slices are not all in yet (``core/sync_side/slice_assembly.py``)."""
         self._claims = ClaimLimits(config.min_step_s, config.max_tokens_per_step)
+        self._staleness = StalenessBound.of(config)
         self._run = RunState.new(limits, self._claims)
         self._counters = SyncCounters()
         self._last_event_s = 0.0
@@ -233,7 +234,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         shown, ``core/sync_side/norm_bound.py``), changing nothing: returns ‖Δ‖, what the round will hold,
         and ``c`` with its claimed times clipped and what was clipped (nothing else sees the claims)."""
         frag = self._fragment(c)
-        frag.check(c, self._uplink, staleness_limit(self.config.staleness_max, self.config.staleness_reach))
+        frag.check(c, self._uplink, self._staleness, now)
         plausible, clipped = check_contribution(
             c, self._claims, since_s=rec.claims_origin_s(), now=now, tokens_per_step=rec.tokens_per_step,
             last_seq=rec.last_seq.get(c.fragment, -1), steps_before=rec.steps_accepted.get(c.fragment, 0),
@@ -320,6 +321,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         round_age_s = 0.0 if first_fresh is None else now - first_fresh
         self._counters.weights_capped += frag.accumulator.cap_weights(self.config.max_weight_ratio)
         payload, coherence = frag.close(self._outer, self._downlink, plain=reason is CloseReason.DRAIN)
+        frag.superseded.superseded(frag.version - 1, now, self._staleness.seconds)
         in_grace = rnd.phase is RoundPhase.GRACE
         record = RoundClosed(
             fragment=index,
