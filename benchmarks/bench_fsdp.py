@@ -68,12 +68,13 @@ def memory_kb(field: str) -> int:
 def learner(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    from ddiloco.runtime.learner.ranks import init_group, leave_group
     from ddiloco.runtime.learner.runtime import LearnerRuntime
 
     torch.set_num_threads(1)
     sharded = args.mode in ("sharded", "alone")
     if sharded:
-        dist.init_process_group("gloo")
+        init_group("gloo")
     baseline_kb = memory_kb("VmRSS")  # the interpreter, torch, gRPC and ddiloco imported: the same in every mode
     if sharded:  # FSDP2's recipe for a model larger than a device: built on no device, sharded, then allocated
         with torch.device("meta"):
@@ -121,7 +122,7 @@ def learner(args: argparse.Namespace) -> None:
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if sharded:
-        dist.destroy_process_group()
+        leave_group()
 
 
 # ---- the driver ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ rank 0 the synchronizer's global model then, ``OUT/global.pt``).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 BATCH = 8
@@ -29,7 +31,7 @@ def build() -> nn.Module:
 
 
 def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None) -> None:
-    dist.init_process_group("gloo")
+    init_group("gloo")
     rank = dist.get_rank()
     model = build()
     for layer in model:
@@ -62,10 +64,11 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
                 "bytes_up": runtime.bytes_up, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
                out / f"rank{rank}.pt")
     runtime.close()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1)  # a test that times out has every rank print its threads' stacks
     try:
         if argv[0] == "init":
             save_initial_state(build(), argv[1])
