@@ -124,6 +124,8 @@ def test_a_two_rank_fsdp2_learner_trains_against_a_real_synchronizer(tmp_path: P
         assert learner["id"] == "island-a"
         ranks = check_ranks_hold_the_global_model(tmp_path)
         assert ranks[0]["bytes_up"] > 0 and ranks[1]["bytes_up"] > 0  # each rank sent its own slices
+        down = [r["bytes_down"] for r in ranks]  # each its own slices: about half each (a whole would fail to decode)
+        assert all(0.3 * sum(down) < d < 0.7 * sum(down) for d in down), down
     finally:
         sync.terminate()
         sync.wait(timeout=60)
