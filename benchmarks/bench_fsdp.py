@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default 1536)")
     parser.add_argument("--depth", type=int, default=9, help="Linear layers (default 9: 21.2M parameters)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per learner process (default 30)")
-    parser.add_argument("--pairs", type=int, default=5, help="attached/alone pairs (default 5)")
+    parser.add_argument("--pairs", type=int, default=5, help="attached/alone pairs (default 5; 0: memory and bytes only)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.role == "learner":
@@ -207,7 +207,8 @@ def main() -> None:
         # send is unanswered waits and is folded into the next one): per contribution is the like-for-like.
         "bytes_per_contribution_ratio_per_rank": [(r["bytes_up"] / r["contributions_sent"])
                                                   / (plain["bytes_up"] / plain["contributions_sent"]) for r in ranks],
-        "throughput_pairs": pairs, "throughput_median": statistics.median(pairs), "load_end": load_now(),
+        "throughput_pairs": pairs, "throughput_median": statistics.median(pairs) if pairs else None,
+        "load_end": load_now(),
     }
     print(f"VmHWM unsharded {plain['vmhwm_kb'] / 1024:.0f} MiB ({plain_above / 1024:.0f} above its baseline); "
           + "; ".join(f"rank {r['rank']} {r['vmhwm_kb'] / 1024:.0f} MiB ({a / 1024:.0f} above)"
@@ -219,8 +220,9 @@ def main() -> None:
           + f"unsharded {plain['contributions_sent']}, per rank " + ", ".join(str(r["contributions_sent"]) for r in ranks)
           + "; bytes per contribution, rank / unsharded: "
           + ", ".join(f"{x:.3f}" for x in results["bytes_per_contribution_ratio_per_rank"]))
-    print(f"throughput attached/alone: median {results['throughput_median']:.3f} of {len(pairs)} pairs "
-          f"(load at the end {results['load_end']})")
+    if pairs:
+        print(f"throughput attached/alone: median {results['throughput_median']:.3f} of {len(pairs)} pairs "
+              f"(load at the end {results['load_end']})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
