@@ -80,9 +80,11 @@ def decode_cut(codec: Codec, cut: bytes | memoryview, numel: int, spec: SliceSpe
     if len(cut) != expected:
         raise ValueError(f"{len(cut)} bytes for the slice of {spec.numel} values, expected {expected}")
     view = memoryview(cut)
-    parts, at = [], 0
+    out = torch.empty(spec.numel, dtype=torch.float32)  # filled range by range: no second copy to concatenate
+    at = filled = 0
     for piece in pieces:
         values = codec.decode(bytes(view[at:at + piece.size]), piece.decoded)
-        parts.append(values[piece.skip:piece.skip + piece.length])
+        out[filled:filled + piece.length] = values[piece.skip:piece.skip + piece.length]
         at += piece.size
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+        filled += piece.length
+    return out
