@@ -1,7 +1,8 @@
 """A learner sharded over 2 FSDP2 ranks against the same learner unsharded, and against its own loop alone.
 
     python benchmarks/bench_fsdp.py                       # ~21M-parameter MLP, 5 pairs (minutes on 2 CPU cores)
-    python benchmarks/bench_fsdp.py --width 1536 --depth 9 --steps 30 --pairs 5 --json docs/results/fsdp_learner.json
+    python benchmarks/bench_fsdp.py --steps 20 --pairs 5 --json docs/results/fsdp_learner.json
+    python benchmarks/bench_fsdp.py --width 3072 --depth 11 --steps 5 --pairs 0 --json docs/results/fsdp_learner_104m.json  # memory, bytes
 
 One ``ddiloco sync --init`` (its own process, 127.0.0.1) serves the model; each learner is a fresh
 process (a 2-rank ``torchrun`` job with gloo for the sharded ones). Printed:
