@@ -1,7 +1,8 @@
 """A learner sharded over 2 FSDP2 ranks against the same learner unsharded, and against its own loop alone.
 
     python benchmarks/bench_fsdp.py                       # ~21M-parameter MLP, 5 pairs (minutes on 2 CPU cores)
-    python benchmarks/bench_fsdp.py --width 1536 --depth 9 --steps 30 --pairs 5 --json docs/results/fsdp_learner.json
+    python benchmarks/bench_fsdp.py --steps 20 --pairs 5 --json docs/results/fsdp_learner.json
+    python benchmarks/bench_fsdp.py --width 3072 --depth 11 --steps 5 --pairs 0 --json docs/results/fsdp_learner_104m.json  # memory, bytes
 
 One ``ddiloco sync --init`` (its own process, 127.0.0.1) serves the model; each learner is a fresh
 process (a 2-rank ``torchrun`` job with gloo for the sharded ones). Printed:
@@ -68,12 +69,13 @@ def memory_kb(field: str) -> int:
 def learner(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    from ddiloco.runtime.learner.ranks import init_group, leave_group
     from ddiloco.runtime.learner.runtime import LearnerRuntime
 
     torch.set_num_threads(1)
     sharded = args.mode in ("sharded", "alone")
     if sharded:
-        dist.init_process_group("gloo")
+        init_group("gloo")
     baseline_kb = memory_kb("VmRSS")  # the interpreter, torch, gRPC and ddiloco imported: the same in every mode
     if sharded:  # FSDP2's recipe for a model larger than a device: built on no device, sharded, then allocated
         with torch.device("meta"):
@@ -121,7 +123,7 @@ def learner(args: argparse.Namespace) -> None:
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     if sharded:
-        dist.destroy_process_group()
+        leave_group()
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1536, help="MLP width (default 1536)")
     parser.add_argument("--depth", type=int, default=9, help="Linear layers (default 9: 21.2M parameters)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per learner process (default 30)")
-    parser.add_argument("--pairs", type=int, default=5, help="attached/alone pairs (default 5)")
+    parser.add_argument("--pairs", type=int, default=5, help="attached/alone pairs (default 5; 0: memory and bytes only)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.role == "learner":
@@ -206,7 +208,8 @@ def main() -> None:
         # send is unanswered waits and is folded into the next one): per contribution is the like-for-like.
         "bytes_per_contribution_ratio_per_rank": [(r["bytes_up"] / r["contributions_sent"])
                                                   / (plain["bytes_up"] / plain["contributions_sent"]) for r in ranks],
-        "throughput_pairs": pairs, "throughput_median": statistics.median(pairs), "load_end": load_now(),
+        "throughput_pairs": pairs, "throughput_median": statistics.median(pairs) if pairs else None,
+        "load_end": load_now(),
     }
     print(f"VmHWM unsharded {plain['vmhwm_kb'] / 1024:.0f} MiB ({plain_above / 1024:.0f} above its baseline); "
           + "; ".join(f"rank {r['rank']} {r['vmhwm_kb'] / 1024:.0f} MiB ({a / 1024:.0f} above)"
@@ -218,8 +221,9 @@ def main() -> None:
           + f"unsharded {plain['contributions_sent']}, per rank " + ", ".join(str(r["contributions_sent"]) for r in ranks)
           + "; bytes per contribution, rank / unsharded: "
           + ", ".join(f"{x:.3f}" for x in results["bytes_per_contribution_ratio_per_rank"]))
-    print(f"throughput attached/alone: median {results['throughput_median']:.3f} of {len(pairs)} pairs "
-          f"(load at the end {results['load_end']})")
+    if pairs:
+        print(f"throughput attached/alone: median {results['throughput_median']:.3f} of {len(pairs)} pairs "
+              f"(load at the end {results['load_end']})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

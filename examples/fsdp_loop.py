@@ -28,6 +28,7 @@ from own_loop import build_model, build_parser, lm_loss
 from torch.distributed.fsdp import fully_shard
 
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 
 PROG = "fsdp_loop.py"
@@ -40,7 +41,7 @@ def learner(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    init_group("nccl" if cuda else "gloo")  # each torchrun restart in a store of its own (ranks.py says why)
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -76,7 +77,7 @@ def learner(args: argparse.Namespace) -> None:
                       f"({steps / (time.monotonic() - started):.1f} steps/s)", flush=True)
                 loss_sum = 0.0
     print(f"{args.id} rank {rank} done after {steps} steps, sent {runtime.bytes_up} bytes", flush=True)
-    dist.destroy_process_group()
+    leave_group()  # together with the sibling ranks
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -185,3 +185,17 @@ def test_int4_wire_layout_is_scales_then_low_nibble_first() -> None:
     scales = torch.tensor([1.0, 2.0]) / 7
     # codes are q + 7: block 0 -> [14, 0, 11 (4.2 rounds to 4), 7], block 1 -> [14]
     assert data == scales.numpy().astype("<f4").tobytes() + bytes([0x0E, 0x7B, 0x0E])
+
+
+@pytest.mark.parametrize("name,block", [("int8", 128), ("int4", 128), ("int2", 8), ("int1", 128), ("int4", 3)])
+def test_a_blockwise_codec_in_passes_gives_the_bytes_and_values_of_one_pass(monkeypatch, name, block):
+    """A large vector is encoded and decoded a few blocks at a time (the temporaries of one pass, not of the
+    whole vector): the blocks are independent, so the payload and the decoded values are the same."""
+    import ddiloco.core.shared.codecs as codecs
+
+    codec = get_codec(name, block_size=block)
+    x = torch.randn(10 * 128 + 77, generator=torch.Generator().manual_seed(7))
+    one = codec.encode(x), codec.decode(codec.encode(x), x.numel())
+    monkeypatch.setattr(codecs, "PASS_VALUES", 256)  # passes of 256 values (or of one block, if larger)
+    passes = codec.encode(x)
+    assert passes == one[0] and torch.equal(codec.decode(passes, x.numel()), one[1])

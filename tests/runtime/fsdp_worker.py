@@ -6,9 +6,11 @@ rank 0 the synchronizer's global model then, ``OUT/global.pt``).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.shared.messages import GlobalState
 from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 
 BATCH = 8
@@ -29,7 +33,7 @@ def build() -> nn.Module:
 
 
 def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None) -> None:
-    dist.init_process_group("gloo")
+    init_group("gloo")
     rank = dist.get_rank()
     model = build()
     for layer in model:
@@ -52,20 +56,39 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
         if kill_at is not None and first and rank == 1 and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-run: slices of this rank may be on their way
     core = runtime.core
+    state = settled(runtime, port)
     if rank == 0:  # the global model now, before the flush of close() moves it on
-        with SyncClient(f"127.0.0.1:{port}") as client:
-            state = client.fetch_state()
         torch.save({"versions": list(state.versions()), "values": [f.values for f in state.fragments]},
                    out / "global.pt")
     torch.save({"ranges": [s.ranges for s in runtime.slices], "versions": list(core.versions),
                 "anchors": [core.anchor(p).clone() for p in range(len(core.versions))],
-                "bytes_up": runtime.bytes_up, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
+                "bytes_up": runtime.bytes_up, "bytes_down": runtime.bytes_down,
+                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
                out / f"rank{rank}.pt")
     runtime.close()
-    dist.destroy_process_group()
+    leave_group()
+
+
+def settled(runtime: LearnerRuntime, port: str) -> GlobalState:
+    """The global state (rank 0's fetch; the others get its versions) once the ranks' cores hold some
+    fragment at its version: the last rounds' updates reach the cores an exchange after they arrive, so
+    idle steps pass (at most ~10 s) until one has. No exchange between the fetch and the ranks' record."""
+    for _ in range(100):
+        state = None
+        if dist.get_rank() == 0:
+            with SyncClient(f"127.0.0.1:{port}") as client:
+                state = client.fetch_state()
+        box = [None if state is None else list(state.versions())]
+        dist.broadcast_object_list(box, src=0)
+        if any(v == g for v, g in zip(runtime.core.versions, box[0])):
+            break
+        time.sleep(0.1)
+        runtime.step(tokens=0)
+    return state
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1)  # a test that times out has every rank print its threads' stacks
     try:
         if argv[0] == "init":
             save_initial_state(build(), argv[1])

@@ -165,15 +165,20 @@ class SyncClient:
 
     # ---- calls -----------------------------------------------------------------------------
 
-    def join(self, join: Join, timeout_s: float = CLIENT_ANSWER_S, *, probe: bool = False) -> JoinResult:
-        """Register and download the full global state (``probe``: only the header, no registration).
+    def join(self, join: Join, timeout_s: float = CLIENT_ANSWER_S, *, probe: bool = False,
+             part: tuple[int, int] | None = None) -> JoinResult:
+        """Register and download the full global state (``probe``: only the header, no registration;
+        ``part``: (rank, world) of a sharded learner's rank 0, the state cut to that rank's slices).
 
         ``timeout_s``: a learner gives its join the deadline of the state it brings back
         (``core/shared/deadlines.py``, ``client_join_link``); the default is a call that carries nothing."""
         header: pb.JoinHeader | None = None
         assembler: wire.StateAssembler | None = None
+        request = wire.join_to_pb(join, probe=probe)
+        if part is not None:
+            request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         try:
-            for reply in self.stub.Join(wire.join_to_pb(join, probe=probe), timeout=timeout_s, metadata=self.metadata):
+            for reply in self.stub.Join(request, timeout=timeout_s, metadata=self.metadata):
                 if reply.HasField("header"):
                     header = reply.header
                     assembler = wire.StateAssembler()
@@ -210,15 +215,26 @@ class SyncClient:
         """Upload hand-made chunks (tests of the boundary checks)."""
         return self._call(self.stub.Contribute, iter(chunks))
 
-    def updates(self, learner_id: str, have_versions: list[int], session: Session) -> "UpdateStream":
+    def updates(self, learner_id: str, have_versions: list[int], session: Session,
+                part: tuple[int, int] | None = None) -> "UpdateStream":
+        """The learner's update stream (``part``: one rank's, each update's payload cut to its slices)."""
         request = pb.UpdatesRequest(learner_id=learner_id, have_versions=have_versions,
                                     session=wire.session_to_pb(session))
+        if part is not None:
+            request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         return UpdateStream(self.stub.Updates(request, metadata=self.metadata), self.address)
 
-    def fetch_state(self, timeout_s: float = CLIENT_FETCH_S) -> GlobalState:
+    def fetch_state(self, timeout_s: float = CLIENT_FETCH_S, *, learner_id: str = "", session: Session | None = None,
+                    part: tuple[int, int] | None = None) -> GlobalState:
+        """The global state; with ``part`` (and the learner's live ``session``), one rank's slices of it."""
+        request = pb.FetchStateRequest(learner_id=learner_id)
+        if part is not None:
+            assert session is not None
+            request.session.CopyFrom(wire.session_to_pb(session))
+            request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         assembler = wire.StateAssembler()
         try:
-            for chunk in self.stub.FetchState(pb.FetchStateRequest(), timeout=timeout_s, metadata=self.metadata):
+            for chunk in self.stub.FetchState(request, timeout=timeout_s, metadata=self.metadata):
                 assembler.add(chunk)
             return assembler.state()
         except grpc.RpcError as err:

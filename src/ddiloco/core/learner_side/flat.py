@@ -81,6 +81,11 @@ class FlatFragment:
         """Δ = anchor − θ: the int4 payload itself when ``fused_up`` (a new buffer of its exact
         size, one pass), else a new float32 tensor for the codec (one pass)."""
         self.check()
+        if not self.fused_up and self.buffer is None:  # one parameter at a time: no gathered copy beside Δ
+            delta = self.anchor.clone()
+            for segment, t in self._segments(delta):
+                segment.sub_(t.detach().reshape(-1).to(torch.float32))
+            return delta
         if not self.fused_up:
             return self.anchor - self._gather().to(torch.float32)
         block = self._uplink.block_size  # type: ignore[attr-defined]
@@ -137,6 +142,15 @@ class FlatFragment:
             self._mix(alpha)
 
     def _mix(self, alpha: float) -> None:
+        if self.buffer is None:  # unbound (an FSDP2 shard): one parameter at a time, no gathered copy
+            for segment, t in self._segments(self.anchor):
+                if not alpha:
+                    t.copy_(segment.view(t.shape))
+                elif t.dtype == torch.float32:
+                    t.mul_(alpha).add_(segment.view(t.shape), alpha=1.0 - alpha)
+                else:
+                    t.copy_(t.to(torch.float32).mul_(alpha).add_(segment.view(t.shape), alpha=1.0 - alpha))
+            return
         local = self._gather().to(torch.float32)  # a float32 buffer itself: merged in place
         if alpha:
             local.mul_(alpha).add_(self.anchor, alpha=1.0 - alpha)
@@ -144,6 +158,14 @@ class FlatFragment:
             local.copy_(self.anchor)
         if local is not self.buffer:
             self._scatter(local)
+
+    def _segments(self, flat: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each parameter beside its part of ``flat`` (a view; the anchor, or a vector laid out like it)."""
+        pairs, offset = [], 0
+        for t in self._tensors:
+            pairs.append((flat[offset:offset + t.numel()], t))
+            offset += t.numel()
+        return pairs
 
     def _gather(self) -> Tensor:
         """The parameters as one flat vector: the buffer itself, or a copy when unbound."""

@@ -139,6 +139,10 @@ class Bf16Codec(Codec):
         return data.view(torch.bfloat16).to(torch.float32)
 
 
+PASS_VALUES = 1 << 20
+"""Values a blockwise codec encodes or decodes per pass (``_BlockCodec._pass``)."""
+
+
 class _BlockCodec(Codec):
     """Shared layout of the blockwise codecs: float32 scales, then packed ``bits``-bit codes."""
 
@@ -165,21 +169,43 @@ class _BlockCodec(Codec):
         scales = payload[: 4 * math.ceil(numel / self.block_size)].view(np.float32)
         return not bool(np.isfinite(scales).all())
 
+    def _pass(self) -> int | None:
+        """Values per pass: a whole number of blocks whose codes fill whole bytes (None: one pass). The
+        blocks are independent, so passes give the bytes one pass would, with a few float32 copies of
+        one pass's values at a time instead of the whole vector's (a fragment of a large model)."""
+        if (self.block_size * self.bits) % 8:
+            return None
+        return max(1, PASS_VALUES // self.block_size) * self.block_size
+
     def _encode_tensor(self, x: Tensor) -> Tensor:
-        numel = x.numel()
-        blocks = _pad_to_blocks(x, self.block_size)
-        codes, scales = self._codes_and_scales(blocks, numel)
-        packed = _pack(codes.reshape(-1)[:numel], self.bits)
-        return torch.cat((scales.view(torch.uint8), packed))
+        numel, step = x.numel(), self._pass() or x.numel()
+        scales, packed = [], []
+        for start in range(0, numel, max(step, 1)):
+            part = x[start:start + step]
+            codes, part_scales = self._codes_and_scales(_pad_to_blocks(part, self.block_size), part.numel())
+            scales.append(part_scales)
+            packed.append(_pack(codes.reshape(-1)[:part.numel()], self.bits))
+        if not scales:  # an empty vector: no blocks, no codes
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        return torch.cat((torch.cat(scales).view(torch.uint8), *packed))
 
     def _decode_tensor(self, data: Tensor, numel: int) -> Tensor:
         num_blocks = math.ceil(numel / self.block_size)
-        scales = data[: 4 * num_blocks].view(torch.float32)
-        packed = data[4 * num_blocks:]
-        codes = _unpack(packed, self.bits, numel)
-        codes = torch.nn.functional.pad(codes, (0, num_blocks * self.block_size - numel))
-        values = self._values(codes.view(num_blocks, self.block_size), scales)
-        return values.reshape(-1)[:numel]
+        step = self._pass() or numel
+        out = torch.empty(numel, dtype=torch.float32, device=data.device) if numel > step else None
+        for start in range(0, numel, step):
+            stop = min(start + step, numel)
+            first, last = start // self.block_size, math.ceil(stop / self.block_size)
+            scales = data[4 * first: 4 * last].view(torch.float32)
+            packed = data[4 * num_blocks + start * self.bits // 8: 4 * num_blocks + math.ceil(stop * self.bits / 8)]
+            codes = _unpack(packed, self.bits, stop - start)
+            codes = torch.nn.functional.pad(codes, (0, (last - first) * self.block_size - (stop - start)))
+            values = self._values(codes.view(last - first, self.block_size), scales).reshape(-1)[:stop - start]
+            if out is None:  # one pass: its values are the vector, no copy
+                return values
+            out[start:stop] = values
+        assert out is not None
+        return out
 
 
 def fused_int4(codec: Codec) -> bool:

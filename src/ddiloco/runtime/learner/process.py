@@ -31,7 +31,7 @@ from ddiloco.runtime.batch_log import BatchLog
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import LayoutMismatch
 from ddiloco.runtime.learner.connect import probe_with_backoff
-from ddiloco.runtime.learner.ranks import leave_group
+from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.outputs.tb_log import EventLog
@@ -101,7 +101,7 @@ def start_process(args: argparse.Namespace) -> Place:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(process_group_backend(device))
+        init_group(process_group_backend(device))
     return Place(rank, world, device)
 
 

@@ -11,11 +11,13 @@ step, and the training thread would wait for the GPU to drain.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,28 @@ def share_step(flags: StepFlags | None, fragment_params: Sequence[Sequence[torch
             for param in fragment_params[p]:
                 dist.broadcast(param.data, src=0)
     return agreed
+
+
+def init_group(backend: str) -> None:
+    """``dist.init_process_group(backend)`` for a rank that torchrun started, in a store of its attempt's own.
+
+    torchrun's static rendezvous (``--master-port``, no ``--rdzv-backend``) keeps one TCPStore for the
+    whole job, across the restarts of its ranks, and ``init_process_group``'s ``env://`` adds no prefix
+    per attempt (torch assumes a new store per restart, which only the c10d rendezvous makes). So the
+    ranks of a restarted job meet under the keys their dead predecessors wrote: a rank that comes
+    first reads a sibling's old gloo address, and its connect is refused or, on a port taken since by
+    another process, hangs (issue 43: a rank killed with -9, the restarted job hung until its
+    deadline). Every attempt here (``TORCHELASTIC_RESTART_COUNT``) meets under a prefix of its own; a
+    process not under torchrun's agent store initializes as ``env://`` would."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    store = dist.PrefixStore(f"ddiloco/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def cpu_group() -> Any:

@@ -1,9 +1,10 @@
 """One rank's own connection to the synchronizer, for a sharded (FSDP2) learner.
 
 Every rank uploads its own slices (``core/shared/slices.py``), so the learner's uplink is spread over its
-ranks and no rank builds a whole fragment's Δ. Rank 0 alone speaks for the learner otherwise: it
-joins, heartbeats, leaves and holds the update stream (the updates and the joined state reach the
-other ranks through the job's own group, ``runtime/learner/sharded_runtime.py``).
+ranks and no rank builds a whole fragment's Δ; and every rank receives only its own slices: of the
+state (rank 0 in its join, the others by a fetch under the session rank 0 opened) and of every update
+(a stream per rank, each update cut by the synchronizer: ``runtime/sync/slice_parts.py``). Rank 0
+alone speaks for the learner otherwise: it joins, heartbeats and leaves.
 
 Nothing here decides anything: each call's outcome (accepted, refused and why, or unanswered) is
 recorded for the training thread, which applies the outcomes of all ranks to every rank's learner
@@ -22,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ddiloco.core.shared.actions import LearnerAction, Send, SendHeartbeat, SendLeave
-from ddiloco.core.shared.messages import FragmentUpdate, Join, RejectReason, Request, Session, StopNotice
+from ddiloco.core.shared.messages import FragmentUpdate, GlobalState, Join, RejectReason, Request, Session, StopNotice
 from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
@@ -49,14 +50,18 @@ class Outcome:
 
 
 class RankLink:
-    """This rank's uploads (a sender thread), and on rank 0 the update stream (a receiver thread)."""
+    """This rank's uploads (a sender thread) and its own update stream (a receiver thread)."""
 
-    def __init__(self, client: SyncClient, learner_id: str, slices: list[SliceSpec], *, leader: bool) -> None:
+    def __init__(self, client: SyncClient, learner_id: str, slices: list[SliceSpec], *, rank: int,
+                 world: int) -> None:
         self.client = client
         self.learner_id = learner_id
         self.slices = slices
-        self.leader = leader
+        self.part = (rank, world)
+        self.leader = rank == 0
         self.bytes_up = 0
+        self.bytes_down = 0
+        """Payload bytes this rank received: its slices of states and updates."""
         self.sent = 0
         self.unreachable = 0
         self.rejected: Counter[str] = Counter()
@@ -70,12 +75,9 @@ class RankLink:
         self._stream: UpdateStream | None = None
         self._sender = threading.Thread(target=self._send_loop, name=f"ddiloco-send-{learner_id}", daemon=True)
         self._sender.start()
-        self._receiver: threading.Thread | None = None
-        if leader:
-            self._followed = threading.Event()
-            self._receiver = threading.Thread(target=self._receive_loop, name=f"ddiloco-recv-{learner_id}",
-                                              daemon=True)
-            self._receiver.start()
+        self._followed = threading.Event()
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"ddiloco-recv-{learner_id}", daemon=True)
+        self._receiver.start()
 
     # ---- the training thread ---------------------------------------------------------------
 
@@ -96,18 +98,36 @@ class RankLink:
             self._outcomes, self._updates, self._stop_notice = [], [], False
         return outcomes, updates, stop
 
+    def take_updates(self) -> list[FragmentUpdate]:
+        """The updates since the last call (outcomes and the stop stay for :meth:`take`)."""
+        with self._lock:
+            updates, self._updates = self._updates, []
+        return updates
+
     def join(self, join: Join, timeout_s: float) -> JoinResult | Outcome:
-        """Rank 0 registers the learner: the state, or how the call ended."""
+        """Rank 0 registers the learner and receives its own slices of the state, or how the call ended."""
         try:
-            return self.client.join(join, timeout_s)
+            joined = self.client.join(join, timeout_s, part=self.part)
         except CallRefused as err:
             return Outcome(join, Answer.REFUSED, err.reason)
         except Unreachable as err:
             log.warning("join of %s unanswered: %s", self.learner_id, err)
             return Outcome(join, Answer.UNANSWERED)
+        self.bytes_down += sum(4 * f.values.numel() for f in joined.state.fragments)
+        return joined
+
+    def fetch(self, session: Session, timeout_s: float) -> GlobalState | None:
+        """Another rank's slices of the state, under ``session`` (rank 0's); None if refused or unanswered."""
+        try:
+            state = self.client.fetch_state(timeout_s, learner_id=self.learner_id, session=session, part=self.part)
+        except (CallRefused, Unreachable) as err:
+            log.warning("rank %d of %s: state fetch failed: %s", self.part[0], self.learner_id, err)
+            return None
+        self.bytes_down += sum(4 * f.values.numel() for f in state.fragments)
+        return state
 
     def follow(self, session: Session, versions: list[int]) -> None:
-        """Rank 0 receives the updates of ``session`` from ``versions`` on (a new registration: a new stream)."""
+        """Receive this rank's slices of the updates of ``session`` from ``versions`` on (a new stream)."""
         with self._lock:
             self._follow = (session, list(versions))
             stream, self._stream = self._stream, None
@@ -128,8 +148,7 @@ class RankLink:
             stream, self._stream = self._stream, None
         if stream is not None:
             stream.cancel()
-        if self.leader:
-            self._followed.set()
+        self._followed.set()
         self._sender.join(timeout=30.0)
         self.client.close()
 
@@ -178,7 +197,7 @@ class RankLink:
                 self._followed.clear()
                 continue
             session, versions = follow
-            stream = self.client.updates(self.learner_id, versions, session)
+            stream = self.client.updates(self.learner_id, versions, session, self.part)
             with self._lock:
                 if self._follow is not follow:  # a newer registration meanwhile
                     stream.cancel()
@@ -191,6 +210,7 @@ class RankLink:
                             self._stop_notice = True
                         else:
                             self._updates.append(item)
+                            self.bytes_down += len(item.payload)
                             versions[item.fragment] = max(versions[item.fragment], item.version)
                     delay = BACKOFF_START_S
             except CallRefused as err:  # the session ended: the core rejoins, and follow() names the new one

@@ -5,17 +5,21 @@
 (:class:`~ddiloco.core.learner_side.learner_core.Learner`) over its local shards only: its anchors, Δ and merges
 are its slice of each fragment (``core/shared/slices.py``), so no rank holds more than its shard plus its
 slice's anchor. Each rank uploads its slices itself (``sharded_link.RankLink``); the synchronizer
-admits a contribution once all its slices are in (``core/sync_side/slice_assembly.py``). Rank 0 speaks for
-the learner otherwise: it registers, heartbeats, leaves and receives the update stream.
+admits a contribution once all its slices are in (``core/sync_side/slice_assembly.py``). Each rank also
+receives only its own slices: of the state (rank 0 in its join, the others by a fetch under rank 0's
+session) and of every update (its own stream, cut by the synchronizer; ``core/shared/slice_cut.py``).
+Rank 0 speaks for the learner otherwise: it registers, heartbeats and leaves.
 
 The W cores must make the same decisions at the same step, or their slices would stop matching.
 So nothing reaches a core between two steps: after every step the ranks exchange, over the job's
-CPU group, what each one's calls came to and what rank 0 received (a join's state, updates, the
-stop), and every rank applies all of it, in one order, to its core — an update as its own slice of
-the payload (``core/learner_side/slice_codec.py``). A contribution counts as accepted once every rank's slice
-was; refused if any was (the synchronizer's verdict on the whole comes to the rank whose slice
-completed it); unanswered if any went unanswered (its steps go into the next one, whose slices end
-the incomplete set at the synchronizer).
+CPU group, a few numbers — what each one's calls came to, how far each one's held updates reach
+(``held_updates.py``), rank 0's join header, the stop — and every rank applies the same things in
+one order to its core: the updates every rank holds, each rank its own slice of them. A join's
+slices are fetched at moments apart, so their versions may differ: every rank moves its slice to
+the newest of them with the updates its stream brings, then all adopt the same versions. A
+contribution counts as accepted once every rank's slice was; refused if any was (the synchronizer's
+verdict on the whole comes to the rank whose slice completed it); unanswered if any went unanswered
+(its steps go into the next one, whose slices end the incomplete set at the synchronizer).
 
 Not supported yet (refused in one line): a sharded synchronizer, synchronous DiLoCo and
 ``protocol.max_wait_s`` (waits end at times each rank would see differently).
@@ -39,13 +43,14 @@ from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import UpdateResult
-from ddiloco.core.shared.messages import Contribution, FragmentValue, GlobalState, Join
-from ddiloco.core.learner_side.slice_codec import decode_slice
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, FragmentValue, GlobalState, Join
+from ddiloco.core.shared.slice_cut import decode_cut
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff
+from ddiloco.runtime.learner.held_updates import HeldUpdates, catch_up
 from ddiloco.runtime.learner.ranks import cpu_group
 from ddiloco.runtime.learner.sharded_layout import sharded_params
 from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
@@ -95,7 +100,8 @@ class ShardedLearnerRuntime:
         self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
                             tokens_per_step=tokens_per_step * self.world, bind=False)
         self._shards = [(n, p, params.local[n].data_ptr()) for n, p in model.named_parameters() if n in sharded]
-        self.link = RankLink(clients[0], learner_id, self._specs, leader=self.is_leader)
+        self.link = RankLink(clients[0], learner_id, self._specs, rank=self.rank, world=self.world)
+        self._held = HeldUpdates(len(self._specs))
         self._pending: dict[tuple[int, int, Any], dict[int, Outcome]] = {}
         self._wants_join = False
         self._failure: str | None = None
@@ -156,6 +162,11 @@ class ShardedLearnerRuntime:
         return self.link.bytes_up
 
     @property
+    def bytes_down(self) -> int:
+        """Payload bytes this rank received (its slices of states and updates)."""
+        return self.link.bytes_down
+
+    @property
     def contributions_sent(self) -> int:
         """Slices this rank uploaded (and had answered)."""
         return self.link.sent
@@ -214,58 +225,104 @@ class ShardedLearnerRuntime:
         admission: JoinResult | Outcome | None = None
         if self.is_leader and self._wants_join:
             self._wants_join = False
-            admission = self.link.join(Join(self.learner_id, self.boot, self.core.tokens_per_step),
-                                       self._join_timeout_s)
+            admission = self.link.join(self._join_request(), self._join_timeout_s)
         outcomes, updates, stop = self.link.take()
+        self._held.add(updates)
         joined = admission if isinstance(admission, JoinResult) else None
-        news = (outcomes, self._failure, updates, stop, admission if isinstance(admission, Outcome) else None,
-                None if joined is None else (joined.state.session, joined.state.incarnation,
-                                             joined.state.data_position, joined.state.versions(),
-                                             bool(joined.header.stop)))
-        values: list[torch.Tensor | None] = [] if joined is None else [f.values for f in joined.state.fragments]
-        admission = joined = None  # the values alone are kept, and dropped as they are sent
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, news, group=self._group)
+        header = None if joined is None else (joined.state.session, joined.state.incarnation,
+                                              joined.state.data_position, bool(joined.header.stop))
+        news = (outcomes, self._failure, stop, admission if isinstance(admission, Outcome) else None, header,
+                self._reach())
+        everyone = self._gather(news)
         now = time.monotonic()
-        _, _, updates, stop, join_outcome, header = everyone[0]
+        _, _, _, join_outcome, header, _ = everyone[0]
         if header is not None:
-            self._adopt(values, header, now)
+            self._join_all(None if joined is None else joined.state, header, now)
         elif join_outcome is not None:
             self._settle_one(join_outcome, now)
         self._settle([e[0] for e in everyone], now)
-        for update in updates:
-            values = decode_slice(self._downlink, update.payload, self._numel[update.fragment],
-                                  self._specs[update.fragment])
-            self._take(self.core.on_update(update, now, values=values))
-        if stop:
+        if header is None:
+            self._apply_updates([e[5] for e in everyone], now)
+        if any(e[2] for e in everyone):
             self._take(self.core.on_stop(now))
         failures = [(r, e[1]) for r, e in enumerate(everyone) if e[1]]
         if failures:
             raise DdilocoError(f"rank {failures[0][0]}: {failures[0][1]}")
         self._take(self.core.tick(now))
 
-    def _adopt(self, values: list[torch.Tensor | None], header: tuple, now: float) -> None:
-        """The state rank 0 joined with (``values``, rank 0's; each dropped once sent): a fragment at a time,
-        every rank receives it over the job's group and keeps its slice, then adopts them all."""
-        session, incarnation, data_position, versions, stop = header
+    def _gather(self, news: Any) -> list[Any]:
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, news, group=self._group)
+        return everyone
+
+    def _join_request(self) -> Join:
+        return Join(self.learner_id, self.boot, self.core.tokens_per_step)
+
+    def _reach(self) -> list[tuple[int, bool]] | None:
+        """How far this rank's held updates reach, per fragment (None before the first session)."""
+        session = self.core.session_of(0) if self.core.joined else None
+        return None if session is None else self._held.reach(self.core.versions, session.incarnation)
+
+    def _apply_updates(self, reaches: list[list[tuple[int, bool]] | None], now: float) -> None:
+        """Apply, per fragment, the updates every rank holds; a gap any rank has is every rank's."""
+        if any(r is None for r in reaches):
+            return
+        session = self.core.session_of(0)
+        for p in range(len(self._specs)):
+            agreed = min(r[p][0] for r in reaches)  # type: ignore[index]
+            for update in self._held.take(p, self.core.versions[p], agreed):
+                self._take(self.core.on_update(update, now, values=self._decode(update)))
+            if any(r[p][1] for r in reaches) and session is not None:  # type: ignore[index]
+                missed = FragmentUpdate(p, self.core.versions[p] + 2, self._downlink.name, b"", session.incarnation)
+                self._take(self.core.on_update(missed, now))  # the core decides the rejoin, as for a gap of its own
+
+    def _decode(self, update: FragmentUpdate) -> torch.Tensor:
+        p = update.fragment
+        return decode_cut(self._downlink, update.payload, self._numel[p], self._specs[p])
+
+    def _join_all(self, mine: GlobalState | None, header: tuple, now: float) -> None:
+        """Rank 0 joined (``mine``: its slices; ``header``: what it learned): every other rank fetches its
+        own slices under that session, every rank follows its stream from what it fetched, and when the
+        streams have brought every rank to the newest version any fetched, all adopt those versions.
+        A fetch refused or unanswered, a gap, or the join's deadline passing: the join went unanswered
+        for every core, which tries again."""
+        session, incarnation, data_position, stop = header
+        if not self.is_leader:
+            mine = self.link.fetch(session, self._join_timeout_s)
+        if mine is not None:
+            self._held.clear()
+            self.link.follow(session, mine.versions())
+        fetched = None if mine is None else list(mine.versions())
+        everyone = self._gather(fetched)
+        deadline = time.monotonic() + self._join_timeout_s
+        while all(f is not None for f in everyone):
+            target = [max(f[p] for f in everyone) for p in range(len(self._specs))]
+            self._held.add(self.link.take_updates())
+            reach = self._held.reach(fetched, incarnation) if fetched is not None else []
+            ready = all(r >= t for (r, _), t in zip(reach, target))
+            gap = any(g for _, g in reach)
+            verdict = self._gather((ready, gap, time.monotonic() > deadline))
+            if all(v[0] for v in verdict):
+                self._adopt(mine, target, header, now)
+                return
+            if any(v[1] or v[2] for v in verdict):
+                break
+            time.sleep(0.02)
+        self._settle_one(Outcome(self._join_request(), Answer.UNANSWERED), now)
+
+    def _adopt(self, mine: GlobalState, target: list[int], header: tuple, now: float) -> None:
+        """Every rank adopts its slices moved to the ``target`` versions (the same on every rank)."""
+        session, incarnation, data_position, stop = header
         fragments = []
-        for p, version in enumerate(versions):
-            held = values[p] if self.is_leader else None
-            buf = torch.empty(self._numel[p]) if held is None else held.to(torch.float32).flatten().contiguous()
-            if self.is_leader:
-                values[p] = held = None
-            dist.broadcast(buf, src=0, group=self._group)
-            ranges = self._specs[p].ranges
-            fragments.append(FragmentValue(p, version, torch.cat([buf[a:a + n] for a, n in ranges]) if ranges
-                                           else torch.empty(0)))
-            del buf  # one whole fragment at a time
+        for frag in mine.fragments:
+            updates = self._held.take(frag.fragment, frag.version, target[frag.fragment])
+            fragments.append(FragmentValue(frag.fragment, target[frag.fragment],
+                                           catch_up(frag.values, updates, self._decode)))
         if not self.core.links[0].joining:
             self.core.links[0].start_join()  # every rank takes the registration rank 0 made
         state = GlobalState(tuple(fragments), incarnation=incarnation, session=session, data_position=data_position)
         self._take(self.core.on_admitted(state, now, stop=stop))
         self._joins += 1
-        if self.is_leader:
-            self.link.follow(session, list(self.core.versions))
         log.info("rank %d adopted the global state at versions %s", self.rank, list(self.core.versions))
 
     def _settle(self, per_rank: list[list[Outcome]], now: float) -> None:

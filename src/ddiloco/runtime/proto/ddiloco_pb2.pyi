@@ -47,16 +47,26 @@ class Progress(_message.Message):
     def __init__(self, boot: _Optional[str] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "probe", "boot", "tokens_per_step")
+    __slots__ = ("learner_id", "probe", "boot", "tokens_per_step", "part")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     BOOT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     probe: bool
     boot: str
     tokens_per_step: int
-    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
+    part: RankSlice
+    def __init__(self, learner_id: _Optional[str] = ..., probe: _Optional[bool] = ..., boot: _Optional[str] = ..., tokens_per_step: _Optional[int] = ..., part: _Optional[_Union[RankSlice, _Mapping]] = ...) -> None: ...
+
+class RankSlice(_message.Message):
+    __slots__ = ("rank", "world")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world: int
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ...) -> None: ...
 
 class JoinHeader(_message.Message):
     __slots__ = ("incarnation", "protocol_json", "period", "fragments", "versions", "data_shard", "finished", "layout_sha256", "session", "run_json", "stop", "shard", "shards", "run_sha256", "data_position")
@@ -191,14 +201,16 @@ class ContributeReply(_message.Message):
     def __init__(self, stop: _Optional[bool] = ...) -> None: ...
 
 class UpdatesRequest(_message.Message):
-    __slots__ = ("learner_id", "have_versions", "session")
+    __slots__ = ("learner_id", "have_versions", "session", "part")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     have_versions: _containers.RepeatedScalarFieldContainer[int]
     session: Session
-    def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+    part: RankSlice
+    def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., part: _Optional[_Union[RankSlice, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
     __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation", "round_age_s")
@@ -223,8 +235,14 @@ class Update(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ..., round_age_s: _Optional[float] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("learner_id", "session", "part")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    session: Session
+    part: RankSlice
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., part: _Optional[_Union[RankSlice, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("learner_id", "session", "progress")

@@ -131,7 +131,8 @@ class Boundary:
         (raises :class:`Abort`)."""
         identity = self.admit(context)
         request = self.parse(message_type, raw)
-        if hasattr(request, "learner_id"):  # status and state fetches are not a learner's traffic
+        # Status and whole-state fetches are not a learner's traffic; a rank's fetch of its slices is.
+        if hasattr(request, "learner_id") and (request.learner_id or not isinstance(request, pb.FetchStateRequest)):
             _check_learner(request.learner_id)
             self.count_in(request.learner_id, -1, len(raw))
             try:

@@ -35,7 +35,7 @@ import grpc
 from ddiloco.settings.config import Config
 from ddiloco.core.shared.actions import Admitted, Refused, StateDelivered
 from ddiloco.core.shared.protocol_config import Mode
-from ddiloco.core.shared.messages import RejectReason, StopNotice
+from ddiloco.core.shared.messages import RejectReason, Session, StopNotice
 from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.core.sync_side.sync_status import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
@@ -54,6 +54,7 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service_records import ServiceRecords
+from ddiloco.runtime.sync.slice_parts import Part, SliceParts, part_of
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
@@ -137,7 +138,9 @@ class SyncService(ServiceRecords):
                      options.state_dir, list(self.core.versions()), self.writer.replayed)
         elif options.resume is not Resume.NEW_RUN:
             log.info("no checkpoint in %s: starting a new run", options.state_dir)
-        self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes))
+        self.parts = SliceParts(self.layout, self.protocol.block_size)
+        self.streams = UpdateStreams(len(self.layout.plan.fragments), replay_budget(self.core.state_bytes),
+                                     self.parts.update)
         self.host: SyncHost | None = None
         self.copies = SharedCopies(lambda fn: self._host.query(fn), lambda: self._host.durable())
 
@@ -197,18 +200,21 @@ class SyncService(ServiceRecords):
                 await self.calls.write(context, self.boundary.out(req.learner_id, -1, pb.JoinReply(header=header)),
                                        "join")
                 return
-            join = wire.join_from_pb(req)
+            join, part = wire.join_from_pb(req), part_of(req)
             async with self.calls.transfers.hold():
                 reply = await self._host.handle(join)
                 if isinstance(reply, Refused):
                     await self.boundary.refused(context, reply)
                     return
                 assert isinstance(reply, Admitted)
-                await self._send_state(context, reply)
+                self.parts.worlds.pop(join.learner_id, None)
+                if part is not None:  # a sharded learner: its other ranks fetch and follow under this session
+                    self.parts.worlds[join.learner_id] = part[1]
+                await self._send_state(context, reply, part)
 
         await self._guarded(context, work)
 
-    async def _send_state(self, context: grpc.aio.ServicerContext, reply: Admitted) -> None:
+    async def _send_state(self, context: grpc.aio.ServicerContext, reply: Admitted, part: Part | None) -> None:
         """The header and the global state; the core hears whether it all went out (the lease waits till then)."""
         learner, session = reply.learner_id, reply.state.session
         assert session is not None
@@ -224,7 +230,8 @@ class SyncService(ServiceRecords):
         async def send() -> None:
             await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
             await self.copies.send(self.core.owned, lambda chunk: self.calls.write(
-                context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"))
+                context, self.boundary.out(learner, chunk.fragment, pb.JoinReply(chunk=chunk)), "join"),
+                None if part is None else lambda value: self.parts.value(value, part))
 
         delivered = False
         deadline = self.calls.transfer_deadline_s(self.core.state_bytes)
@@ -268,18 +275,13 @@ class SyncService(ServiceRecords):
     async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async def work() -> None:
             req = self.boundary.receive(context, pb.UpdatesRequest, raw)
-            name = req.learner_id
-            session = wire.session_from_pb(req.session)
-            if await self._host.query(lambda core: core.session_problem(name, session)) is not None:
-                # Not counted: joining again is the normal way back after a lease expiry or a restart.
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"unknown_learner: no live session {session} for {name!r}: join again",
-                                    trailing_metadata=((REASON_HEADER, str(RejectReason.UNKNOWN_LEARNER)),))
+            name, part = req.learner_id, part_of(req)
+            if not await self._live_session(context, name, wire.session_from_pb(req.session), part):
                 return
-            self.calls.bound_to_session()  # one stream per learner from here: a new one replaces it
-            sub = self.streams.subscribe(name)
+            self.calls.bound_to_session()  # one stream per learner (and rank) from here: a new one replaces it
+            sub = self.streams.subscribe(name, part)
             try:
-                for p, chunks in self.streams.replay(list(req.have_versions)):
+                for p, chunks in self.streams.replay(list(req.have_versions), part):
                     for data in chunks:
                         self.boundary.count_out(name, p, len(data))
                         await self.calls.write(context, data, "the update stream")
@@ -309,17 +311,34 @@ class SyncService(ServiceRecords):
 
     async def fetch_state(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async def work() -> None:
-            self.boundary.receive(context, pb.FetchStateRequest, raw)
+            req = self.boundary.receive(context, pb.FetchStateRequest, raw)
+            part = part_of(req)
+            if part is not None and not await self._live_session(context, req.learner_id,
+                                                                 wire.session_from_pb(req.session), part):
+                return
             async with self.calls.transfers.hold():
                 deadline = self.calls.deadline_s(self.core.state_bytes)
-
+                cut = None if part is None else lambda value: self.parts.value(value, part)
                 try:
                     await asyncio.wait_for(self.copies.send(self.core.owned, lambda chunk: self.calls.write(
-                        context, chunk.SerializeToString(), "the state fetch")), deadline)
+                        context, chunk.SerializeToString(), "the state fetch"), cut), deadline)
                 except asyncio.TimeoutError:
                     raise timed_out("the state fetch", deadline) from None
 
         await self._guarded(context, work)
+
+    async def _live_session(self, context: grpc.aio.ServicerContext, name: str, session: Session,
+                            part: Part | None) -> bool:
+        """Does ``session`` of learner ``name`` live (and ``part`` fit the W it joined with)? Else the
+        call ends: ``unknown_learner``, not counted (joining again is the normal way back after a lease
+        expiry or a restart); a part of another W is malformed."""
+        if await self._host.query(lambda core: core.session_problem(name, session)) is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"unknown_learner: no live session {session} for {name!r}: join again",
+                                trailing_metadata=((REASON_HEADER, str(RejectReason.UNKNOWN_LEARNER)),))
+            return False
+        self.parts.check_world(name, part)
+        return True
 
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:

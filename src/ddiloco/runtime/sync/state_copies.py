@@ -51,11 +51,13 @@ class SharedCopies:
         self._cache[fragment] = shared
         return shared
 
-    async def send(self, fragments: Sequence[int], write: Callable[[pb.StateChunk], Awaitable[None]]) -> None:
-        """Send these fragments' values in chunks, one fragment's copy held at a time."""
+    async def send(self, fragments: Sequence[int], write: Callable[[pb.StateChunk], Awaitable[None]],
+                   cut: Callable[[FragmentValue], FragmentValue] | None = None) -> None:
+        """Send these fragments' values in chunks, one fragment's copy held at a time (each ``cut`` to
+        a rank's slice if given: ``slice_parts.py``)."""
         for p in fragments:
             shared = await self.get(p)
             await self._durable()
-            for chunk in wire.fragment_chunks(shared.value):
+            for chunk in wire.fragment_chunks(shared.value if cut is None else cut(shared.value)):
                 await write(chunk)
             del shared  # the next fragment's copy replaces this one

@@ -1,6 +1,7 @@
 """Learners' update streams: the synchronizer pushes every new fragment value as it is made.
 
-Each learner holds one server stream (``Updates``); a broadcast is serialized once and
+Each learner holds one server stream (``Updates``), a sharded learner one per rank, each cut
+to that rank's slice (``slice_parts.py``); a broadcast is serialized once per distinct cut and
 queued to every recipient's stream, and a stop notice goes the same way. What is replayed to
 a learner that resubscribes, and when a stream is too slow, is the protocol's rule
 (:mod:`ddiloco.core.sync_side.replay`, followed by the virtual cluster too).
@@ -15,6 +16,7 @@ from typing import Callable, Iterator
 
 from ddiloco.core.shared.messages import FragmentUpdate, StopNotice
 from ddiloco.core.sync_side.replay import ReplayLog, too_slow
+from ddiloco.runtime.sync.slice_parts import Part
 from ddiloco.runtime.wire import update_chunks
 
 log = logging.getLogger("ddiloco.sync")
@@ -39,67 +41,85 @@ class Delivery:
 
 @dataclass(slots=True)
 class Subscriber:
+    part: Part | None = None
+    """The rank of a sharded learner this stream serves (its updates cut to its slice), or None: whole."""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     backlog: int = 0
 
 
-class UpdateStreams:
-    def __init__(self, fragments: int, replay_bytes: int) -> None:
-        self._subscribers: dict[str, Subscriber] = {}
-        self._replay: ReplayLog[list[bytes]] = ReplayLog(fragments, replay_bytes)
+Cut = Callable[[FragmentUpdate, Part], FragmentUpdate]
 
-    def subscribe(self, learner: str) -> Subscriber:
-        """A new stream for ``learner`` (replacing the one it had, which is closed)."""
-        previous = self._subscribers.get(learner)
+
+class UpdateStreams:
+    def __init__(self, fragments: int, replay_bytes: int, cut: Cut | None = None) -> None:
+        self._subscribers: dict[str, dict[int, Subscriber]] = {}
+        """Per learner, its streams by rank (0 for an unsharded learner)."""
+        self._replay: ReplayLog[FragmentUpdate] = ReplayLog(fragments, replay_bytes)
+        self._cut = cut
+
+    def subscribe(self, learner: str, part: Part | None = None) -> Subscriber:
+        """A new stream for ``learner``'s rank ``part`` (replacing the one that rank had, which is closed)."""
+        ranks = self._subscribers.setdefault(learner, {})
+        rank = 0 if part is None else part[0]
+        previous = ranks.get(rank)
         if previous is not None:
             previous.queue.put_nowait(CLOSE)
-        sub = self._subscribers[learner] = Subscriber()
+        sub = ranks[rank] = Subscriber(part)
         return sub
 
     def unsubscribe(self, learner: str, sub: Subscriber) -> None:
         """``sub``'s stream has ended: what it had not written is dropped."""
-        if self._subscribers.get(learner) is sub:
-            del self._subscribers[learner]
+        ranks = self._subscribers.get(learner, {})
+        rank = 0 if sub.part is None else sub.part[0]
+        if ranks.get(rank) is sub:
+            del ranks[rank]
+            if not ranks:
+                del self._subscribers[learner]
         while not sub.queue.empty():
             item = sub.queue.get_nowait()
             if isinstance(item, tuple) and item[2] is not None:
                 item[2].done()
 
-    def replay(self, have_versions: list[int]) -> Iterator[tuple[int, list[bytes]]]:
-        """Recent updates newer than what a resubscribing learner holds, per fragment in order."""
-        return self._replay.since(have_versions)
+    def replay(self, have_versions: list[int], part: Part | None = None) -> Iterator[tuple[int, list[bytes]]]:
+        """Recent updates newer than what a resubscribing learner holds, per fragment in order (cut to ``part``)."""
+        for p, update in self._replay.since(have_versions):
+            if part is not None:
+                assert self._cut is not None
+                update = self._cut(update, part)
+            yield p, update_chunks(update)
 
     def publish(self, update: FragmentUpdate, recipients: tuple[str, ...],
                 on_sent: Callable[[], None] | None = None) -> None:
         """Queue ``update`` to each recipient's stream; ``on_sent`` runs once every stream it
         was queued to has written it (never, if no recipient listens)."""
-        chunks = update_chunks(update)
-        self._replay.record(update.fragment, update.version, chunks, sum(map(len, chunks)))
+        cuts: dict[Part | None, list[bytes]] = {None: update_chunks(update)}  # serialized once per distinct cut
+        self._replay.record(update.fragment, update.version, update, len(update.payload))
         delivery = Delivery(on_sent) if on_sent is not None else None
         for name in recipients:
-            sub = self._subscribers.get(name)
-            if sub is None:
-                continue  # not listening right now: it replays or rejoins when it resubscribes
-            if too_slow(sub.backlog):
+            subs = list(self._subscribers.get(name, {}).values())  # not listening: it replays or rejoins later
+            if any(too_slow(sub.backlog) for sub in subs):
                 log.warning("learner %s: update stream too slow, closing it", name)
                 self.close(name)
                 continue
-            sub.backlog += 1
-            sub.queue.put_nowait((update.fragment, chunks, delivery))
-            if delivery is not None:
-                delivery.pending += 1
+            for sub in subs:
+                if sub.part not in cuts:
+                    assert self._cut is not None and sub.part is not None
+                    cuts[sub.part] = update_chunks(self._cut(update, sub.part))
+                sub.backlog += 1
+                sub.queue.put_nowait((update.fragment, cuts[sub.part], delivery))
+                if delivery is not None:
+                    delivery.pending += 1
 
     def stop(self, recipients: tuple[str, ...] | None = None) -> None:
         """Tell learners (all subscribed ones by default) that the run's budget is spent."""
         names = list(self._subscribers) if recipients is None else recipients
         for name in names:
-            sub = self._subscribers.get(name)
-            if sub is not None:
+            for sub in self._subscribers.get(name, {}).values():
                 sub.queue.put_nowait(StopNotice())
 
     def close(self, learner: str) -> None:
-        sub = self._subscribers.pop(learner, None)
-        if sub is not None:
+        """Close every stream of ``learner`` (all its ranks')."""
+        for sub in self._subscribers.pop(learner, {}).values():
             sub.queue.put_nowait(CLOSE)
 
     def close_all(self) -> None:

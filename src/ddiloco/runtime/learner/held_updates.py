@@ -1,0 +1,60 @@
+"""The updates one rank of a sharded learner received and its core has not applied yet.
+
+Each rank follows its own update stream (its slices only), so the ranks receive an update at
+different moments, and a rank's core may apply an update only at a step where every rank's core
+applies it: the W cores must stay identical. So each rank holds what its stream brought, says at
+every step how far it could go (``reach``: the last version of each fragment it holds without a
+hole, after its core's), and all apply up to the smallest reach (``sharded_runtime.py``). A hole
+never fills (a stream sends in order and resumes after the last version it delivered), so a rank
+that holds a later version without the next one has missed it: a ``gap``, which ends in a rejoin
+for every rank at once, as a gap does for an unsharded learner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddiloco.core.shared.messages import FragmentUpdate
+
+
+class HeldUpdates:
+    """Per fragment, received updates by version (one incarnation of the synchronizer's counts)."""
+
+    def __init__(self, fragments: int) -> None:
+        self._held: list[dict[int, FragmentUpdate]] = [{} for _ in range(fragments)]
+
+    def add(self, updates: Sequence[FragmentUpdate]) -> None:
+        for update in updates:
+            self._held[update.fragment][update.version] = update
+
+    def reach(self, versions: Sequence[int], incarnation: int) -> list[tuple[int, bool]]:
+        """Per fragment, from the core's ``versions``: the last version held without a hole, and
+        whether a later one is held (a gap). Updates of another incarnation or already applied go."""
+        answer = []
+        for p, held in enumerate(self._held):
+            for v in [v for v, u in held.items() if v <= versions[p] or u.incarnation != incarnation]:
+                del held[v]
+            last = versions[p]
+            while last + 1 in held:
+                last += 1
+            answer.append((last, any(v > last + 1 for v in held)))
+        return answer
+
+    def take(self, fragment: int, after: int, through: int) -> list[FragmentUpdate]:
+        """The updates of ``fragment`` from version ``after + 1`` to ``through``, in order (let go here)."""
+        return [self._held[fragment].pop(v) for v in range(after + 1, through + 1)]
+
+    def clear(self) -> None:
+        for held in self._held:
+            held.clear()
+
+
+def catch_up(values: torch.Tensor, updates: Sequence[FragmentUpdate],
+             decode: Callable[[FragmentUpdate], torch.Tensor]) -> torch.Tensor:
+    """A slice's value moved through ``updates`` in order: the synchronizer's canonical value is the
+    sum of the dequantized updates (``FragmentUpdate``), so this is its slice bit for bit."""
+    for update in updates:
+        values = values + decode(update)
+    return values
