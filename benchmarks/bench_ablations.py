@@ -27,7 +27,6 @@ from ddiloco.sim.experiment import run_virtual
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402
 
-
 EXPERIMENTS: dict[str, list[tuple[str, tuple[str, ...], dict[str, Any]]]] = {
     "mixed hardware (half the learners 18% slower, jitter 0.1), 400 virtual s": [
         (label, ("cluster.slow_fraction=0.5", "cluster.slow_factor=1.18", "cluster.jitter=0.1", *sets),

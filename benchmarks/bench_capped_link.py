@@ -61,11 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import MODELS  # noqa: E402
 from stamp import stamp  # noqa: E402
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.errors import ConfigError  # noqa: E402
 from ddiloco.runtime.launch.netns import NS_PREFIX, check_available, tag_of  # noqa: E402
 from ddiloco.runtime.launch.topology import format_rate, parse_rate  # noqa: E402
 from ddiloco.runtime.layout import reference_layout  # noqa: E402
+from ddiloco.settings.config_sources import build_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.98

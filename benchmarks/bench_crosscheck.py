@@ -38,16 +38,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ddiloco.settings.config import Config
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.scale.bandwidth_model import BandwidthInputs, ByteCheck, check_counted_bytes
-from ddiloco.sim.virtual_cluster import VirtualCluster
-from ddiloco.sim.faults import FailureTrace
 from ddiloco.scale.small_cluster import SmallClusterPrediction, predict_small_cluster
+from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.harness import Recorder
-from ddiloco.workload.workload import Workload
 from ddiloco.sim.network import HEADER_BYTES
+from ddiloco.sim.virtual_cluster import VirtualCluster
+from ddiloco.workload.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402

@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.sim.experiment import run_virtual
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from ddiloco.outputs.run_plot import plot_runs
 from ddiloco.settings.config import MODES, Config
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
-from ddiloco.outputs.run_plot import plot_runs
 from ddiloco.workload.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

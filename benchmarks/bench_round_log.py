@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import stamp  # noqa: E402
 
-from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator  # noqa: E402
 from ddiloco.core.shared.codecs import get_codec  # noqa: E402
 from ddiloco.core.shared.kernels import compile_kernels  # noqa: E402
+from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator  # noqa: E402
 from ddiloco.core.sync_side.merge import merge_rule  # noqa: E402
 from ddiloco.core.sync_side.outer import NesterovSGD  # noqa: E402
 from ddiloco.core.sync_side.rounds import GlobalFragment  # noqa: E402

@@ -42,15 +42,15 @@ from typing import Any
 import torch
 
 from ddiloco.commands.options import add_device_option
-from ddiloco.settings.config_sources import build_config
-from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.actions import RoundClosed
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import Contribution, Join, Session
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
-from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.layout import reference_layout
+from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload

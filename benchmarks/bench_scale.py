@@ -36,14 +36,14 @@ import numpy as np
 import torch
 
 from ddiloco.commands.options import add_device_option
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.config import Config
 from ddiloco.settings.config_sources import build_config
-from ddiloco.core.shared.errors import ConfigError
 from ddiloco.sim.experiment import run_virtual, run_warm_started
 from ddiloco.workload.corpus import load_corpus
 from ddiloco.workload.device import resolve_device
-from ddiloco.workload.trainer import Precision
 from ddiloco.workload.model import VOCAB_SIZE
+from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

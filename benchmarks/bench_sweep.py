@@ -24,7 +24,6 @@ from ddiloco.sim.experiment import run_virtual
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402
 
-
 GRID = (
     "run.mode=dp",
     "run.mode=dp,train.lr=0.006",

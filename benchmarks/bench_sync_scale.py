@@ -48,8 +48,8 @@ import torch
 from safetensors.torch import save_file
 
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.messages import Contribution, Join, Session
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.launch.local_run import free_port
@@ -505,8 +505,8 @@ def merge_vs_memcpy(numel: int, repeats: int) -> tuple[float, float, float]:
 def downlink_vs_model(quick: bool) -> float:
     import bench_crosscheck as xc
 
-    from ddiloco.settings.config_sources import build_config
     from ddiloco.scale.bandwidth_model import check_counted_bytes
+    from ddiloco.settings.config_sources import build_config
     from ddiloco.sim.network import HEADER_BYTES
 
     config = (xc.tiny_config(learners=4, seed=0, time_s=240.0) if quick

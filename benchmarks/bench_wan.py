@@ -50,13 +50,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddiloco.settings.config import Config
-from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.launch.launcher import run_processes
-from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.launch.run_log import read_timeline
 from ddiloco.runtime.launch.topology import format_rate, parse_rate, uniform
+from ddiloco.runtime.layout import reference_layout
 from ddiloco.scale import bandwidth_model as bw
+from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import build_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import stamp  # noqa: E402

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.settings import config_docs
 from ddiloco.cli import build_parser
 from ddiloco.commands.options import config_from_args
+from ddiloco.settings import config_docs
 from ddiloco.settings.config import Config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from cli_lines import check_command, doc_commands
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

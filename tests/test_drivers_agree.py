@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from ddiloco.settings.config_sources import build_config
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import LoopMove
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
@@ -42,12 +43,12 @@ from ddiloco.core.shared.actions import (
     Tick,
 )
 from ddiloco.core.shared.fragments import flatten, plan_fragments
-from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.learner_side.learner_phase import LoopMove
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Session, StopNotice
 from ddiloco.core.sync_side.registry import SESSION_TAG_BITS
 from ddiloco.core.sync_side.run_state import RunLimits
 from ddiloco.core.sync_side.synchronizer import Synchronizer
+from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.events import (
     AtLearner,
     EventQueue,
@@ -57,7 +58,6 @@ from ddiloco.sim.events import (
     StateArrives,
     SyncTick,
 )
-from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.sim.network import NetFaults, Network
 from ddiloco.sim.sync_node import SyncNode
 from ddiloco.sim.synthetic import WalkModel
@@ -222,11 +222,10 @@ class GrpcDriver:
     """The real runtime: a gRPC synchronizer service in this process, the real client, a clock we move."""
 
     def __init__(self, tmp_path) -> None:
-        from runtime.runtime_helpers import InProcessSync
-
         from ddiloco.runtime.client import SyncClient
         from ddiloco.runtime.layout import model_layout
         from ddiloco.runtime.sync.service import ServiceOptions
+        from runtime.runtime_helpers import InProcessSync
 
         self._now = 0.0
         layout = model_layout(PROTOCOL, MODEL.named_parameters(), MODEL.embedding_param_names())

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.settings.config_sources import build_config
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared import deadlines
 from ddiloco.core.shared.actions import Admitted, Send, SendJoin
 from ddiloco.core.shared.deadlines import (
@@ -38,9 +38,9 @@ from ddiloco.core.shared.deadlines import (
     join_state_bytes,
     stream_deadline_s,
 )
-from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Join
 from ddiloco.core.sync_side.registry import Registry
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.events import CallTimeout, PushArrives, StateArrives
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import TOKENS_SHAPE, SyntheticWorkload, WalkModel
@@ -172,10 +172,9 @@ def windows(monkeypatch) -> dict[str, list[float]]:
 
 def in_process_sync(clock: list[float]) -> Any:
     """A gRPC synchronizer in this process, on the clock ``clock[0]``."""
-    from runtime.runtime_helpers import InProcessSync
-
     from ddiloco.runtime.layout import model_layout
     from ddiloco.runtime.sync.service import ServiceOptions
+    from runtime.runtime_helpers import InProcessSync
 
     model = WalkModel()
     protocol = CONFIG.protocol.for_mode(CONFIG.run.mode, CONFIG.run.learners)

@@ -23,13 +23,13 @@ from collections import defaultdict
 
 import pytest
 
-from ddiloco.settings.config_sources import build_config
-from ddiloco.core.shared.actions import Send, SendLeave
 from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.actions import Send, SendLeave
 from ddiloco.core.shared.messages import RejectReason
-from ddiloco.sim.virtual_cluster import VirtualCluster
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import TOKENS_SHAPE, SyntheticWorkload, WalkModel
+from ddiloco.sim.virtual_cluster import VirtualCluster
 
 TOKENS_PER_STEP = TOKENS_SHAPE[0] * TOKENS_SHAPE[1]
 ROUNDS = 6
@@ -101,11 +101,10 @@ def run_virtual() -> None:
 
 
 def run_runtime() -> None:
-    from runtime.runtime_helpers import InProcessSync
-
     from ddiloco.runtime.layout import model_layout
     from ddiloco.runtime.learner import LearnerRuntime
     from ddiloco.runtime.sync.service import ServiceOptions
+    from runtime.runtime_helpers import InProcessSync
 
     model = WalkModel()
     protocol = CONFIG.protocol.for_mode(CONFIG.run.mode, CONFIG.run.learners)

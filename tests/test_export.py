@@ -13,15 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.settings.config_sources import build_config
-from ddiloco.sim.experiment import run_virtual
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.runtime.sync.state_dir import load_latest
+from ddiloco.settings.config_sources import build_config
+from ddiloco.sim.experiment import run_virtual
 from ddiloco.workload.workload import Workload
 from runtime.runtime_helpers import InProcessSync, train_steps, versions, wait_for
 

@@ -20,8 +20,7 @@ from types import ModuleType
 from typing import NoReturn, Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import (bandwidth, chaos, compare, export, goodput, launch, learner, run, simtest, status,
-                              sync)
+from ddiloco.commands import bandwidth, chaos, compare, export, goodput, launch, learner, run, simtest, status, sync
 from ddiloco.core.shared.errors import DdilocoError
 
 COMMANDS: tuple[ModuleType, ...] = (run, compare, simtest, goodput, bandwidth, sync, learner, status, chaos, export,

@@ -11,8 +11,8 @@ import pytest
 from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.chaos.outcome import ChaosOutcome
 from ddiloco.chaos.report import build_report
-from ddiloco.settings.config_sources import build_config
 from ddiloco.runtime.batch_log import BatchLog, ProcessBatches, read_batch_log
+from ddiloco.settings.config_sources import build_config
 
 
 def by_hand(processes: list[ProcessBatches], period: int, position: int) -> tuple[int, int, int]:

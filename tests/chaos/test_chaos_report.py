@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
+from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.schedule import Fault
 from ddiloco.settings.config_sources import build_config
 from ddiloco.settings.fault_kinds import FaultKind
@@ -110,13 +110,12 @@ def test_a_reworded_synchronizer_log_does_not_change_the_rejoin_count(monkeypatc
     """Rejoins came from a regex over a log line of service.py: rewording it made chaos.json say 0."""
     import logging
 
-    from runtime_helpers import InProcessSync
-
     import ddiloco.runtime.sync.service as service_module
     from ddiloco.core.shared.messages import Join
     from ddiloco.runtime.client import SyncClient
     from ddiloco.runtime.sharded import merge_statuses
     from ddiloco.runtime.sync.service import ServiceOptions
+    from runtime_helpers import InProcessSync
 
     original = service_module.log.info
     monkeypatch.setattr(service_module.log, "info",

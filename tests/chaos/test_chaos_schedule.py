@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco.chaos.schedule import Fault, check_targets, load_schedule, seeded_schedule
-from ddiloco.settings.fault_kinds import REAL, FaultKind
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.fault_kinds import REAL, FaultKind
 
 
 def write(tmp_path: Path, text: str) -> Path:

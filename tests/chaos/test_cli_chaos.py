@@ -12,10 +12,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runtime_helpers import (ddiloco_session, netns_unavailable, process_state, session_pids, stop_session, wait_for,
-                             wait_until_running)
 
 from ddiloco.cli import main
+from runtime_helpers import (
+    ddiloco_session,
+    netns_unavailable,
+    process_state,
+    session_pids,
+    stop_session,
+    wait_for,
+    wait_until_running,
+)
 
 TINY = ["--preset", "tiny", "--set", "protocol.lease_s=5", "--set", "protocol.heartbeat_s=0.5"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ddiloco.core.sync_side.accumulate import RoundAccumulator
-from ddiloco.core.shared.actions import Admitted, Broadcast, Refused, SendHeartbeat, SendJoin, StateDelivered
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.fragments import flatten, plan_fragments
 from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.actions import Admitted, Broadcast, Refused, SendHeartbeat, SendJoin, StateDelivered
+from ddiloco.core.shared.fragments import flatten, plan_fragments
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 
 SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("b1", (8,)), ("b2", (8,)), ("w3", (4, 8))]

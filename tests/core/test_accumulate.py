@@ -13,15 +13,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from protocol_helpers import merged
 
 from ddiloco.core.shared import kernels
-from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.shared.codecs import CODEC_NAMES, get_codec
-from ddiloco.core.sync_side.merge import MERGE_RULES, MergeRuleName, merge_rule
 from ddiloco.core.shared.messages import Rejected
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.sync_side.merge import MERGE_RULES, MergeRuleName, merge_rule
 from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.rounds import GlobalFragment
-from protocol_helpers import merged
 
 FAST = get_codec("int4", block_size=128)
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, step
+
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import Accepted, Admitted, MergedContribution, RoundClosed, SendJoin, StateDelivered
+from ddiloco.core.shared.messages import Heartbeat, RejectReason
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side import data_position
 from ddiloco.core.sync_side.data_position import DataPositions
-from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.shared.messages import Heartbeat, RejectReason
-from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from ddiloco.core.shared.codecs import AbsmaxCodec, get_codec, int4_parts
 from ddiloco.core.learner_side.flat import FlatFragment, ModelHold
 from ddiloco.core.learner_side.learner_kernels import apply_int4, delta_int4
+from ddiloco.core.shared.codecs import AbsmaxCodec, get_codec, int4_parts
 from ddiloco.core.shared.errors import ParameterError
 
 INT4 = get_codec("int4")

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import (
     STRATEGIES,
     Fragment,
@@ -11,7 +12,6 @@ from ddiloco.core.shared.fragments import (
     plan_fragments,
     unflatten_into,
 )
-from ddiloco.core.shared.errors import ConfigError
 
 # A small transformer-like parameter list, in model order.
 MODEL = [

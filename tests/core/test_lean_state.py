@@ -15,13 +15,13 @@ import copy
 
 import pytest
 import torch
+from protocol_helpers import merged
 
-from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.sync_side.merge import merge_rule
 from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.rounds import GlobalFragment
-from protocol_helpers import merged
 
 INT4 = get_codec("int4", block_size=128)
 DRIFT_MAX = 0.01

@@ -6,15 +6,26 @@ import dataclasses
 
 import pytest
 import torch
+from protocol_helpers import deliver, local_step, make_cluster, step
 
-from ddiloco.core.shared.actions import Refused, Behind, Fail, Outage, OutagePhase, SendHeartbeat, SendJoin, SendLeave, Stale, Starved
-from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.fragments import flatten
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import LearnerPhase, LoopMove, UpdateResult
+from ddiloco.core.shared.actions import (
+    Behind,
+    Fail,
+    Outage,
+    OutagePhase,
+    Refused,
+    SendHeartbeat,
+    SendJoin,
+    SendLeave,
+    Stale,
+    Starved,
+)
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.fragments import flatten
 from ddiloco.core.shared.messages import FragmentUpdate, GlobalState, Join, RejectReason, Session
-from protocol_helpers import deliver, local_step, make_cluster, step
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)
 

@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ddiloco.core.learner_side import flat
-from ddiloco.core.shared.actions import Broadcast, SendJoin
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.fragments import flatten, plan_fragments
 from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.actions import Broadcast, SendJoin
+from ddiloco.core.shared.fragments import flatten, plan_fragments
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 
 CONFIG = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)  # int4 both ways

@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from ddiloco.settings.config_sources import build_config
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.liveness import catch_up_bound_s, pause_bound_s
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.swarm import draw_world, liveness_bound_s
 
 

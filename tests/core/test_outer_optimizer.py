@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.sync_side.outer import NesterovSGD
 
 
 @pytest.mark.parametrize(("lr", "momentum"), [(0.7, 0.9), (1.0, 0.0), (0.1, 0.5)])

@@ -18,10 +18,10 @@ from test_learner import one_learner_sent
 from test_synchronizer import contributions_for
 
 from ddiloco.core.shared.actions import Admitted, Stale, StateDelivered, Tick
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.messages import FragmentUpdate, Join, RejectReason, Session
-from ddiloco.core.sync_side.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.staleness import period_that_fits, staleness_limit, staleness_weight
+from ddiloco.core.sync_side.refusals import KIND_OF, RefusalKind, honest_learner_steps, honest_total, kind_of
 
 CONFIG = dataclasses.replace(BASE, lease_s=10.0, min_step_s=0.01)
 PARTITION_END = 40.0

@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 
-from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.sync_side.merge import merge_rule
 from ddiloco.core.shared.messages import FragmentUpdate
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
+from ddiloco.core.sync_side.merge import merge_rule
 from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.synchronizer import Synchronizer

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ddiloco.core.shared.fragments import plan_fragments
 from ddiloco.core.learner_side.send_schedule import SendSchedule
+from ddiloco.core.shared.fragments import plan_fragments
 
 PLAN = plan_fragments([("w", (64,))], num_fragments=1, period=12)
 

@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
+from protocol_helpers import SHAPES, local_step, make_cluster, step
 
 from ddiloco.core.shared.actions import Accepted, Broadcast, Refused, RoundClosed, Tick
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.messages import Contribution, RejectReason, Session
-from ddiloco.core.sync_side.slice_assembly import SliceAssembler
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.slices import SliceSpec, fragment_slice
-from protocol_helpers import SHAPES, local_step, make_cluster, step
+from ddiloco.core.sync_side.slice_assembly import SliceAssembler
 
 SHAPE_OF = dict(SHAPES)
 FP32 = ProtocolConfig(fragments=3, period=3, quorum=3, grace_max_s=5.0, lease_s=100.0, overlap=2,

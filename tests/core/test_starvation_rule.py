@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from ddiloco.core.learner_side.link_watch import LinkWatch
 from ddiloco.core.shared.actions import Starved
 from ddiloco.core.shared.deadlines import starved_after_s
-from ddiloco.core.learner_side.link_watch import LinkWatch
 
 
 @pytest.mark.parametrize("lease_s, period, step_s", [(10.0, 5, 0.01), (1.0, 20, 0.5), (2.0, 3, 1.0)])

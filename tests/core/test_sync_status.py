@@ -10,8 +10,8 @@ from protocol_helpers import make_cluster, refused
 from test_synchronizer import BASE, contributions_for
 
 from ddiloco.core.shared.actions import Tick
-from ddiloco.core.sync_side.claims import ClaimLimits
 from ddiloco.core.shared.messages import Heartbeat, Leave, Progress, Session
+from ddiloco.core.sync_side.claims import ClaimLimits
 from ddiloco.core.sync_side.registry import ACCEPT_TIMES, LearnerRecord
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
 from ddiloco.core.shared.actions import (
     Accepted,
@@ -21,12 +22,11 @@ from ddiloco.core.shared.actions import (
     Tick,
 )
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.rounds import RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from protocol_helpers import deliver, local_step, make_cluster, refused, step
 
 BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 

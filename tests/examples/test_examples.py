@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.fragments import unflatten_into
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
 from runtime_helpers import InProcessSync, Procs
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 
+
 def netns_unavailable() -> str:
     """Why this machine cannot run ``--hosts netns`` (not root, no ``ip netns``), or "" where it can."""
     from ddiloco.core.shared.errors import ConfigError

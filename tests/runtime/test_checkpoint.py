@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from ddiloco.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-
 from runtime_helpers import wait_for
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from runtime_helpers import DEADLINE_S, free_port, status_of, sync_args, wait_for
 
 HEAVY = ("torch", "numba", "numpy")

@@ -21,15 +21,15 @@ from typing import Any, Callable
 import grpc
 import pytest
 import torch
-from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import SERVICE_NAME, ServiceOptions
+from ddiloco.settings.config_sources import build_config
+from runtime_helpers import Honest, versions, wait_for
 
 MESSAGES = 10_000
 SEED = 16

@@ -16,16 +16,16 @@ import threading
 
 import numpy as np
 import pytest
-from runtime_helpers import train_steps
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.messages import Contribution, Progress, Session
 from ddiloco.runtime.learner import helper_wire
 from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
+from runtime_helpers import train_steps
 
 FRAMES = SendFrames("learner-7", "int4", "0123456789ab")
 HEADER = Contribution("learner-7", Session(2**64 - 3, 41), fragment=3, base_version=1234, seq=56, tokens=4096,

@@ -15,18 +15,18 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from runtime_helpers import Honest, versions, wait_for
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import Address, client_metadata
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.service import ServiceOptions
+from ddiloco.settings.config_sources import build_config
+from runtime_helpers import Honest, versions, wait_for
 
 TOKEN = "shared-token"
 UNHANDLED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}

@@ -12,16 +12,24 @@ import signal
 import subprocess
 
 import pytest
-from runtime_helpers import (ddiloco_session, free_port, learner_args, session_pids, stop_session, sync_args,
-                             wait_for, wait_until_running)
 
+from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.commands.display import what_happened
-from ddiloco.settings.config_sources import build_config
 from ddiloco.outputs.reporting import SUMMARY_KEYS
 from ddiloco.runtime.checkpoint import load_checkpoint
-from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.runtime.launch.launcher import run_processes
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
+from runtime_helpers import (
+    ddiloco_session,
+    free_port,
+    learner_args,
+    session_pids,
+    stop_session,
+    sync_args,
+    wait_for,
+    wait_until_running,
+)
 
 pytestmark = pytest.mark.slow
 

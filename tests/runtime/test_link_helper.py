@@ -17,14 +17,14 @@ import threading
 
 import numpy as np
 import pytest
-from runtime_helpers import train_steps, wait_for
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner import helper_process
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotError, SlotLayout
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
+from runtime_helpers import train_steps, wait_for
 
 CONFIG = build_config(preset="tiny", overrides=("run.learners=1",))
 

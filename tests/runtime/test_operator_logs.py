@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+
 from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
 
 pytestmark = pytest.mark.slow

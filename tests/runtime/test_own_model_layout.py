@@ -7,21 +7,21 @@ import json
 
 import pytest
 import torch
-from runtime_helpers import InProcessSync
 from safetensors import safe_open
 from torch import nn
 
-from ddiloco.settings.config_sources import build_config
+from ddiloco.core.shared.errors import ParameterError
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file, model_layout
 from ddiloco.runtime.learner.runtime import (
     LayoutMismatch,
     LearnerRuntime,
     save_initial_state,
 )
-from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file, model_layout
 from ddiloco.runtime.sync.service import ServiceOptions
-from ddiloco.core.shared.errors import ParameterError
+from ddiloco.settings.config_sources import build_config
+from runtime_helpers import InProcessSync
 
 
 class TiedLM(nn.Module):

@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.runtime.checkpoint import CheckpointError
-from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
 from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+from ddiloco.settings.config_sources import build_config
 
 IDENTITY = {"layout_sha256": "ab" * 32, "shard": 0}
 

@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from ddiloco import cli
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.messages import Contribution, Join, Session
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.messages import Contribution, Join, Session
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
 from ddiloco.runtime.learner.runtime import LayoutMismatch, LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.resume import Resume
-from ddiloco.workload.workload import Workload
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.model import ByteTransformer
+from ddiloco.workload.workload import Workload
 
 TOKEN = "s3cret-token"
 
@@ -374,10 +374,9 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 
 
 def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
-    from runtime_helpers import InProcessSync
-
-    from ddiloco.runtime.learner.runtime import save_initial_state
     from ddiloco.runtime.layout import layout_from_file
+    from ddiloco.runtime.learner.runtime import save_initial_state
+    from runtime_helpers import InProcessSync
 
     torch.manual_seed(0)
 
@@ -491,10 +490,9 @@ def test_an_idle_synchronizer_sleeps_between_ticks(inproc_sync, monkeypatch):
     with no deadline now take at least two full waits (a wait ends early only on an event)."""
     import time
 
-    from runtime_helpers import wait_for
-
     from ddiloco.core.shared.actions import Tick
     from ddiloco.runtime.sync import core_host
+    from runtime_helpers import wait_for
 
     monkeypatch.setattr(core_host, "TIMER_MAX_WAIT_S", 0.2)
     s = inproc_sync(tiny())

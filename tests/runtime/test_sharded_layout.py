@@ -18,8 +18,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ddiloco.core.shared.fragments import plan_fragments
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.fragments import plan_fragments
 from ddiloco.runtime.learner.runtime import is_sharded
 from ddiloco.runtime.learner.sharded_layout import sharded_params
 

@@ -7,14 +7,14 @@ two with kill -9 and restarts it with --resume.
 from __future__ import annotations
 
 import pytest
-from runtime_helpers import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 
 from ddiloco import cli
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.service import ServiceOptions
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
+from runtime_helpers import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 
 
 def sharded(**extra: str) -> object:

@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.settings.config_sources import build_config
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import Admitted, Broadcast, Send, SendJoin
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.fragments import flatten, plan_fragments
-from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Session
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.runtime.learner.staging import HostStaging, checked_after
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
 from runtime_helpers import train_steps
 

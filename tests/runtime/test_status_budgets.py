@@ -10,17 +10,17 @@ import json
 import re
 
 import pytest
-from test_service import tiny
-from runtime_helpers import wait_for
-from test_status_page import CHROMIUM, api_status, browse
 
 from ddiloco import cli
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.messages import Heartbeat, Join, Progress
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.status_wire import status_to_dict
 from ddiloco.runtime.sync.status_process import StatusPageProcess
+from ddiloco.settings.config_sources import build_config
+from runtime_helpers import wait_for
+from test_service import tiny
+from test_status_page import CHROMIUM, api_status, browse
 
 
 @pytest.mark.parametrize("budget", ["run.time_s=600", "run.tokens=100000"])

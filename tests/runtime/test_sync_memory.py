@@ -20,19 +20,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared import kernels
-from ddiloco.core.shared.messages import Contribution
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.messages import Contribution
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import check_memory, memory_plan
-from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.resume import Resume
+from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.state_dir import StateDir
+from ddiloco.settings.config_sources import build_config
 from ddiloco.settings.units import human_bytes, human_count
-
 from runtime_helpers import Honest, versions, wait_for
 
 FRAGMENTS = 12

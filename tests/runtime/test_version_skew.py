@@ -11,14 +11,14 @@ import pytest
 
 from ddiloco import __version__
 from ddiloco.cli import main
-from ddiloco.settings.config_sources import build_config
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import SyncService
+from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
 
 CONFIG = build_config(preset="tiny", overrides=("run.learners=2",))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.scale.goodput_fit import fit_recovery_constants, held_out_goodput
 from ddiloco.scale.goodput_model import (
     CALIBRATION_CHIPS,
     DEFAULT_CHIPS,
@@ -21,7 +22,6 @@ from ddiloco.scale.goodput_model import (
     simulate_table,
     smallest_learners,
 )
-from ddiloco.scale.goodput_fit import fit_recovery_constants, held_out_goodput
 from ddiloco.scale.small_cluster import predict_small_cluster
 
 MODEL = ClusterModel()

@@ -8,10 +8,9 @@ import math
 import pytest
 from bench_loader import load_benchmark
 
-from ddiloco.settings.config_sources import build_config
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_warm_started
-
 
 bench = load_benchmark("bench_scale")
 ARGS = ["--preset", "test", "--device", "cpu", "--sizes", "7k"]

@@ -16,7 +16,6 @@ from ddiloco.scale.bandwidth_model import BandwidthInputs, check_counted_bytes, 
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import HEADER_BYTES
 
-
 bench = load_benchmark("bench_crosscheck")
 
 # ~85 % regime of the benchmark on M = 4 learners: 22 failures expected in 240 virtual seconds.

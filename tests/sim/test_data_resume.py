@@ -5,9 +5,9 @@ period, and no batch is skipped (``core/sync_side/data_position.py``, ``sim/data
 from __future__ import annotations
 
 from ddiloco.settings.config_sources import build_config
-from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.synthetic import SyntheticWorkload
+from ddiloco.sim.virtual_cluster import VirtualCluster
 
 
 def test_a_crashed_learner_resumes_at_its_data_position_and_retrains_at_most_a_period():

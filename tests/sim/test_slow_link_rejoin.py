@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from ddiloco.settings.config_sources import build_config
-from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.workload.workload import Workload
 
 LATENCY_S = 0.2

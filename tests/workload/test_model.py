@@ -11,7 +11,7 @@ import torch
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.workload.corpus import BatchSampler, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
-from ddiloco.workload.model import VOCAB_SIZE, ByteTransformer, ModelConfig, MixtureOfExperts
+from ddiloco.workload.model import VOCAB_SIZE, ByteTransformer, MixtureOfExperts, ModelConfig
 
 TINY = ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2)
 TINY_MOE = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2)

@@ -17,16 +17,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddiloco.settings.config import Config
+from ddiloco.baseline.dp_worker import METRICS_FILE, RESULT_FILE
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.outputs.reporting import ProgressFn, summarize
-from ddiloco.baseline.dp_worker import METRICS_FILE, RESULT_FILE
-from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, POLL_S, free_port, learner_names, learner_threads,
-                                              prepare_files)
+from ddiloco.runtime.launch.local_run import (
+    LEAVE_TIMEOUT_S,
+    POLL_S,
+    free_port,
+    learner_names,
+    learner_threads,
+    prepare_files,
+)
 from ddiloco.runtime.launch.placement import placed
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.launch.run_log import RunTimeline
 from ddiloco.runtime.launch.topology import Topology
+from ddiloco.settings.config import Config
 
 MASTER_PORT = 29500
 

@@ -18,11 +18,11 @@ from typing import Callable
 
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault
-from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.runtime.launch.local_run import RunFiles, learner_command, sync_command
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes
+from ddiloco.settings.fault_kinds import FaultKind
 
 BATCH_LOGS = "batches"
 """The folder of the run's directory that holds each learner's batch log."""

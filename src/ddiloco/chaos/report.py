@@ -12,12 +12,12 @@ from rich.table import Table
 from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.chaos.outcome import ChaosOutcome, Sample, ShardCounts
 from ddiloco.chaos.schedule import is_sync_target, learner_name
-from ddiloco.settings.config import Config
 from ddiloco.core.shared.liveness import pause_bound_s
 from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.sync_side.run_state import RunPhase
-from ddiloco.settings.fault_kinds import REAL, FaultKind
 from ddiloco.outputs.tb_log import STEP_KEY, TIME_KEY, write_run_events
+from ddiloco.settings.config import Config
+from ddiloco.settings.fault_kinds import REAL, FaultKind
 
 LOOP_SLACK = 1
 """Rejoins of one learner beyond those its faults explain that are not yet a loop (one update

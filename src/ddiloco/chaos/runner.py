@@ -24,18 +24,25 @@ from ddiloco.chaos.cluster import BATCH_LOGS, ChaosCluster
 from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
-from ddiloco.settings.config import Config
 from ddiloco.core.sync_side.run_state import RunPhase
-from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.client import CallRefused, Unreachable
-from ddiloco.runtime.launch.local_run import (LEAVE_TIMEOUT_S, NETNS_HTTP_PORT, GlobalEvaluator, free_port,
-                                              learner_threads, prepare_files, wait_for_port)
+from ddiloco.runtime.launch.local_run import (
+    LEAVE_TIMEOUT_S,
+    NETNS_HTTP_PORT,
+    GlobalEvaluator,
+    free_port,
+    learner_threads,
+    prepare_files,
+    wait_for_port,
+)
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import placed
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.launch.topology import Topology
 from ddiloco.runtime.sharded import ShardedClient, merge_statuses
+from ddiloco.settings.config import Config
+from ddiloco.settings.fault_kinds import FaultKind
 
 POLL_S = 0.25
 START_TIMEOUT_S = 180.0

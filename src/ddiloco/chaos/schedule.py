@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.settings.config_sources import read_toml
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.settings.fault_kinds import REAL, FaultKind, parse_kind
 from ddiloco.runtime.launch.placement import sync_names
+from ddiloco.settings.config_sources import read_toml
+from ddiloco.settings.fault_kinds import REAL, FaultKind, parse_kind
 
 SYNC_TARGET = "sync"
 _SHARD_TARGET = re.compile(r"sync-\d+")

@@ -14,7 +14,6 @@ from rich.table import Table
 
 from ddiloco.scale import bandwidth_model as bw
 
-
 HELP = "wide-area bandwidth needed by data parallel vs Decoupled DiLoCo"
 
 

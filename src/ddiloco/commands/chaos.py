@@ -18,7 +18,6 @@ import argparse
 import math
 from dataclasses import replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ddiloco.core.shared.errors import ConfigError
@@ -28,8 +27,8 @@ if TYPE_CHECKING:
 
     from ddiloco.chaos.runner import LiveState
     from ddiloco.chaos.schedule import Fault
-    from ddiloco.settings.config import Config
     from ddiloco.runtime.launch.topology import Topology
+    from ddiloco.settings.config import Config
 
 HELP = "inject faults into a real run on this host (kill -9, SIGSTOP, synchronizer crash, bad links)"
 

@@ -6,9 +6,7 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ddiloco.settings.config import Config
@@ -38,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     # The configuration is checked: only now what trains it (torch), so a bad value costs no torch import.
     from ddiloco.commands.display import compare_story, console, print_report, progress_bar
     from ddiloco.commands.interrupt import sigterm_as_interrupt
-    from ddiloco.sim.experiment import Interrupted, run_virtual
     from ddiloco.outputs.reporting import prepare_out
+    from ddiloco.sim.experiment import Interrupted, run_virtual
     from ddiloco.workload.device import resolve_device
     from ddiloco.workload.workload import Workload
 

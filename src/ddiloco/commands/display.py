@@ -131,7 +131,9 @@ def _story(summary: dict[str, Any], events: dict[str, Any]) -> list[str]:
     if summary.get("interrupted"):
         lines.append(f"Interrupted at {summary['done']:.0%} of the budget (virtual t={summary['virtual_time_s']:.0f} s); "
                      "this is what it did until then.")
-    from ddiloco.core.shared.protocol_config import Mode  # beside the codecs: torch (``ddiloco status`` prints tables too)
+    from ddiloco.core.shared.protocol_config import (
+        Mode,  # beside the codecs: torch (``ddiloco status`` prints tables too)
+    )
 
     story = _diloco_story if Mode(summary["mode"]).uses_protocol else _dp_story
     return lines + story(summary, events)

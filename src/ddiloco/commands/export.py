@@ -14,7 +14,6 @@ from typing import Any
 
 from ddiloco.core.shared.errors import ConfigError
 
-
 HELP = "write a run's global model as a state_dict file (safetensors) or a Hugging Face folder"
 
 

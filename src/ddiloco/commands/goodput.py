@@ -13,9 +13,7 @@ import json
 import math
 import os
 import re
-from typing import Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from rich import box
 from rich.console import Console
@@ -109,8 +107,8 @@ def _model(args: argparse.Namespace, mtbi_days: float) -> gp.ClusterModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.settings.config import check_seed
     from ddiloco.scale import goodput_model as gp
+    from ddiloco.settings.config import check_seed
 
     chips = [parse_chips(c) for c in args.chips] if args.chips else list(gp.DEFAULT_CHIPS)
     configs = list(args.configs or gp.DEFAULT_CONFIGS)
@@ -231,9 +229,9 @@ def _calibrate(model: gp.ClusterModel, args: argparse.Namespace, horizon_s: floa
 
 def plot_goodput(rows: Sequence[gp.Row], path: str) -> None:
     """Goodput against cluster size, one line per configuration (one panel per failure rate)."""
-    from ddiloco.scale import goodput_model as gp
-
     import matplotlib
+
+    from ddiloco.scale import goodput_model as gp
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -74,8 +74,8 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
     ``--set`` changes one value of the run it joins: it once switched to the default preset
     silently, then failed on a model shape the synchronizer did not have."""
     from ddiloco.commands.options import config_from_args
-    from ddiloco.settings.config_sources import apply_override, load_toml
     from ddiloco.runtime.learner import process
+    from ddiloco.settings.config_sources import apply_override, load_toml
 
     if args.preset is None:
         config = process.resolve_config_of_sync(sync_config)

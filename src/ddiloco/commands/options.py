@@ -13,8 +13,8 @@ from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.workload_settings import DEVICE_CHOICES
 
 if TYPE_CHECKING:
-    from ddiloco.settings.config import Config
     from ddiloco.runtime.launch.topology import Topology
+    from ddiloco.settings.config import Config
 
 
 def add_workload_options(parser: argparse.ArgumentParser) -> None:

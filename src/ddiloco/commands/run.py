@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.commands.display import console, print_report, progress_bar, what_happened
     from ddiloco.commands.interrupt import sigterm_as_interrupt
     from ddiloco.commands.live_view import live_view
-    from ddiloco.sim.experiment import Interrupted, run_virtual
     from ddiloco.outputs.reporting import MODEL_FILE, prepare_out, write_run
+    from ddiloco.sim.experiment import Interrupted, run_virtual
     from ddiloco.workload.device import resolve_device
 
     device = resolve_device(args.device)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from typing import TYPE_CHECKING
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.fault_kinds import SIMULATED

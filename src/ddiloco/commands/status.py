@@ -11,14 +11,13 @@ from rich.table import Table
 
 from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
-from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
 from ddiloco.runtime.status_call import status_dict
 from ddiloco.runtime.status_wire import LEARNERS_PAGE
-
 
 HELP = "learners, fragment versions, rejections and bytes of a running synchronizer"
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import faulthandler
 import gc
 import logging
@@ -18,10 +18,10 @@ from ddiloco.core.shared.errors import ConfigError
 if TYPE_CHECKING:
     import grpc
 
-    from ddiloco.settings.config import Config
     from ddiloco.runtime.auth import Address
     from ddiloco.runtime.sync.service import ServiceOptions, SyncService
     from ddiloco.runtime.sync.status_process import StatusPageProcess
+    from ddiloco.settings.config import Config
 
 HELP = "serve the synchronizer (gRPC) that learner processes connect to"
 DEFAULT_LISTEN = "127.0.0.1:7000"

@@ -16,10 +16,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from ddiloco.settings.config import Config
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.outputs.run_plot import plot_runs
 from ddiloco.outputs.tb_log import add_row, open_run_events
+from ddiloco.settings.config import Config
 
 if TYPE_CHECKING:
     import torch

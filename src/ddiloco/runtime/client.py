@@ -23,9 +23,9 @@ from typing import Any, Iterator
 import grpc
 
 from ddiloco import __version__
-from ddiloco.settings.config_sources import unknown_keys
-from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.shared.deadlines import CLIENT_ANSWER_S, CLIENT_FETCH_S, CLIENT_UPLOAD_LINK, call_deadline_s
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.core.shared.messages import (
     Contribution,
     FragmentUpdate,
@@ -37,8 +37,7 @@ from ddiloco.core.shared.messages import (
     Session,
     StopNotice,
 )
-from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
-from ddiloco.core.shared.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials, client_metadata
 from ddiloco.runtime.call_errors import Unreachable, credentials_refused, refusal_reason, unreachable
@@ -46,6 +45,7 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
 from ddiloco.runtime.status_wire import status_to_dict
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
+from ddiloco.settings.config_sources import unknown_keys
 
 CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -28,16 +28,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ddiloco.settings.config import Config
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import FragmentUpdate
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
 from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters, save_state_dict
 from ddiloco.runtime.sync.checkpoint_writer import restore_state
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
+from ddiloco.settings.config import Config
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ddiloco.settings.config import Config
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.fragments import Fragment, FragmentPlan, flatten, plan_fragments
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.fragments import Fragment, FragmentPlan, flatten, plan_fragments
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.settings.config import Config
 from ddiloco.workload.trainer import build_model
 
 

@@ -36,8 +36,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.protocol_config import Mode
 
 SECONDS_PER_YEAR = 365.25 * 86_400.0
 DEFAULT_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)

@@ -14,9 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.core.shared.protocol_config import Mode, ProtocolConfig, one_of
 from ddiloco.core.shared.deadlines import drain_after_stop_s
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.protocol_config import Mode, ProtocolConfig, one_of
 from ddiloco.settings.fault_kinds import SIMULATED, FaultKind
 from ddiloco.settings.workload_settings import LrSchedule, ModelConfig, Precision
 

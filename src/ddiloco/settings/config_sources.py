@@ -15,9 +15,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.config import Config
 from ddiloco.settings.did_you_mean import did_you_mean
-from ddiloco.core.shared.errors import ConfigError
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # Seconds on 2 CPU cores: for smoke tests and CI.

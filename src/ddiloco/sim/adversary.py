@@ -18,6 +18,7 @@ import numpy as np
 from ddiloco.settings.config import FaultConfig
 from ddiloco.settings.fault_kinds import FaultKind
 
+
 @dataclass(frozen=True, slots=True)
 class Window:
     kind: FaultKind

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from ddiloco.core.shared.actions import Admitted, Reply
 from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
 
-
 # ---- at a learner process ---------------------------------------------------------------------
 
 

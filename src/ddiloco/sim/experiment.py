@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from ddiloco.settings.config import Config
-from ddiloco.core.shared.protocol_config import Mode
-from ddiloco.core.shared.errors import ConfigError
-from ddiloco.outputs.reporting import ProgressFn, RunWriter, summarize
-from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.baseline.dp_baselines import DataParallel
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.protocol_config import Mode
+from ddiloco.outputs.reporting import ProgressFn, RunWriter, summarize
+from ddiloco.settings.config import Config
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.snapshot import SnapshotFn
+from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.workload.workload import Workload
 
 

@@ -30,8 +30,8 @@ from typing import Sequence
 
 import torch
 
-from ddiloco.core.shared.actions import CloseReason, RoundClosed
 from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.actions import CloseReason, RoundClosed
 from ddiloco.core.shared.messages import Contribution
 
 

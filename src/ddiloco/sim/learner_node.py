@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.learner_side.learner_phase import LoopMove
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
@@ -28,8 +30,6 @@ from ddiloco.core.shared.actions import (
     SendLeave,
 )
 from ddiloco.core.shared.deadlines import join_state_bytes
-from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.learner_side.learner_phase import LoopMove
 from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
 from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
 from ddiloco.sim.host import NodeHost

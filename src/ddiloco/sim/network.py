@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.settings.fault_kinds import FaultKind
 
 HEADER_BYTES = 64
 """Fixed per-message framing (ids, versions, counters) added to every payload."""

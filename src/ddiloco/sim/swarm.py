@@ -28,17 +28,17 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ddiloco.settings.config import Config, check_seed
-from ddiloco.settings.config_sources import apply_override, apply_section
 from ddiloco.core.learner_side.learner_phase import LearnerPhase
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.liveness import catch_up_bound_s
 from ddiloco.core.sync_side.merge import MERGE_RULES
-from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.config import Config, check_seed
+from ddiloco.settings.config_sources import apply_override, apply_section
 from ddiloco.settings.fault_kinds import SIMULATED, FaultKind, parse_kind
-from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.invariants import InvariantViolation
 from ddiloco.sim.synthetic import SyntheticWorkload
+from ddiloco.sim.virtual_cluster import VirtualCluster
 
 DEFAULT_SEEDS = 200
 MAX_EVENTS = 1_000_000

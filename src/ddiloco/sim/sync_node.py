@@ -11,10 +11,10 @@ used); learners find out from its refusals and join again, keeping their progres
 from __future__ import annotations
 
 from dataclasses import replace
-
 from typing import Any, Callable
 
 import numpy as np
+
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,

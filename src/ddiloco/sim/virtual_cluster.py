@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared import deadlines
 from ddiloco.core.shared.actions import RoundClosed
 from ddiloco.core.shared.deadlines import LinkExpectation, call_deadline_s
 from ddiloco.core.shared.fragments import FragmentPlan, flatten, plan_fragments, unflatten_into
-from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.shared.staleness import StalenessBound
+from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.outputs.measures import Direction, fragment_shares
 from ddiloco.settings.fault_kinds import FaultKind

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddiloco.workload.model import ByteTransformer
 from ddiloco.settings.workload_settings import LrSchedule, ModelConfig, Precision
+from ddiloco.workload.model import ByteTransformer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ddiloco.core.shared.codecs import Codec, fused_int4, int4_parts
-from ddiloco.core.shared.fragments import flatten, unflatten_into
 from ddiloco.core.learner_side.learner_kernels import apply_int4, delta_int4
+from ddiloco.core.shared.codecs import Codec, fused_int4, int4_parts
 from ddiloco.core.shared.errors import ParameterError
+from ddiloco.core.shared.fragments import flatten, unflatten_into
 
 AFTER_START = "after the learner started"
 

@@ -25,19 +25,28 @@ from typing import Mapping
 
 import torch
 
-from ddiloco.core.shared.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.learner_side.flat import FlatFragment
-from ddiloco.core.shared.fragments import FragmentPlan
-from ddiloco.core.shared.grace import MovingAverage
-from ddiloco.core.shared.staleness import period_that_fits, staleness_limit
 from ddiloco.core.learner_side.learner_phase import FATAL, REJOIN_ON, LearnerPhase, UpdateResult
 from ddiloco.core.learner_side.learner_queries import LearnerQueries
 from ddiloco.core.learner_side.link_watch import LinkWatch
 from ddiloco.core.learner_side.send_schedule import SendSchedule
 from ddiloco.core.learner_side.shard_link import ShardLink
-from ddiloco.core.shared.messages import (MAX_TOKENS_PER_STEP, Contribution, FragmentUpdate, GlobalState, Heartbeat, Join,
-                                   Leave, RejectReason, Request)
+from ddiloco.core.shared.actions import Fail, LearnerAction, Send, SendHeartbeat, SendJoin, SendLeave
+from ddiloco.core.shared.fragments import FragmentPlan
+from ddiloco.core.shared.grace import MovingAverage
+from ddiloco.core.shared.messages import (
+    MAX_TOKENS_PER_STEP,
+    Contribution,
+    FragmentUpdate,
+    GlobalState,
+    Heartbeat,
+    Join,
+    Leave,
+    RejectReason,
+    Request,
+)
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.staleness import period_that_fits, staleness_limit
 
 
 class Learner(LearnerQueries):

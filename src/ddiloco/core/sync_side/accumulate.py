@@ -28,8 +28,8 @@ import torch
 
 from ddiloco.core.shared.codecs import Codec, fused_int4, int4_parts
 from ddiloco.core.shared.kernels import int4_axpy, int4_stats, norm_squared
+from ddiloco.core.shared.messages import Rejected, RejectReason
 from ddiloco.core.sync_side.merge import MergeRule, Summand
-from ddiloco.core.shared.messages import RejectReason, Rejected
 
 
 @dataclass(frozen=True, slots=True)

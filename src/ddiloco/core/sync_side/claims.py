@@ -50,7 +50,14 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddiloco.core.shared.messages import MAX_STEP_TIME_S, MAX_TOKENS_PER_STEP, Contribution, Progress, RejectReason, Rejected
+from ddiloco.core.shared.messages import (
+    MAX_STEP_TIME_S,
+    MAX_TOKENS_PER_STEP,
+    Contribution,
+    Progress,
+    Rejected,
+    RejectReason,
+)
 
 BOOTS_KEPT = 4
 """Process boots per learner whose cumulative reports are remembered; older ones are folded

@@ -53,7 +53,7 @@ import collections
 from collections.abc import Hashable
 from typing import Any
 
-from ddiloco.core.shared.messages import RejectReason, Rejected
+from ddiloco.core.shared.messages import Rejected, RejectReason
 
 NORMS_KEPT = 32
 """Measured norms the bound is the lower median of."""

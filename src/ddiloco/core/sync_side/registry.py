@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ddiloco.core.shared.deadlines import starved_after_s
-from ddiloco.core.shared.messages import Contribution, Join, RejectReason, Rejected, Request, Session
+from ddiloco.core.shared.messages import Contribution, Join, Rejected, RejectReason, Request, Session
 from ddiloco.core.sync_side.refusals import Refusals
 from ddiloco.core.sync_side.sync_status import LearnerStatus
 

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.shared.codecs import Codec, fused_int4
 from ddiloco.core.shared.kernels import RESIDUAL_LEVELS, outer_step_int4
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, RejectReason, Rejected, Session
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Rejected, RejectReason, Session
 from ddiloco.core.shared.staleness import StalenessBound, SupersededTimes
+from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.sync_side.norm_bound import NormBound
 from ddiloco.core.sync_side.outer import NesterovSGD
 

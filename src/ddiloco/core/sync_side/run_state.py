@@ -11,10 +11,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.core.sync_side.claims import ClaimLimits, ProgressLedger
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.deadlines import drain_after_stop_s
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.claims import ClaimLimits, ProgressLedger
 
 
 class RunPhase(enum.StrEnum):

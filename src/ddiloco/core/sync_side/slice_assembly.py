@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ddiloco.core.shared.codecs import Codec
-from ddiloco.core.shared.messages import Contribution, RejectReason, Rejected, Session
+from ddiloco.core.shared.messages import Contribution, Rejected, RejectReason, Session
 from ddiloco.core.shared.slices import check_tiling
 
 AGREED = ("world", "base_version", "tokens", "steps", "first_step", "codec")

@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 from ddiloco.core.shared.actions import Accepted, SyncAction
 from ddiloco.core.shared.codecs import Codec
+from ddiloco.core.shared.messages import Contribution, Rejected, RejectReason
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.messages import Contribution, RejectReason, Rejected
+from ddiloco.core.shared.staleness import StalenessBound
 from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.run_state import RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
-from ddiloco.core.shared.staleness import StalenessBound
 from ddiloco.core.sync_side.sync_status import SyncCounters
 
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 from ddiloco.core.shared.codecs import Codec, fused_int4
-from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.shared.messages import FragmentUpdate, FragmentValue, GlobalState
+from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.registry import Forgotten, Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
+from ddiloco.core.shared import deadlines
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
@@ -36,17 +36,13 @@ from ddiloco.core.shared.actions import (
     MergedContribution,
     Refused,
     RoundClosed,
+    StateDelivered,
     StopLearners,
     SyncAction,
-    StateDelivered,
     SyncEvent,
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, check_contribution
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared import deadlines
-from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.shared.grace import GraceWindow
 from ddiloco.core.shared.messages import (
     Contribution,
@@ -55,10 +51,15 @@ from ddiloco.core.shared.messages import (
     Heartbeat,
     Join,
     Leave,
-    RejectReason,
     Rejected,
+    RejectReason,
     Request,
 )
+from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
+from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
+from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, check_contribution
+from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.sync_side.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.sync_side.norm_bound import NormBound
 from ddiloco.core.sync_side.outer import NesterovSGD
@@ -66,9 +67,8 @@ from ddiloco.core.sync_side.registry import LearnerRecord, Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
-from ddiloco.core.sync_side.sync_slices import SliceIntake
-from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
 from ddiloco.core.sync_side.sync_queries import SyncQueries
+from ddiloco.core.sync_side.sync_slices import SliceIntake
 from ddiloco.core.sync_side.sync_state import SyncState
 from ddiloco.core.sync_side.sync_status import SyncCounters
 

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ddiloco.settings.config import Config
-from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.outputs.reporting import ProgressFn, summarize
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (
@@ -51,6 +50,7 @@ from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.launch.run_log import RunTimeline
 from ddiloco.runtime.launch.topology import Topology
 from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.settings.config import Config
 from ddiloco.workload.workload import weights_sha256
 
 

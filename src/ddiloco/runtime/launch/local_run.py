@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.settings.config import Config
-from ddiloco.core.shared.fragments import unflatten_into
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.shared.fragments import unflatten_into
 from ddiloco.outputs.reporting import write_config
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import sync_names
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.settings.config import Config
 from ddiloco.workload.workload import Workload
 
 POLL_S = 0.25

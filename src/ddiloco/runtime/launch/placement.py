@@ -12,10 +12,10 @@ from __future__ import annotations
 import enum
 import os
 import secrets
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-from contextlib import contextmanager
 
 from ddiloco.runtime.launch.netns import INNER_IFNAME, SYNC_HOST, NetnsHosts
 from ddiloco.runtime.launch.topology import Topology

@@ -29,6 +29,7 @@ from typing import Any
 
 from ddiloco.core.shared.errors import DdilocoError
 
+
 class Processes:
     """The children of one run; every one of them is killed on close, whatever happens.
 

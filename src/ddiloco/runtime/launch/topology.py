@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.settings.config_sources import read_toml
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.settings.config_sources import read_toml
 
 UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _RATE = re.compile(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)(?:/s)?\s*")

@@ -37,10 +37,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, GlobalState, Session, StopNotice
 from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
+from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, GlobalState, Session, StopNotice
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.repeats import next_delay

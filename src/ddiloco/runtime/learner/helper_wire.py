@@ -28,8 +28,8 @@ import torch
 
 from ddiloco.core.shared.messages import Contribution, GlobalState, Progress, Session
 from ddiloco.runtime.client import ClientSpec, JoinResult
-from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.learner.slots import SlotLayout
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 _HEAD = struct.Struct("<IB")
 """A frame's head: the length of its body and its tag, ``PICKLED`` or the Msg its fixed struct carries."""

@@ -31,19 +31,19 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import Fail, LearnerAction, Outage, Send, SendHeartbeat, SendJoin, SendLeave
 from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
-from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.core.shared.errors import DdilocoError
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
 from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
-from ddiloco.runtime.learner.link_lines import say_outage, say_warning
-from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
+from ddiloco.runtime.learner.link_lines import say_outage, say_warning
 from ddiloco.runtime.learner.out_slots import OutSlots
+from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.learner.staging import HostStaging
 

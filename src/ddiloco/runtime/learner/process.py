@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddiloco.settings.config import Config, check_seed
-from ddiloco.settings.config_sources import apply_section
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.outputs.tb_log import EventLog
 from ddiloco.runtime.auth import load_secret, load_token, parse_address
 from ddiloco.runtime.batch_log import BatchLog
 from ddiloco.runtime.client import SyncClient
@@ -34,7 +33,8 @@ from ddiloco.runtime.learner.connect import probe_with_backoff
 from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
-from ddiloco.outputs.tb_log import EventLog
+from ddiloco.settings.config import Config, check_seed
+from ddiloco.settings.config_sources import apply_section
 from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
 from ddiloco.workload.trainer import InnerTrainer

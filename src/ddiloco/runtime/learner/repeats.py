@@ -10,7 +10,6 @@ from typing import Callable
 
 from ddiloco.core.learner_side.shard_link import backoff_after
 
-
 REPEAT_EVERY_S = 30.0
 """A refusal repeated for the same reason is logged again at most this often, with its count."""
 

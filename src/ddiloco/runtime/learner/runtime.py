@@ -45,12 +45,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.learner_side.flat import ModelHold
 from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.learner_side.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.learner_side.learner_kernels import compile_learner_kernels
+from ddiloco.core.learner_side.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout

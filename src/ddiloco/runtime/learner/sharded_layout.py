@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import Fragment, FragmentPlan
 from ddiloco.core.shared.slices import SliceSpec, fragment_slice, shard_rows
-from ddiloco.core.shared.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.shared.actions import LearnerAction, Send, SendHeartbeat, SendLeave
 from ddiloco.core.shared.messages import FragmentUpdate, GlobalState, Join, RejectReason, Request, Session, StopNotice
-from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.shared.slices import SliceSpec
-from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
 from ddiloco.runtime.call_errors import Unreachable
+from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
 
 log = logging.getLogger("ddiloco.learner")
 

@@ -37,16 +37,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddiloco.core.shared.actions import Fail, LearnerAction, SendJoin, SendLeave
-from ddiloco.core.shared.codecs import get_codec
-from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import UpdateResult
+from ddiloco.core.shared.actions import Fail, LearnerAction, SendJoin, SendLeave
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
+from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, FragmentValue, GlobalState, Join
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.slice_cut import decode_cut
 from ddiloco.core.shared.slices import SliceSpec
-from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff

@@ -39,8 +39,8 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 
 from ddiloco.core.shared import deadlines
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.messages import RejectReason, Session
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.sync.boundary import Abort
 from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ddiloco.core.shared.codecs import fused_int4
-from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import FragmentPlan
+from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.runtime.sync.call_limits import STATE_TRANSFERS
-from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.units import human_bytes, human_count
 
 log = logging.getLogger("ddiloco.sync")

@@ -7,19 +7,20 @@ the service counts. Everything here is plain bookkeeping with bounded memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import threading
+from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import MetricsHandler
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.outputs.measures import covered_s
 from ddiloco.runtime.auth import Address, http_authorized
+
 
 @dataclass(slots=True)
 class GoodputMeter:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from ddiloco.core.shared.kernels import compile_kernels
 from ddiloco.core.shared.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.kernels import compile_kernels
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.sync.service import SERVICE_NAME, SyncService
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES

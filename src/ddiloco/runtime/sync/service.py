@@ -32,33 +32,33 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from ddiloco.settings.config import Config
 from ddiloco.core.shared.actions import Admitted, Refused, StateDelivered
-from ddiloco.core.shared.protocol_config import Mode
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import RejectReason, Session, StopNotice
+from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.core.sync_side.sync_status import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.core.shared.errors import ConfigError
+from ddiloco.outputs.measures import ByteLedger, fragment_shares
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import REASON_HEADER, Authenticator
+from ddiloco.runtime.layout import ModelLayout, reference_layout
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.boundary import Abort, Boundary
 from ddiloco.runtime.sync.call_limits import CallLimits, timed_out
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost
-from ddiloco.runtime.layout import ModelLayout, reference_layout
-from ddiloco.outputs.measures import ByteLedger, fragment_shares
 from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
-from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service_records import ServiceRecords
 from ddiloco.runtime.sync.slice_parts import Part, SliceParts, part_of
+from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
 from ddiloco.runtime.sync.streams import CLOSE, UpdateStreams
 from ddiloco.runtime.sync.uploads import Uploads
+from ddiloco.settings.config import Config
 
 log = logging.getLogger("ddiloco.sync")
 

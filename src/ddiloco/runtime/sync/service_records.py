@@ -11,8 +11,16 @@ import logging
 import time
 from typing import Any
 
-from ddiloco.core.shared.actions import (Accepted, Admitted, Finished, LearnersForgotten, LeaseExpired, RoundClosed,
-                                         StopLearners, SyncAction)
+from ddiloco.core.shared.actions import (
+    Accepted,
+    Admitted,
+    Finished,
+    LearnersForgotten,
+    LeaseExpired,
+    RoundClosed,
+    StopLearners,
+    SyncAction,
+)
 from ddiloco.core.shared.messages import FragmentUpdate, Leave
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.sync_status import CoreView

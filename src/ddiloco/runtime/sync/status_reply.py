@@ -12,17 +12,17 @@ import time
 from dataclasses import replace
 from typing import Protocol
 
-from ddiloco.settings.config import Config
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.sync_status import SyncStatus
 from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
-from ddiloco.runtime.sync.boundary import Boundary
-from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.layout import ModelLayout
-from ddiloco.runtime.sync.metrics import GoodputMeter
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.status_wire import LEARNERS_PAGE, status_to_pb
+from ddiloco.runtime.sync.boundary import Boundary
+from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
+from ddiloco.runtime.sync.metrics import GoodputMeter
+from ddiloco.settings.config import Config
 
 
 class Measured(Protocol):
