@@ -184,8 +184,9 @@ def test_refusals_of_one_contribution_drop_it_and_training_goes_on(reason):
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     local_step(params, seed=1)
     sent = step(core, 10, 1.0)
-    core.on_accepted(sent[0], 1.0)  # answered: its fragment is held only until its update (or two periods)
-    while not any(c.fragment == sent[0].fragment for c in step(core, 10, 1.0)):
+    core.on_accepted(sent[0], 1.0)  # answered: its fragment is held until its update (or the hold ends)
+    later = 1.0 + core.schedule.hold_s
+    while not any(c.fragment == sent[0].fragment for c in step(core, 10, 1.0, later)):
         pass  # the fragment's next contribution went out: ``sent[0]`` is no longer the newest
     assert core.on_refused(sent[0], RejectReason(reason), 1.0) == []
     assert core.phase is LearnerPhase.TRAINING and core.between_steps(1.0) is LoopMove.STEP

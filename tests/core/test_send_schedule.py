@@ -6,11 +6,12 @@ from ddiloco.core.learner_side.send_schedule import SendSchedule
 from ddiloco.core.shared.fragments import plan_fragments
 
 PLAN = plan_fragments([("w", (64,))], num_fragments=1, period=12)
+HOLD_S = 5.0
 
 
 def sent_at(step: int) -> SendSchedule:
-    schedule = SendSchedule(PLAN)
-    schedule.take(0, step)
+    schedule = SendSchedule(PLAN, HOLD_S)
+    schedule.take(0, step, now=0.0)
     return schedule
 
 
@@ -32,7 +33,7 @@ def test_a_learner_that_sent_late_catches_up_with_the_round() -> None:
 
 
 def test_a_learner_with_no_send_in_flight_goes_by_the_round_age() -> None:
-    schedule = SendSchedule(PLAN)
+    schedule = SendSchedule(PLAN, HOLD_S)
     schedule.align(0, 30, steps_since_round_began=3)
     assert schedule.next_due[0] == 39
     schedule.align(0, 40, steps_since_round_began=40)  # missed the round: at least one step
@@ -46,10 +47,22 @@ def test_a_fragment_whose_call_is_unanswered_is_not_sent_again_even_after_update
     schedule = sent_at(12)
     schedule.align(0, 14, steps_since_round_began=0)  # an update of p came (someone else's round) ...
     schedule.landed(0)
-    assert schedule.due(100) == []  # ... the call is still out: nothing more is queued behind it
+    assert schedule.due(100, now=1.0) == []  # ... the call is still out: nothing more is queued behind it
     schedule.count(tokens=10, duration_s=0.1)
     schedule.answered(0, seq=0)  # accepted, refused or undelivered
-    assert schedule.due(100) == [0] and schedule.counters[0].steps == 1
+    assert schedule.due(100, now=HOLD_S) == [0] and schedule.counters[0].steps == 1
+
+
+def test_an_accepted_send_waits_for_its_update_however_many_steps_pass_until_the_hold_ends() -> None:
+    """Steps of 6 ms: two periods pass long before the update comes back, and a Δ sent then,
+    measured from the same anchor, carried the last one's progress a second time (a learner alone
+    diverged). The next send waits for the update; one that does not come in ``hold_s`` was lost."""
+    schedule = sent_at(12)
+    schedule.answered(0, seq=0)  # accepted: its update is on its way
+    assert schedule.due(10_000, now=HOLD_S - 0.01) == []
+    assert schedule.due(10_000, now=HOLD_S) == [0]
+    schedule.landed(0)  # or the update came
+    assert schedule.due(10_000, now=0.1) == [0]
 
 
 def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others_wait_on() -> None:
@@ -57,10 +70,10 @@ def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others
     others wait on fragment 3 (step 9): a restarted learner at step 0 sends 3 at once, then 0,
     1, 2 at the others' spacing, not 1 first (its own step 3) as the plan would have it."""
     plan = plan_fragments([(f"w{p}", (64,)) for p in range(4)], num_fragments=4, period=12)
-    schedule = SendSchedule(plan)
+    schedule = SendSchedule(plan, HOLD_S)
     assert schedule.next_due == [12, 3, 6, 9]
     schedule.in_phase_with([31, 32, 32, 31], step=0)
     assert schedule.next_due == [4, 7, 10, 1]
-    unchanged = SendSchedule(plan)
+    unchanged = SendSchedule(plan, HOLD_S)
     unchanged.in_phase_with([5, 5, 5, 5], step=0)  # every version equal: the plan is in phase
     assert unchanged.next_due == [12, 3, 6, 9]

@@ -165,7 +165,7 @@ def test_learners_reconstruct_the_global_value_bit_for_bit():
     for rnd in range(3):
         actions = []
         for c in contributions_for(cores, params, fragment=2, seed=rnd):
-            actions += sync.handle(c, float(rnd))  # everyone alive came: closes at once
+            actions += sync.handle(c, float(rnd + 1))  # everyone alive came: closes at once
         deliver(actions, cores)
     assert sync.versions()[2] >= 2
     for core in cores:
@@ -406,14 +406,19 @@ def test_a_round_that_would_follow_too_soon_waits_for_the_spacing():
 def test_a_learner_that_missed_an_update_still_gets_merged_and_the_next_version_shows_it_the_gap():
     """Late work does not close a round at once, but it must not hold it forever either: with K=2
     and one of two learners sending from a version it missed, the round closes when its grace
-    window runs out, with both learners' work, and the new version tells the late one to rejoin."""
+    window runs out, with both learners' work, and the new version tells the late one to rejoin.
+    (Version 1 merges l0's and l2's work, not l1's: a late Δ of l1's from the anchor of work of
+    its own that was merged would carry that work again, and is refused as ``repeated``.)"""
     config = dataclasses.replace(BASE, quorum=2)
-    plan, sync, cores, params = make_cluster(config, learners=2)
-    c0, c1 = contributions_for(cores, params, fragment=1)
-    sync.handle(c0, 1.0)
-    first = sync.handle(c1, 1.1)
-    assert [r.reason for r in closed(first)] == ["all-live"]
-    deliver(first, cores[:1])  # l1 never gets version 1
+    plan, sync, cores, params = make_cluster(config, learners=3)
+    c0, c2 = contributions_for([cores[0], cores[2]], [params[0], params[2]], fragment=1)
+    first = sync.handle(c0, 1.0) + sync.handle(c2, 1.1)
+    if not closed(first):  # the quorum opened a grace window
+        first += sync.handle(Tick(), sync.next_deadline())
+    assert [r.version for r in closed(first)] == [1]
+    deliver(first, [cores[0], cores[2]])  # l1 never gets version 1
+    sync.handle(Leave("l2", cores[2].links[0].session, cores[2].progress), 1.5)
+    cores, params = cores[:2], params[:2]
     fresh0, late1 = (contributions_for([core], [p], fragment=1, seed=30 + m)[0]
                      for m, (core, p) in enumerate(zip(cores, params)))
     assert (fresh0.base_version, late1.base_version) == (1, 0)
@@ -426,3 +431,22 @@ def test_a_learner_that_missed_an_update_still_gets_merged_and_the_next_version_
     (update,) = [a.update for a in closing if isinstance(a, Broadcast)]
     assert update.version == 2
     assert [type(a).__name__ for a in cores[1].on_update(update, 3.0)] == ["SendJoin"]  # the gap, seen
+
+
+def test_a_delta_from_the_anchor_of_merged_work_is_refused_as_repeated_and_only_its_new_steps_count_lost():
+    """A contribution whose reply was lost is folded into the learner's next one, measured from the
+    same anchor. If the first was merged, the second carries its progress again: refused, the
+    global model untouched, the ledger counting only the steps the first did not carry, and the
+    learner joins again for the update it missed."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    (first,) = contributions_for([core], [params], fragment=1)
+    assert [r.version for r in closed(sync.handle(first, 1.0))] == [1]  # alone: merged at once
+    core.on_undelivered(first, 1.0)  # the reply was lost: the learner folds it into its next send
+    (again,) = contributions_for([core], [params], fragment=1, seed=7)
+    assert again.base_version == first.base_version and again.first_step == first.first_step
+    value = sync.value(1).clone()
+    reply = refused(sync.handle(again, 2.0))
+    assert reply is not None and reply.reason == "repeated"
+    assert sync.versions()[1] == 1 and torch.equal(sync.value(1), value)
+    assert sync.status().honest_refused_steps == again.steps - first.steps
+    assert [type(a).__name__ for a in core.on_refused(again, reply.reason, 2.0)] == ["SendJoin"]

@@ -16,6 +16,7 @@ from ddiloco import cli
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import Contribution, Join, Session
+from ddiloco.core.sync_side.replay import REPLAY_UPDATES
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
@@ -278,23 +279,51 @@ def test_resume_if_present_starts_a_new_run_in_an_empty_state_dir(inproc_sync, t
         SyncService(tiny(), ServiceOptions(state_dir=state))
 
 
+def wait_for_version(s, fragment: int, version: int) -> None:
+    """Until the synchronizer merged ``fragment`` up to ``version`` (a contribution from it is current)."""
+    deadline = time.monotonic() + 30
+    while s.service.view.versions[fragment] < version and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def versions_received(stream, count: int) -> list[tuple[int, int]]:
+    received = []
+    for update in stream:
+        received.append((update.fragment, update.version))
+        if len(received) == count:
+            stream.cancel()
+    return received
+
+
 def test_a_resubscribing_learner_gets_the_updates_it_missed_replayed(inproc_sync):
     s = inproc_sync(tiny())
     with SyncClient(f"127.0.0.1:{s.port}") as client:
         session = client.join(Join("learner-0", "boot")).state.session
-        for seq in range(2):
+        client.contribute(make_contribution(s.service, "learner-0", session, 0, 0))
+        assert versions_received(client.updates("learner-0", [0, 0, 0], session), 1) == [(0, 1)]
+        for seq in range(1, 3):  # while its stream is down
+            wait_for_version(s, 0, seq)
             client.contribute(make_contribution(s.service, "learner-0", session, 0, seq, base_version=seq))
-        stream = client.updates("learner-0", [0, 0, 0], session)
-        received = []
-        for update in stream:
-            received.append((update.fragment, update.version))
-            if len(received) == 2:
-                stream.cancel()
-        assert received == [(0, 1), (0, 2)]
+        assert versions_received(client.updates("learner-0", [1, 0, 0], session), 2) == [(0, 2), (0, 3)]
         # A learner from another incarnation of the synchronizer must join again first.
         with pytest.raises(CallRefused) as info:
             list(client.updates("learner-0", [0, 0, 0], Session(session.incarnation + 1, session.number)))
         assert info.value.reason == "unknown_learner"
+
+
+def test_a_joined_learners_stream_starts_where_its_state_ends_however_late_it_calls(inproc_sync):
+    """The stream opens when the state goes out: more updates made before the learner's call than
+    the replay log keeps (a long transfer on a slow link) still all reach it, in order, and no gap
+    sends it to join again (a rejoin loop in a chaos run on a 5 Mbit/s link)."""
+    s = inproc_sync(tiny())
+    late = REPLAY_UPDATES + 4
+    with SyncClient(f"127.0.0.1:{s.port}") as client:
+        session = client.join(Join("learner-0", "boot")).state.session
+        for seq in range(late):
+            wait_for_version(s, 0, seq)
+            client.contribute(make_contribution(s.service, "learner-0", session, 0, seq, base_version=seq))
+        received = versions_received(client.updates("learner-0", [0, 0, 0], session), late)
+        assert received == [(0, v) for v in range(1, late + 1)]
 
 
 def test_sync_time_is_observed_once_a_listening_stream_has_written_the_update(inproc_sync):

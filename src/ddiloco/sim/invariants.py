@@ -12,7 +12,8 @@ Safety properties of the protocol, whatever the adversary does:
 - every merged contribution was measured from a version at most ``staleness_max`` behind, or
   from one that stopped being current at most ``staleness_s`` before it arrived (the time of
   each version's end taken from the round records, whichever incarnation merged them);
-- no contribution is accepted (or merged) twice;
+- no contribution is accepted (or merged) twice, and no two merged Δs of one session and
+  fragment were measured from the same anchor (the second would carry the first's progress);
 - the tokens an incarnation accepted are exactly the tokens it merged, plus what it still
   holds (or lost with it when it crashed);
 - a learner's anchor is always, bit for bit, a value the synchronizer produced at that
@@ -63,6 +64,8 @@ class InvariantChecker:
         """Per fragment, the newest version any incarnation merged and its value's digest."""
         self._accepted: set[tuple[int, str, int, int, int]] = set()
         self._merged: set[tuple[int, str, int, int, int]] = set()
+        self._merged_from: dict[tuple[int, str, int, int], int] = {}
+        """(incarnation, learner, session, fragment) -> the anchor version its last merged Δ was measured from."""
         self.checks = 0
 
     def _fail(self, message: str) -> None:
@@ -120,6 +123,11 @@ class InvariantChecker:
             if key in self._merged:
                 self._fail(f"contribution {key} merged twice")
             self._merged.add(key)
+            before = self._merged_from.get(key[:4], -1)
+            if m.base_version <= before:
+                self._fail(f"fragment {p} v{record.version} merged two Δs of {m.learner_id} measured from version "
+                           f"{m.base_version}: the second carries the first's progress again")
+            self._merged_from[key[:4]] = m.base_version
         self.tokens_merged[inc] += record.tokens
         self._values[(inc, p, record.version)] = digest = _digest(value)
         self._newest[p] = (record.version, digest)

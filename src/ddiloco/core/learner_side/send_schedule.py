@@ -36,8 +36,12 @@ class _InFlight:
     and a waiting learner waits for it."""
 
     sent_at_step: int
+    sent_at_s: float
     wait_until_s: float | None = None
     """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
+    waited: bool = False
+    """The learner waited ``wait_until_s`` out and trains on; the next send of the fragment still
+    waits for the update (:meth:`SendSchedule.held`)."""
 
 
 def _first_due(offset: int, period: int) -> int:
@@ -46,8 +50,10 @@ def _first_due(offset: int, period: int) -> int:
 
 
 class SendSchedule:
-    def __init__(self, plan: FragmentPlan) -> None:
+    def __init__(self, plan: FragmentPlan, hold_s: float) -> None:
         self.period = plan.period
+        self.hold_s = hold_s
+        """The longest a send waits for the update of the fragment's last one (``deadlines.HOLD_LEASES``)."""
         self.counters = [Counters() for _ in plan.fragments]
         self.seq = [0] * len(plan.fragments)
         self._position = [_first_due(f.offset, plan.period) for f in plan.fragments]
@@ -83,36 +89,37 @@ class SendSchedule:
             c.steps += 1
             c.compute_s += duration_s
 
-    def due(self, step: int) -> list[int]:
+    def due(self, step: int, now: float) -> list[int]:
         """Fragments due at ``step`` and not held back."""
-        return [p for p, due in enumerate(self.next_due) if due <= step and not self.held(p, step)]
+        return [p for p, due in enumerate(self.next_due) if due <= step and not self.held(p, now)]
 
-    def held(self, p: int, step: int) -> bool:
+    def held(self, p: int, now: float) -> bool:
         """Fragment p's last contribution has had no update yet: a Δ sent now would be measured
         from the same anchor and carry that contribution's progress a second time once it is
-        merged. The send waits for the update (training does not), at most one more period:
-        an update that late was lost (the send then brings the gap to light) or the
-        synchronizer is far behind. It always waits while the call itself is unanswered: on a
-        link whose round trip spans many periods, sends would otherwise queue behind each other
-        without bound, each to be refused as stale; held, the next one folds in their steps."""
-        flight = self._in_flight.get(p)
+        merged. The send waits for the update (training does not), for up to ``hold_s`` seconds:
+        steps of a few milliseconds outrun any round trip, and a bound counted in steps (two
+        periods) let a learner alone merge its progress twice and diverge. An update later than
+        that was lost; the send that follows finds out (``repeated``). It always waits while the
+        call itself is unanswered: on a link whose round trip spans many periods, sends would
+        otherwise queue behind each other without bound, each to be refused as stale; held, the
+        next one folds in their steps."""
         if p in self._unanswered:
             return True
         flight = self._in_flight.get(p)
-        return flight is not None and step - flight.sent_at_step < 2 * self.period
+        return flight is not None and now - flight.sent_at_s < self.hold_s
 
     def answered(self, p: int, seq: int) -> None:
         """The call that carried contribution ``seq`` of fragment p ended (accepted, refused or undelivered)."""
         if self._unanswered.get(p) == seq:
             del self._unanswered[p]
 
-    def take(self, p: int, step: int) -> tuple[Counters, int]:
-        """Fragment p goes out at ``step``: its counters and sequence number, and a fresh start."""
+    def take(self, p: int, step: int, now: float) -> tuple[Counters, int]:
+        """Fragment p goes out at ``step`` (at ``now``): its counters and sequence number, and a fresh start."""
         counters, seq = self.counters[p], self.seq[p]
         self.seq[p] += 1
         self.counters[p] = Counters(first_step=self.first_batch + step + 1)
         self.next_due[p] = step + self.period
-        self._in_flight[p] = _InFlight(sent_at_step=step)
+        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now)
         self._unanswered[p] = seq
         return counters, seq
 
@@ -169,15 +176,15 @@ class SendSchedule:
     def start_waits(self, step: int, now: float, *, after_steps: int, limit_s: float) -> None:
         """Fragments sent ``after_steps`` steps ago without an update: wait for them until ``now + limit_s``."""
         for flight in self._in_flight.values():
-            if flight.wait_until_s is None and step - flight.sent_at_step >= after_steps:
+            if flight.wait_until_s is None and not flight.waited and step - flight.sent_at_step >= after_steps:
                 flight.wait_until_s = now + limit_s
         self.expire_waits(now)
 
     def expire_waits(self, now: float) -> None:
         """Waited long enough for an update that did not come: train on."""
-        for p, flight in list(self._in_flight.items()):
+        for flight in self._in_flight.values():
             if flight.wait_until_s is not None and now >= flight.wait_until_s:
-                del self._in_flight[p]
+                flight.wait_until_s, flight.waited = None, True
 
     def waiting(self, now: float) -> bool:
         return any(f.wait_until_s is not None and now < f.wait_until_s for f in self._in_flight.values())

@@ -62,6 +62,10 @@ class RejectReason(enum.StrEnum):
     """Measured from a version this synchronizer never produced (it restarted from a checkpoint)."""
     STALE = "stale"
     DUPLICATE = "duplicate"
+    REPEATED = "repeated"
+    """Measured from the anchor of the session's previous contribution of the fragment, which a round
+    merged already: it carries that work again (a learner folds a contribution whose reply was lost
+    into its next one, not knowing it arrived). Its steps since that contribution are lost."""
     FINISHED = "finished"
     """The run's budget is spent and its last merge done."""
     REPLACED = "replaced"
@@ -99,10 +103,17 @@ class RejectReason(enum.StrEnum):
 class Rejected(Exception):
     """A message the synchronizer refuses (counted; global state untouched)."""
 
-    def __init__(self, reason: RejectReason, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str, *, lost: tuple[int, int] | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = RejectReason(reason)
         self.detail = detail
+        self.lost = lost
+        """The (steps, tokens) of a refused contribution's work thrown away, where not all of it is
+        (``repeated``: its part merged already is not); None: all of it."""
+
+    def work_lost(self, c: "Contribution") -> tuple[int, int]:
+        """The (steps, tokens) this refusal of ``c`` throws away."""
+        return self.lost if self.lost is not None else (c.steps, c.tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ KIND_OF: dict[str, RefusalKind] = {
     "norm_bound": RefusalKind.HONEST,
     "future_version": RefusalKind.HONEST,
     "replaced": RefusalKind.HONEST,
+    "repeated": RefusalKind.HONEST,
     "slice_incomplete": RefusalKind.HONEST,
     "implausible": RefusalKind.MEMBER,
     "malformed": RefusalKind.MEMBER,

@@ -30,8 +30,9 @@ import collections
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
+from ddiloco.core.shared.actions import MergedContribution
 from ddiloco.core.shared.deadlines import starved_after_s
 from ddiloco.core.shared.messages import Contribution, Join, Rejected, RejectReason, Request, Session
 from ddiloco.core.sync_side.refusals import Refusals
@@ -68,6 +69,9 @@ class LearnerRecord:
     rejected: int = 0
     registrations: int = 0
     last_seq: dict[int, int] = field(default_factory=dict)
+    merged_through: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per fragment, the base version and the last step of the current session's newest merged
+    contribution: a later Δ from that base or an older one carries it again (``repeated``)."""
     """Last accepted sequence number per fragment, in the current session."""
     accepted_at: dict[int, float] = field(default_factory=dict)
     """When a contribution of each fragment was last accepted, in the current session."""
@@ -174,6 +178,7 @@ class Registry:
         rec.tokens_per_step = tokens_per_step
         rec.session_started_s = now
         rec.last_seq.clear()  # a new session numbers its contributions from 0
+        rec.merged_through.clear()
         rec.accepted_at.clear()
         if not same_boot:  # another process, or the first registration here: its claims start now
             rec.claims_head_s = self.kept_s if restored else 0.0  # it may keep what the previous incarnation held
@@ -244,14 +249,34 @@ class Registry:
             return err
         return None
 
-    def refused(self, request: Request, reason: RejectReason) -> None:
-        """A request of a listed learner refused: counted, a contribution's work in its ledger."""
+    def refused(self, request: Request, err: Rejected) -> None:
+        """A request of a listed learner refused: counted, a contribution's lost work in its ledger."""
         rec = self.records.get(request.learner_id)
         if rec is None:
             return
         rec.rejected += 1
         if isinstance(request, Contribution):
-            rec.refusals.add(reason, request.steps, request.tokens)
+            rec.refusals.add(err.reason, *err.work_lost(request))
+
+    def merged(self, merged: Iterable[MergedContribution], fragment: int) -> None:
+        """A round merged these: each current session's newest merged work of ``fragment``."""
+        for m in merged:
+            rec = self.records.get(m.learner_id)
+            if rec is not None and rec.session.number == m.session:
+                rec.merged_through[fragment] = (m.base_version, m.first_step + m.steps - 1)
+
+    @staticmethod
+    def repeats(rec: LearnerRecord, c: Contribution) -> None:
+        """:class:`Rejected` (``repeated``) if ``c`` is measured from no later an anchor than the
+        session's newest merged contribution of its fragment: it carries that work again."""
+        through = rec.merged_through.get(c.fragment)
+        if through is None or c.base_version > through[0]:
+            return
+        base, last_merged = through
+        new_steps = max(0, min(c.steps, c.first_step + c.steps - 1 - last_merged))
+        raise Rejected(RejectReason.REPEATED, f"Δ of fragment {c.fragment} measured from version {c.base_version}, "
+                       f"no later than the one merged before it (from version {base}): it carries that work again",
+                       lost=(new_steps, c.tokens * new_steps // max(1, c.steps)))
 
     def accepted(self, rec: LearnerRecord, c: Contribution, now: float) -> None:
         """Record ``c`` (its times already clipped to what is plausible) as accepted at ``now``."""

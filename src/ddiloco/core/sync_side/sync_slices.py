@@ -57,5 +57,6 @@ class SliceIntake:
     def _slices_lost(self, lost: list[Contribution]) -> None:
         """Sets of slices that will never be complete: their work counted as refused (``slice_incomplete``)."""
         for c in lost:
-            self._counters.refused(RejectReason.SLICE_INCOMPLETE, c)
-            self._registry.refused(c, RejectReason.SLICE_INCOMPLETE)
+            err = Rejected(RejectReason.SLICE_INCOMPLETE, "a rank's slice never came")
+            self._counters.refused(c, err)
+            self._registry.refused(c, err)

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddiloco.core.shared.messages import Contribution, RejectReason, Request
+from ddiloco.core.shared.messages import Contribution, Rejected, Request
 from ddiloco.core.sync_side.refusals import Refusals
 from ddiloco.core.sync_side.rounds import RoundPhase
 from ddiloco.core.sync_side.run_state import RunPhase
@@ -173,11 +173,11 @@ class SyncCounters:
     last_merge_s: float | None = None
     """Not restored: a restarted synchronizer's first merge starts a new pause count."""
 
-    def refused(self, reason: RejectReason, request: Request) -> None:
-        """A request refused: counted, and a contribution's work in the ledger (``core/sync_side/refusals.py``)."""
-        self.rejections[str(reason)] += 1
+    def refused(self, request: Request, err: Rejected) -> None:
+        """A request refused: counted, and a contribution's lost work in the ledger (``core/sync_side/refusals.py``)."""
+        self.rejections[str(err.reason)] += 1
         if isinstance(request, Contribution):
-            self.refusals.add(reason, request.steps, request.tokens)
+            self.refusals.add(err.reason, *err.work_lost(request))
 
     def merged(self, reason: str, now: float, running: bool) -> None:
         """A round closed at ``now``."""

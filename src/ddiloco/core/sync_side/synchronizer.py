@@ -158,8 +158,8 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         try:
             return handler(request, now)  # type: ignore[operator]
         except Rejected as err:
-            self._counters.refused(err.reason, request)
-            self._registry.refused(request, err.reason)
+            self._counters.refused(request, err)
+            self._registry.refused(request, err)
             return [Refused(request.learner_id, request, err.reason, err.detail)]
 
     # ---- requests ------------------------------------------------------------------------
@@ -205,6 +205,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
             raise Rejected(RejectReason.FINISHED, "the run is over")
         rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
         norm, pending, plausible, clipped = self._validate(c, rec, now)
+        self._registry.repeats(rec, c)  # honest work, refused only once no member's check refuses it
         frag = self._fragments[c.fragment]
         key = (c.learner_id, c.session)
         clip = frag.norm_bound.admit(key, c.seq, norm, self.config.delta_norm_ratio_max)
@@ -342,6 +343,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
             coherence=coherence,
         )
         self._positions.merged(index, record.merged)
+        self._registry.merged(record.merged, index)
         self._slices_lost(self._slices.expire(index))
         rnd.clear()
         if self.config.space_rounds and not self.config.strict_quorum:

@@ -226,6 +226,7 @@ class SyncService(ServiceRecords):
         log.info("learner %s %s (index %d, session %s) at versions %s", learner,
                  "rejoined" if learner in self._joined else "joined", header.data_shard, session, list(header.versions))
         self._joined.add(learner)
+        self.streams.open_for(learner, session, part)  # before the first copy: no update falls between
 
         async def send() -> None:
             await self.calls.write(context, self.boundary.out(learner, -1, pb.JoinReply(header=header)), "join")
@@ -275,13 +276,14 @@ class SyncService(ServiceRecords):
     async def updates(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         async def work() -> None:
             req = self.boundary.receive(context, pb.UpdatesRequest, raw)
-            name, part = req.learner_id, part_of(req)
-            if not await self._live_session(context, name, wire.session_from_pb(req.session), part):
+            name, part, session = req.learner_id, part_of(req), wire.session_from_pb(req.session)
+            if not await self._live_session(context, name, session, part):
                 return
             self.calls.bound_to_session()  # one stream per learner (and rank) from here: a new one replaces it
-            sub = self.streams.subscribe(name, part)
+            sub, opened_by_state = self.streams.subscribe(name, session, part)
             try:
-                for p, chunks in self.streams.replay(list(req.have_versions), part):
+                replay = () if opened_by_state else self.streams.replay(list(req.have_versions), part)
+                for p, chunks in replay:
                     for data in chunks:
                         self.boundary.count_out(name, p, len(data))
                         await self.calls.write(context, data, "the update stream")
@@ -313,9 +315,11 @@ class SyncService(ServiceRecords):
         async def work() -> None:
             req = self.boundary.receive(context, pb.FetchStateRequest, raw)
             part = part_of(req)
-            if part is not None and not await self._live_session(context, req.learner_id,
-                                                                 wire.session_from_pb(req.session), part):
-                return
+            session = wire.session_from_pb(req.session)
+            if part is not None:  # a rank of a sharded learner: it follows its stream from these values
+                if not await self._live_session(context, req.learner_id, session, part):
+                    return
+                self.streams.open_for(req.learner_id, session, part)
             async with self.calls.transfers.hold():
                 deadline = self.calls.deadline_s(self.core.state_bytes)
                 cut = None if part is None else lambda value: self.parts.value(value, part)

@@ -5,6 +5,13 @@ to that rank's slice (``slice_parts.py``); a broadcast is serialized once per di
 queued to every recipient's stream, and a stop notice goes the same way. What is replayed to
 a learner that resubscribes, and when a stream is too slow, is the protocol's rule
 (:mod:`ddiloco.core.sync_side.replay`, followed by the virtual cluster too).
+
+A session's stream opens when its state starts to go out (``open_for``), before the first
+fragment is copied, and the learner's ``Updates`` call takes it over: every update made after
+the copies reaches the learner in order, however long the transfer took. Opened only when the
+call came, it depended on the replay log, which keeps a few updates per fragment: a join over
+a slow link to a fast-merging synchronizer found a gap at its first update, joined again, and
+did so in a loop (five rejoins on one shard in a chaos run on a 5 Mbit/s link).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ddiloco.core.shared.messages import FragmentUpdate, StopNotice
+from ddiloco.core.shared.messages import FragmentUpdate, Session, StopNotice
 from ddiloco.core.sync_side.replay import ReplayLog, too_slow
 from ddiloco.runtime.sync.slice_parts import Part
 from ddiloco.runtime.wire import update_chunks
@@ -45,6 +52,10 @@ class Subscriber:
     """The rank of a sharded learner this stream serves (its updates cut to its slice), or None: whole."""
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     backlog: int = 0
+    awaiting: Session | None = None
+    """The session whose ``Updates`` call has not taken this stream over yet (None once it has).
+    Its updates wait here without holding up their deliveries: a slow transfer does not stretch
+    the time an update takes to reach the learners that follow (ξ_sync)."""
 
 
 Cut = Callable[[FragmentUpdate, Part], FragmentUpdate]
@@ -57,14 +68,27 @@ class UpdateStreams:
         self._replay: ReplayLog[FragmentUpdate] = ReplayLog(fragments, replay_bytes)
         self._cut = cut
 
-    def subscribe(self, learner: str, part: Part | None = None) -> Subscriber:
-        """A new stream for ``learner``'s rank ``part`` (replacing the one that rank had, which is closed)."""
-        ranks = self._subscribers.setdefault(learner, {})
+    def open_for(self, learner: str, session: Session, part: Part | None = None) -> None:
+        """``session``'s state starts to go out: its stream begins here (replacing the rank's old one)."""
+        self._replace(learner, Subscriber(part, awaiting=session))
+
+    def subscribe(self, learner: str, session: Session, part: Part | None = None) -> tuple[Subscriber, bool]:
+        """``learner``'s ``Updates`` call for ``session``: the stream its state opened, if it is still
+        waiting (True: nothing to replay), else a new one replacing the rank's old one (False)."""
         rank = 0 if part is None else part[0]
+        waiting = self._subscribers.get(learner, {}).get(rank)
+        if waiting is not None and waiting.awaiting == session and waiting.part == part:
+            waiting.awaiting = None
+            return waiting, True
+        return self._replace(learner, Subscriber(part)), False
+
+    def _replace(self, learner: str, sub: Subscriber) -> Subscriber:
+        ranks = self._subscribers.setdefault(learner, {})
+        rank = 0 if sub.part is None else sub.part[0]
         previous = ranks.get(rank)
         if previous is not None:
             previous.queue.put_nowait(CLOSE)
-        sub = ranks[rank] = Subscriber(part)
+        ranks[rank] = sub
         return sub
 
     def unsubscribe(self, learner: str, sub: Subscriber) -> None:
@@ -106,9 +130,10 @@ class UpdateStreams:
                     assert self._cut is not None and sub.part is not None
                     cuts[sub.part] = update_chunks(self._cut(update, sub.part))
                 sub.backlog += 1
-                sub.queue.put_nowait((update.fragment, cuts[sub.part], delivery))
-                if delivery is not None:
-                    delivery.pending += 1
+                counted = delivery if sub.awaiting is None else None
+                sub.queue.put_nowait((update.fragment, cuts[sub.part], counted))
+                if counted is not None:
+                    counted.pending += 1
 
     def stop(self, recipients: tuple[str, ...] | None = None) -> None:
         """Tell learners (all subscribed ones by default) that the run's budget is spent."""
