@@ -25,6 +25,7 @@ from ddiloco.core.learner_side.learner_phase import LoopMove
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
+    Behind,
     Broadcast,
     Checkpoint,
     Fail,
@@ -65,7 +66,7 @@ from ddiloco.sim.synthetic import WalkModel
 NAMES = ("learner-0", "learner-1", "learner-2")
 CONFIG = build_config(preset="tiny", overrides=(
     "run.learners=3", "protocol.fragments=2", "protocol.period=4", "protocol.quorum=3", "protocol.grace_gamma=0.0",
-    "protocol.lease_s=10.0", "protocol.heartbeat_s=3.0", "run.tokens=1600"))
+    "protocol.lease_s=10.0", "protocol.heartbeat_s=3.0", "run.tokens=2000"))
 PROTOCOL = CONFIG.protocol
 LIMITS = RunLimits(tokens=CONFIG.run.tokens, drain_timeout_s=20.0)
 MODEL = WalkModel()
@@ -115,6 +116,8 @@ def summary(action: Any) -> tuple:
         return ("leave",)
     if isinstance(action, Fail):
         return ("fail", str(action.reason))
+    if isinstance(action, Behind):  # a fragment held for its update: its sends carry more steps
+        return ("behind",)
     raise TypeError(action)
 
 
@@ -418,13 +421,17 @@ def scenario(script: Script) -> Iterator[str]:
         script.wait(3)
     script.start("learner-2", boot="learner-2#1")  # a new process: it joins and adopts the state
     yield "rejoin"
-    script.drop_next.add("learner-1")  # learner-1 misses one update: at the next it sees a gap
+    # learner-1 misses one update. Its next send of that fragment waits for it (a Δ from the same
+    # anchor would carry its merged work again), and every round needs it (K=3): when the wait
+    # ends (twice its longest wait so far, at most a lease), that send is refused as
+    # ``repeated`` and it joins again.
+    script.drop_next.add("learner-1")
     for _ in range(4):
         for name in NAMES:
             script.steps(name, PROTOCOL.period)
         script.wait(1)
     yield "gap"
-    for _ in range(12):  # until the budget runs out: stop, flush, leave, finish
+    for _ in range(20):  # until the budget runs out: stop, flush, leave, finish
         for name in NAMES:
             script.steps(name, PROTOCOL.period)
         script.wait(1)
@@ -449,7 +456,8 @@ def test_the_simulator_and_the_grpc_runtime_make_the_same_decisions(sync_decisio
     assert ("expired", "learner-2") in flat
     assert ("learner-2", "join") in sim and sum(1 for e in sim if e[:2] == ("learner-2", "join")) == 2
     assert any(e[:2] == ("learner-1", "lost update") for e in sim)
-    assert sum(1 for e in sim if e[:2] == ("learner-1", "join")) == 2  # the gap made it join again
+    assert sum(1 for e in sim if e[:2] == ("learner-1", "join")) == 2  # the lost update made it join again
+    assert any(d[:2] == ("refused", "learner-1") and "repeated" in d for d in flat), flat
     assert any(d[0] == "stop" for d in flat) and ("finished",) in flat
     assert [e for e in sim if e[1:] == ("leave",)] == [(n, "leave") for n in sorted(NAMES)] or \
         sorted(e[0] for e in sim if e[1:] == ("leave",)) == sorted(NAMES)

@@ -47,7 +47,8 @@ def test_each_shard_owns_its_fragments_and_a_learner_trains_against_both(two_sha
         assert [f.id for f in status.fragments] == list(s.service.core.owned)
         assert all(f.version >= 1 for f in status.fragments)
         (lr,) = status.learners
-        assert lr.accepted >= 3 and lr.tokens == 3 * config.protocol.period * workload.tokens_per_step
+        # Each fragment's work arrived (a fragment's next send waits for its update: how many more is timing).
+        assert lr.accepted >= len(s.service.core.owned) and lr.tokens == 3 * config.protocol.period * workload.tokens_per_step
 
 
 def test_addresses_that_do_not_form_one_run_are_refused_before_training(two_shards):

@@ -77,10 +77,10 @@ def test_a_planted_quorum_off_by_one_is_found(monkeypatch):
 def test_a_planted_bug_following_updates_of_another_incarnation_is_found(monkeypatch):
     original = Learner._apply
 
-    def any_incarnation(self, update, values):
+    def any_incarnation(self, update, values, now):
         if self.session is not None:
             update = dataclasses.replace(update, incarnation=self.session.incarnation)
-        return original(self, update, values)
+        return original(self, update, values, now)
 
     monkeypatch.setattr(Learner, "_apply", any_incarnation)
     found = first_failure()

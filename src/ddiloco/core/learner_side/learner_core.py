@@ -250,14 +250,14 @@ class Learner(LearnerQueries):
         thread, into memory an accelerator copies from without waiting); decoded here if None
         (in the same pass as the merge where ``decodes_updates``).
         """
-        result = self._apply(update, values)
+        result = self._apply(update, values, now)
         self.updates[result] += 1
         shard = self.config.shard_of(update.fragment)
         if result is UpdateResult.GAP and self.phase is LearnerPhase.TRAINING and not self.links[shard].joining:
             return self._join(shard)  # missed a version: fetch that shard's state again
         return []
 
-    def _apply(self, update: FragmentUpdate, values: torch.Tensor | None) -> UpdateResult:
+    def _apply(self, update: FragmentUpdate, values: torch.Tensor | None, now: float) -> UpdateResult:
         p = update.fragment
         if not 0 <= p < len(self._flat) or update.codec != self._downlink.name:
             raise ValueError(f"update for fragment {p} with codec {update.codec!r} does not fit this learner")
@@ -271,6 +271,7 @@ class Learner(LearnerQueries):
         self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
         self._anchored_at[p] = self.step
+        self.schedule.updated(p, now)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began

@@ -13,9 +13,11 @@ instead: ``first_batch`` (where this process's data resumed) plus the step (``co
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from ddiloco.core.shared.deadlines import HOLD_ROUND_TRIPS
 from ddiloco.core.shared.fragments import FragmentPlan
 from ddiloco.core.shared.messages import Contribution
 
@@ -44,16 +46,22 @@ class _InFlight:
     waits for the update (:meth:`SendSchedule.held`)."""
 
 
+TRIPS_KEPT = 8
+"""Recent waits for an update the hold is measured against."""
+
+
 def _first_due(offset: int, period: int) -> int:
     """The first step s >= 1 with s % period == offset (the plan's schedule)."""
     return offset if offset >= 1 else period
 
 
 class SendSchedule:
-    def __init__(self, plan: FragmentPlan, hold_s: float) -> None:
+    def __init__(self, plan: FragmentPlan, hold_max_s: float) -> None:
         self.period = plan.period
-        self.hold_s = hold_s
+        self.hold_max_s = hold_max_s
         """The longest a send waits for the update of the fragment's last one (``deadlines.HOLD_LEASES``)."""
+        self._waits: deque[float] = deque(maxlen=TRIPS_KEPT)
+        """The recent waits from a send to the update that followed it."""
         self.counters = [Counters() for _ in plan.fragments]
         self.seq = [0] * len(plan.fragments)
         self._position = [_first_due(f.offset, plan.period) for f in plan.fragments]
@@ -96,7 +104,7 @@ class SendSchedule:
     def held(self, p: int, now: float) -> bool:
         """Fragment p's last contribution has had no update yet: a Δ sent now would be measured
         from the same anchor and carry that contribution's progress a second time once it is
-        merged. The send waits for the update (training does not), for up to ``hold_s`` seconds:
+        merged. The send waits for the update (training does not), for up to :attr:`hold_s`:
         steps of a few milliseconds outrun any round trip, and a bound counted in steps (two
         periods) let a learner alone merge its progress twice and diverge. An update later than
         that was lost; the send that follows finds out (``repeated``). It always waits while the
@@ -107,6 +115,20 @@ class SendSchedule:
             return True
         flight = self._in_flight.get(p)
         return flight is not None and now - flight.sent_at_s < self.hold_s
+
+    @property
+    def hold_s(self) -> float:
+        """How long a send waits for its update now: ``HOLD_ROUND_TRIPS`` times the longest recent
+        wait, at most ``hold_max_s`` (all of it until an update has come back)."""
+        if not self._waits:
+            return self.hold_max_s
+        return min(self.hold_max_s, HOLD_ROUND_TRIPS * max(self._waits))
+
+    def updated(self, p: int, now: float) -> None:
+        """An update of p came at ``now``: how long it took, if a send of p was waiting for it."""
+        flight = self._in_flight.get(p)
+        if flight is not None and p not in self._unanswered:
+            self._waits.append(now - flight.sent_at_s)
 
     def answered(self, p: int, seq: int) -> None:
         """The call that carried contribution ``seq`` of fragment p ended (accepted, refused or undelivered)."""
