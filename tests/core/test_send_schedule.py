@@ -66,16 +66,16 @@ def test_an_accepted_send_waits_for_its_update_however_many_steps_pass_until_the
 
 
 def test_the_hold_follows_how_long_updates_take_to_come_back() -> None:
-    """An update that came 0.5 s after its send: the next send waits twice that at most, so that a
-    lost update holds the fragment back for about a round trip, not for a whole lease."""
+    """An update that came 0.5 s after its send: the next send waits four times that at most, so
+    that a lost update holds the fragment back for a few round trips, not for a whole lease."""
     schedule = sent_at(12)
     schedule.answered(0, seq=0)
     schedule.updated(0, now=0.5)
     schedule.landed(0)
-    assert schedule.hold_s == 1.0
+    assert schedule.hold_s == 2.0
     schedule.take(0, 24, now=1.0)
     schedule.answered(0, seq=1)
-    assert schedule.due(10_000, now=1.9) == [] and schedule.due(10_000, now=2.0) == [0]
+    assert schedule.due(10_000, now=2.9) == [] and schedule.due(10_000, now=3.0) == [0]
 
 
 def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others_wait_on() -> None:

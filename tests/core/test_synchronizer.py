@@ -437,7 +437,8 @@ def test_a_delta_from_the_anchor_of_merged_work_is_refused_as_repeated_and_only_
     """A contribution whose reply was lost is folded into the learner's next one, measured from the
     same anchor. If the first was merged, the second carries its progress again: refused, the
     global model untouched, the ledger counting only the steps the first did not carry, and the
-    learner joins again for the update it missed."""
+    learner waits for that update once more; refused so again with no update in between, it joins
+    again (the update was lost)."""
     plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
     (first,) = contributions_for([core], [params], fragment=1)
     assert [r.version for r in closed(sync.handle(first, 1.0))] == [1]  # alone: merged at once
@@ -449,4 +450,5 @@ def test_a_delta_from_the_anchor_of_merged_work_is_refused_as_repeated_and_only_
     assert reply is not None and reply.reason == "repeated"
     assert sync.versions()[1] == 1 and torch.equal(sync.value(1), value)
     assert sync.status().honest_refused_steps == again.steps - first.steps
-    assert [type(a).__name__ for a in core.on_refused(again, reply.reason, 2.0)] == ["SendJoin"]
+    assert core.on_refused(again, reply.reason, 2.0) == [] and core.schedule.held(1, 2.0)
+    assert [type(a).__name__ for a in core.on_refused(again, reply.reason, 3.0)] == ["SendJoin"]

@@ -333,8 +333,14 @@ def test_a_member_stalling_uploads_on_the_honest_learners_host_never_stops_their
     assert rejections["unknown_learner"] >= 1 and rejections["busy"] >= 1  # forged sessions; more than one a fragment
     (mallory,) = [lr for lr in status["learners"] if lr["id"] == "mallory"]
     assert mallory["rejected"] >= rejections["timed_out"]  # its stalls are counted against it
-    assert not any(lr["rejected"] for lr in status["learners"] if lr["id"] != "mallory")
-    assert s.call(lambda: len(s.service.calls.uploads)) <= fragments
-    for learner in honest:
-        learner.close()
-    member.close()
+    try:
+        # An honest learner's only refusals: ``repeated``. The stalls slow the update streams: an update
+        # came back later than the learner waits for it (its hold, here 2 s), and its next send, from
+        # the same anchor, would carry the merged work again (before the rule: merged twice, silently).
+        refused_honest = sum(lr["rejected"] for lr in status["learners"] if lr["id"] != "mallory")
+        assert refused_honest == rejections.get("repeated", 0), (rejections, status["learners"])
+        assert s.call(lambda: len(s.service.calls.uploads)) <= fragments
+    finally:
+        for learner in honest:
+            learner.close()
+        member.close()

@@ -312,6 +312,11 @@ class Learner(LearnerQueries):
             return []  # about a session we already left
         if isinstance(request, Contribution):
             self.schedule.answered(request.fragment, request.seq)
+            if reason is RejectReason.REPEATED:
+                if (self.schedule.repeated(request.fragment, self.step, now) or self.links[shard].joining
+                        or self.phase is not LearnerPhase.TRAINING):
+                    return []
+                return self._join(shard)  # its update was lost: the state brings it
             self.schedule.landed(request.fragment)
         if self._stale_on_its_link(request, reason):
             held = self.versions[request.fragment]

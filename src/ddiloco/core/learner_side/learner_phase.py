@@ -52,7 +52,6 @@ REJOIN_ON = frozenset({
     RejectReason.SUPERSEDED,       # the synchronizer holds a newer session of ours than we do
     RejectReason.STALE,            # our anchors are too far behind and no update came since (``_stale_on_its_link``)
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
-    RejectReason.REPEATED,         # it merged our last work, whose update never reached us
 })
 """Refusals of the current session that call for the full state again."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,

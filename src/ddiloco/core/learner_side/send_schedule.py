@@ -62,6 +62,8 @@ class SendSchedule:
         """The longest a send waits for the update of the fragment's last one (``deadlines.HOLD_LEASES``)."""
         self._waits: deque[float] = deque(maxlen=TRIPS_KEPT)
         """The recent waits from a send to the update that followed it."""
+        self._repeated: set[int] = set()
+        """Fragments a ``repeated`` refusal answered since their last update."""
         self.counters = [Counters() for _ in plan.fragments]
         self.seq = [0] * len(plan.fragments)
         self._position = [_first_due(f.offset, plan.period) for f in plan.fragments]
@@ -89,6 +91,7 @@ class SendSchedule:
         self.seq[p] = 0
         self._in_flight.pop(p, None)
         self._unanswered.pop(p, None)
+        self._repeated.discard(p)
 
     def count(self, tokens: int, duration_s: float) -> None:
         """One inner step, for every fragment."""
@@ -129,6 +132,17 @@ class SendSchedule:
         flight = self._in_flight.get(p)
         if flight is not None and p not in self._unanswered:
             self._waits.append(now - flight.sent_at_s)
+        self._repeated.discard(p)
+
+    def repeated(self, p: int, step: int, now: float) -> bool:
+        """The synchronizer merged p's last work, and refused the send after it as ``repeated``: wait
+        for that update once more, from ``now`` (True). The second such refusal with no update in
+        between (False): the update was lost, and only the state brings it."""
+        if p in self._repeated:
+            return False
+        self._repeated.add(p)
+        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now)
+        return True
 
     def answered(self, p: int, seq: int) -> None:
         """The call that carried contribution ``seq`` of fragment p ended (accepted, refused or undelivered)."""

@@ -49,7 +49,7 @@ CLIENT_UPLOAD_BYTES_PER_S = 1e6
 """The throughput a real learner expects of its uplink for a contribution."""
 CLIENT_FETCH_S = 300.0
 """A state fetch (evaluation, operators): its caller does not know the state's size beforehand."""
-HOLD_ROUND_TRIPS = 2.0
+HOLD_ROUND_TRIPS = 4.0
 """How long a learner's next send of a fragment waits for the update of its last one: this many
 times the longest recent wait for an update ...
 """
