@@ -66,7 +66,7 @@ from ddiloco.sim.synthetic import WalkModel
 NAMES = ("learner-0", "learner-1", "learner-2")
 CONFIG = build_config(preset="tiny", overrides=(
     "run.learners=3", "protocol.fragments=2", "protocol.period=4", "protocol.quorum=3", "protocol.grace_gamma=0.0",
-    "protocol.lease_s=10.0", "protocol.heartbeat_s=3.0", "run.tokens=2800"))
+    "protocol.lease_s=10.0", "protocol.heartbeat_s=3.0", "run.tokens=3600"))
 PROTOCOL = CONFIG.protocol
 LIMITS = RunLimits(tokens=CONFIG.run.tokens, drain_timeout_s=20.0)
 MODEL = WalkModel()
@@ -423,7 +423,7 @@ def scenario(script: Script) -> Iterator[str]:
     yield "rejoin"
     # learner-1 misses one update. Its next send of that fragment waits for it (a Δ from the same
     # anchor would carry its merged work again), and every round needs it (K=3): when the wait
-    # ends (four times its longest wait so far, at most a lease), that send is refused as
+    # ends (a lease), that send is refused as
     # ``repeated``; it waits once more, is refused so again, and joins again.
     script.drop_next.add("learner-1")
     for _ in range(4):
@@ -431,7 +431,7 @@ def scenario(script: Script) -> Iterator[str]:
             script.steps(name, PROTOCOL.period)
         script.wait(1)
     yield "gap"
-    for _ in range(30):  # until the budget runs out: stop, flush, leave, finish
+    for _ in range(40):  # until the budget runs out: stop, flush, leave, finish
         for name in NAMES:
             script.steps(name, PROTOCOL.period)
         script.wait(1)

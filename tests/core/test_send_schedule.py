@@ -7,10 +7,11 @@ from ddiloco.core.shared.fragments import plan_fragments
 
 PLAN = plan_fragments([("w", (64,))], num_fragments=1, period=12)
 HOLD_S = 5.0
+RECHECK_S = 1.0
 
 
 def sent_at(step: int) -> SendSchedule:
-    schedule = SendSchedule(PLAN, HOLD_S)
+    schedule = SendSchedule(PLAN, HOLD_S, RECHECK_S)
     schedule.take(0, step, now=0.0)
     return schedule
 
@@ -33,7 +34,7 @@ def test_a_learner_that_sent_late_catches_up_with_the_round() -> None:
 
 
 def test_a_learner_with_no_send_in_flight_goes_by_the_round_age() -> None:
-    schedule = SendSchedule(PLAN, HOLD_S)
+    schedule = SendSchedule(PLAN, HOLD_S, RECHECK_S)
     schedule.align(0, 30, steps_since_round_began=3)
     assert schedule.next_due[0] == 39
     schedule.align(0, 40, steps_since_round_began=40)  # missed the round: at least one step
@@ -65,17 +66,20 @@ def test_an_accepted_send_waits_for_its_update_however_many_steps_pass_until_the
     assert schedule.due(10_000, now=0.1) == [0]
 
 
-def test_the_hold_follows_how_long_updates_take_to_come_back() -> None:
-    """An update that came 0.5 s after its send: the next send waits four times that at most, so
-    that a lost update holds the fragment back for a few round trips, not for a whole lease."""
+def test_after_a_repeated_refusal_the_send_waits_once_more_then_the_learner_gives_up_on_the_update() -> None:
+    """``repeated``: the synchronizer merged the last send's work, so its update was made before the
+    refusal and only its way down the stream is left: the next send waits ``recheck_s`` more, and a
+    second such refusal with no update in between means the update was lost."""
     schedule = sent_at(12)
     schedule.answered(0, seq=0)
-    schedule.updated(0, now=0.5)
-    schedule.landed(0)
-    assert schedule.hold_s == 2.0
-    schedule.take(0, 24, now=1.0)
-    schedule.answered(0, seq=1)
-    assert schedule.due(10_000, now=2.9) == [] and schedule.due(10_000, now=3.0) == [0]
+    assert schedule.due(10_000, now=HOLD_S) == [0]  # the hold ran out ...
+    schedule.take(0, 10_000, now=HOLD_S)
+    schedule.answered(0, seq=1)  # ... and that send was refused as repeated
+    assert schedule.repeated(0, 10_001, now=6.0)
+    assert schedule.due(20_000, now=6.0 + RECHECK_S - 0.01) == [] and schedule.due(20_000, now=6.0 + RECHECK_S) == [0]
+    assert not schedule.repeated(0, 10_003, now=8.0)  # again, no update in between: lost
+    schedule.updated(0)
+    assert schedule.repeated(0, 10_004, now=9.0)  # an update came since: a new episode
 
 
 def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others_wait_on() -> None:
@@ -83,10 +87,10 @@ def test_a_blocking_learner_that_restarts_mid_period_sends_first_what_the_others
     others wait on fragment 3 (step 9): a restarted learner at step 0 sends 3 at once, then 0,
     1, 2 at the others' spacing, not 1 first (its own step 3) as the plan would have it."""
     plan = plan_fragments([(f"w{p}", (64,)) for p in range(4)], num_fragments=4, period=12)
-    schedule = SendSchedule(plan, HOLD_S)
+    schedule = SendSchedule(plan, HOLD_S, RECHECK_S)
     assert schedule.next_due == [12, 3, 6, 9]
     schedule.in_phase_with([31, 32, 32, 31], step=0)
     assert schedule.next_due == [4, 7, 10, 1]
-    unchanged = SendSchedule(plan, HOLD_S)
+    unchanged = SendSchedule(plan, HOLD_S, RECHECK_S)
     unchanged.in_phase_with([5, 5, 5, 5], step=0)  # every version equal: the plan is in phase
     assert unchanged.next_due == [12, 3, 6, 9]

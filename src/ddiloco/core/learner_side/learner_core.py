@@ -79,7 +79,7 @@ class Learner(LearnerQueries):
         """-1 until the learner adopts the global state; it may not contribute before."""
         self._anchored_at = [0] * len(plan.fragments)
         """Per fragment, the step its anchor last moved (a rejoin keeps ≤ staleness_max periods since)."""
-        self.schedule = SendSchedule(plan, HOLD_LEASES * config.lease_s)
+        self.schedule = SendSchedule(plan, HOLD_LEASES * config.lease_s, config.heartbeat_interval_s)
         self.step = 0
         self.step_time = MovingAverage()
         self._tokens_total = 0
@@ -271,7 +271,7 @@ class Learner(LearnerQueries):
         self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
         self._anchored_at[p] = self.step
-        self.schedule.updated(p, now)
+        self.schedule.updated(p)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began

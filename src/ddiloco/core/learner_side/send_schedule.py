@@ -13,11 +13,9 @@ instead: ``first_batch`` (where this process's data resumed) plus the step (``co
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ddiloco.core.shared.deadlines import HOLD_ROUND_TRIPS
 from ddiloco.core.shared.fragments import FragmentPlan
 from ddiloco.core.shared.messages import Contribution
 
@@ -39,15 +37,13 @@ class _InFlight:
 
     sent_at_step: int
     sent_at_s: float
+    hold_s: float
+    """How long the next send of the fragment waits for this update (:meth:`SendSchedule.held`)."""
     wait_until_s: float | None = None
     """Set when the learner starts waiting for this fragment's update: until when (inf: no limit)."""
     waited: bool = False
     """The learner waited ``wait_until_s`` out and trains on; the next send of the fragment still
     waits for the update (:meth:`SendSchedule.held`)."""
-
-
-TRIPS_KEPT = 8
-"""Recent waits for an update the hold is measured against."""
 
 
 def _first_due(offset: int, period: int) -> int:
@@ -56,12 +52,12 @@ def _first_due(offset: int, period: int) -> int:
 
 
 class SendSchedule:
-    def __init__(self, plan: FragmentPlan, hold_max_s: float) -> None:
+    def __init__(self, plan: FragmentPlan, hold_s: float, recheck_s: float) -> None:
         self.period = plan.period
-        self.hold_max_s = hold_max_s
-        """The longest a send waits for the update of the fragment's last one (``deadlines.HOLD_LEASES``)."""
-        self._waits: deque[float] = deque(maxlen=TRIPS_KEPT)
-        """The recent waits from a send to the update that followed it."""
+        self.hold_s = hold_s
+        """How long a send waits for the update of the fragment's last one (``deadlines.HOLD_LEASES``)."""
+        self.recheck_s = recheck_s
+        """How long it waits once more after a ``repeated`` refusal (:meth:`repeated`)."""
         self._repeated: set[int] = set()
         """Fragments a ``repeated`` refusal answered since their last update."""
         self.counters = [Counters() for _ in plan.fragments]
@@ -110,38 +106,31 @@ class SendSchedule:
         merged. The send waits for the update (training does not), for up to :attr:`hold_s`:
         steps of a few milliseconds outrun any round trip, and a bound counted in steps (two
         periods) let a learner alone merge its progress twice and diverge. An update later than
-        that was lost; the send that follows finds out (``repeated``). It always waits while the
+        that was lost; the send that follows finds out (``repeated``). (A bound measured from the
+        recent waits for updates was too short: in a run of several learners the next update of a
+        fragment is often another learner's round, sooner than the one that merges this learner's
+        work, and a sharded chaos run earned 5-23 ``repeated`` refusals.) It always waits while the
         call itself is unanswered: on a link whose round trip spans many periods, sends would
         otherwise queue behind each other without bound, each to be refused as stale; held, the
         next one folds in their steps."""
         if p in self._unanswered:
             return True
         flight = self._in_flight.get(p)
-        return flight is not None and now - flight.sent_at_s < self.hold_s
+        return flight is not None and now - flight.sent_at_s < flight.hold_s
 
-    @property
-    def hold_s(self) -> float:
-        """How long a send waits for its update now: ``HOLD_ROUND_TRIPS`` times the longest recent
-        wait, at most ``hold_max_s`` (all of it until an update has come back)."""
-        if not self._waits:
-            return self.hold_max_s
-        return min(self.hold_max_s, HOLD_ROUND_TRIPS * max(self._waits))
-
-    def updated(self, p: int, now: float) -> None:
-        """An update of p came at ``now``: how long it took, if a send of p was waiting for it."""
-        flight = self._in_flight.get(p)
-        if flight is not None and p not in self._unanswered:
-            self._waits.append(now - flight.sent_at_s)
+    def updated(self, p: int) -> None:
+        """An update of p came: a ``repeated`` refusal before it is forgotten."""
         self._repeated.discard(p)
 
     def repeated(self, p: int, step: int, now: float) -> bool:
-        """The synchronizer merged p's last work, and refused the send after it as ``repeated``: wait
-        for that update once more, from ``now`` (True). The second such refusal with no update in
+        """The synchronizer merged p's last work, and refused the send after it as ``repeated``: the
+        update was made before the refusal, so only its way down the update stream is left. Wait for
+        it once more, ``recheck_s`` from ``now`` (True). The second such refusal with no update in
         between (False): the update was lost, and only the state brings it."""
         if p in self._repeated:
             return False
         self._repeated.add(p)
-        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now)
+        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now, hold_s=self.recheck_s)
         return True
 
     def answered(self, p: int, seq: int) -> None:
@@ -155,7 +144,7 @@ class SendSchedule:
         self.seq[p] += 1
         self.counters[p] = Counters(first_step=self.first_batch + step + 1)
         self.next_due[p] = step + self.period
-        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now)
+        self._in_flight[p] = _InFlight(sent_at_step=step, sent_at_s=now, hold_s=self.hold_s)
         self._unanswered[p] = seq
         return counters, seq
 

@@ -49,17 +49,14 @@ CLIENT_UPLOAD_BYTES_PER_S = 1e6
 """The throughput a real learner expects of its uplink for a contribution."""
 CLIENT_FETCH_S = 300.0
 """A state fetch (evaluation, operators): its caller does not know the state's size beforehand."""
-HOLD_ROUND_TRIPS = 4.0
-"""How long a learner's next send of a fragment waits for the update of its last one: this many
-times the longest recent wait for an update ...
-"""
 HOLD_LEASES = 1.0
-"""... and at most this many leases (all of it before the first update came back). A round closes
+"""How long a learner's next send of a fragment waits for the update of its last one. A round closes
 within about a lease of a contribution (its grace window is shorter, and a learner that died
 counts toward the quorum until its lease ends), so an update later than that was most likely lost.
 The send then goes; if the synchronizer merged the last one it refuses this one as ``repeated``
-and the learner joins again (the state brings the update it missed). Too short a wait costs that
-refusal, never a Δ merged twice; too long a wait holds the fragment back after a lost update."""
+and the learner waits a heartbeat interval more, then joins again (the state brings the update it
+missed). Too short a wait costs that refusal, never a Δ merged twice; too long a wait holds the
+fragment back after a lost update (with K = M every round waits on it)."""
 DRAIN_LEASES = 2.0
 """After the run's stop, how long the synchronizer waits for learners to flush and leave, in leases:
 a learner that heard the stop at its last heartbeat has one lease to send its last work, and the
