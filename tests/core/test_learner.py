@@ -329,6 +329,23 @@ def test_stop_then_close_flushes_everything_unsent_and_leaves():
     assert core.record_step(16, 1.0, 2.5) == [] and core.step == 1 and core.between_steps(2.5) is LoopMove.END
 
 
+def test_the_last_flush_leaves_out_a_fragment_whose_update_has_not_come():
+    """Measured from the same anchor as the send still awaiting its update, the flush would carry that
+    send's work a second time once both are merged (a far learner's flush did, in issue 42's runs)."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    sent = []
+    while not sent:
+        local_step(params, seed=core.step)
+        sent = step(core, 10, 1.0)
+    (first,) = sent[:1]
+    core.on_accepted(first, 1.0)  # accepted: its update is on its way
+    for _ in range(3):
+        step(core, 10, 1.1)
+    core.on_stop(1.2)
+    flushed = [a.header.fragment for a in core.close(1.3) if not isinstance(a, SendLeave)]
+    assert first.fragment not in flushed and core.steps_unsent >= 3  # its three steps since (others may wait too)
+
+
 def test_an_admission_older_than_the_session_held_is_ignored():
     plan, sync, (core,), _ = make_cluster(BASE, learners=1)
     held = core.session

@@ -227,9 +227,11 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     elapsed = time.perf_counter() - started
     if place.rank == 0:
         s = runtime.stats
-        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s",
+        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s%s",
                  steps, elapsed, s.contributions_sent, s.updates_applied, s.joins,
-                 ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none")
+                 ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none",
+                 f"; the last flush left out {s.steps_unsent} steps (fragments still awaiting the update of "
+                 "their last send: sent, they would carry its work twice)" if s.steps_unsent else "")
     if place.world > 1:
         if not args.fsdp:  # a sharded model's ranks hold different slices
             log.info("rank %d of %d: weights sha256 %s", place.rank, place.world, weights_sha256(model))

@@ -13,6 +13,8 @@ class RuntimeStats:
     steps: int
     contributions_sent: int
     contributions_dropped: int
+    steps_unsent: int
+    """Steps the last flush left out, per fragment still awaiting its update (``Learner.close``)."""
     rejected: dict[str, int]
     updates_applied: int
     updates_ignored: int
