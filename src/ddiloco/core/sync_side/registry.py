@@ -269,10 +269,9 @@ class Registry:
     def repeats(rec: LearnerRecord, c: Contribution) -> None:
         """:class:`Rejected` (``repeated``) if ``c`` is measured from no later an anchor than the
         session's newest merged contribution of its fragment: it carries that work again."""
-        through = rec.merged_through.get(c.fragment)
-        if through is None or c.base_version > through[0]:
+        base, last_merged = rec.merged_through.get(c.fragment, (-1, 0))
+        if c.base_version > base:
             return
-        base, last_merged = through
         new_steps = max(0, min(c.steps, c.first_step + c.steps - 1 - last_merged))
         raise Rejected(RejectReason.REPEATED, f"Δ of fragment {c.fragment} measured from version {c.base_version}, "
                        f"no later than the one merged before it (from version {base}): it carries that work again",
