@@ -468,8 +468,8 @@ def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledg
         lambda: client.contribute_chunks(chunk(tokens=0)),  # 1: froze every merge
         lambda: client.contribute_chunks(chunk(compute_s=1e300)),  # 7: goodput 1e298
         lambda: client.contribute_chunks(chunk(step_time_s=-1e300)),  # 7: grace window forced to 0
-        lambda: client._call(client.stub.Heartbeat, beat("intruder", 2**64 - 1, 2**63)),  # 3: int64 overflow
-        lambda: client._call(client.stub.Heartbeat, beat("x" * 100_000, 1)),  # 4, 5, 8: megabyte ids
+        lambda: client._call("Heartbeat", beat("intruder", 2**64 - 1, 2**63)),  # 3: int64 overflow
+        lambda: client._call("Heartbeat", beat("x" * 100_000, 1)),  # 4, 5, 8: megabyte ids
         lambda: client.contribute_chunks(chunk(learner_id="y" * 100_000)),
     ]
     for call in malformed:
@@ -477,7 +477,7 @@ def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledg
         assert err.reason == "malformed", err.detail
         assert len(err.detail) < 1000  # the reason survives a standard client's metadata limit
     # 2: a heartbeat from no registered session, claiming a run's worth of tokens.
-    assert refused(lambda: client._call(client.stub.Heartbeat, beat("ghost", 10**9, 10**6))).reason == "unknown_learner"
+    assert refused(lambda: client._call("Heartbeat", beat("ghost", 10**9, 10**6))).reason == "unknown_learner"
     status = client.status_dict()
     assert status["tokens"] == 0 and status["rejections"] == {"malformed": 6, "unknown_learner": 1}
     assert all(len(lr["id"]) < 100 for lr in status["learners"])

@@ -16,6 +16,11 @@ from ddiloco.runtime.auth import REASON_HEADER
 class Unreachable(Exception):
     """The synchronizer did not answer (down, restarting, deadline exceeded)."""
 
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        """gRPC's status, where the call failed in gRPC (``DEADLINE_EXCEEDED``: no answer in time)."""
+
 
 def refusal_reason(err: grpc.RpcError) -> str | None:
     """The reason the synchronizer gave (its ``ddiloco-reason`` header); None: it never answered."""
@@ -33,4 +38,4 @@ def credentials_refused(address: str, err: grpc.RpcError) -> str | None:
 
 
 def unreachable(address: str, err: grpc.RpcError) -> Unreachable:
-    return Unreachable(f"{address}: {err.code().name}: {err.details()}")
+    return Unreachable(f"{address}: {err.code().name}: {err.details()}", err.code())

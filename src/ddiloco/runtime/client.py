@@ -17,8 +17,11 @@ How a failed call reads (its reason, a refused credential) is :mod:`ddiloco.runt
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -47,6 +50,8 @@ from ddiloco.runtime.status_wire import status_to_dict
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 from ddiloco.settings.config_sources import unknown_keys
 
+log = logging.getLogger("ddiloco.learner")
+
 CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -55,6 +60,9 @@ CHANNEL_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", round(1000 * BACKOFF_START_S)),
     ("grpc.min_reconnect_backoff_ms", round(1000 * BACKOFF_START_S)),
     ("grpc.max_reconnect_backoff_ms", round(1000 * BACKOFF_MAX_S)),
+    # A connection of its own: from the process-wide pool, a channel made to replace one whose
+    # connection stopped carrying bytes would get that same connection back (``SyncClient.heartbeat``).
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -127,21 +135,31 @@ class ClientSpec:
 
 
 class SyncClient:
-    """One channel to a synchronizer; thread-safe (gRPC channels are)."""
+    """One channel to a synchronizer; thread-safe (gRPC channels are). A channel whose connection
+    stops carrying bytes is replaced by a new one (:meth:`heartbeat`)."""
 
     def __init__(self, address: Address | str, *, token: str | None = None, tls_ca: str | None = None,
-                 learner_id: str | None = None) -> None:
-        """``token``: the shared token, or with ``learner_id`` that learner's own secret (per-learner credentials)."""
+                 learner_id: str | None = None, answer_s: float = CLIENT_ANSWER_S) -> None:
+        """``token``: the shared token, or with ``learner_id`` that learner's own secret (per-learner credentials).
+        ``answer_s``: how long a call that carries nothing waits for its answer."""
         self.address = str(address)
         self.spec = ClientSpec(self.address, token, tls_ca, learner_id)
-        credentials = channel_credentials(tls_ca)
-        if credentials is None:
+        self.answer_s = answer_s
+        self.metadata = client_metadata(token, learner_id)
+        self.reconnects = 0
+        """Channels replaced because their connection stopped carrying bytes."""
+        self._credentials = channel_credentials(tls_ca)
+        self._closed = False
+        self._heard_at = time.monotonic()
+        self._reconnecting = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        if self._credentials is None:
             self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         else:
-            self.channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
+            self.channel = grpc.secure_channel(self.address, self._credentials, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.SynchronizerStub(self.channel)
-        self.metadata = client_metadata(token, learner_id)
-        self._closed = False
 
     def close(self) -> None:
         self._closed = True
@@ -153,15 +171,37 @@ class SyncClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any, timeout_s: float = CLIENT_ANSWER_S) -> Any:
+    def heard(self) -> None:
+        """Something came back on the channel: an answer, or a message of a stream."""
+        self._heard_at = time.monotonic()
+
+    def _reconnect(self, silent_s: float) -> None:
+        """A new channel (a new connection); calls in flight on the old one end unreachable."""
+        with self._reconnecting:
+            if self._closed:
+                return
+            old = self.channel
+            self._open()
+            self.reconnects += 1
+            old.close()
+        log.warning("the synchronizer at %s sent nothing back for %.0f s, not even a heartbeat's answer: "
+                    "its connection is replaced by a new one", self.address, silent_s)
+
+    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        stub = self.stub
         try:
-            return method(request, timeout=timeout_s, metadata=self.metadata)
+            reply = getattr(stub, method)(request, timeout=timeout_s or self.answer_s, metadata=self.metadata)
         except grpc.RpcError as err:
-            raise _translate(err, self.address) from None
+            translated = _translate(err, self.address)
+            if isinstance(translated, CallRefused):
+                self.heard()
+            raise translated from None
         except ValueError:
-            if self._closed:  # a call still queued when the learner closed (a slow upload outlived close)
+            if self._closed or stub is not self.stub:  # queued when the learner closed, or the channel was replaced
                 raise Unreachable(f"{self.address}: the channel is closed") from None
             raise
+        self.heard()
+        return reply
 
     # ---- calls -----------------------------------------------------------------------------
 
@@ -188,6 +228,9 @@ class SyncClient:
             raise _translate(err, self.address) from None
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
+        except ValueError:  # the channel was closed or replaced meanwhile
+            raise Unreachable(f"{self.address}: the channel is closed") from None
+        self.heard()
         if header is None or assembler is None:
             raise Unreachable(f"{self.address}: join answered without a header")
         if probe:
@@ -204,16 +247,29 @@ class SyncClient:
         return self.join(Join(learner_id, "probe"), probe=True)
 
     def heartbeat(self, beat: Heartbeat) -> pb.HeartbeatReply:
-        return self._call(self.stub.Heartbeat, wire.heartbeat_to_pb(beat))
+        """Renew the lease. A heartbeat carries nothing, so one left unanswered for its whole
+        deadline while nothing else came back on the channel either (no answer, no update) means
+        the connection under the channel stopped carrying bytes. A TCP connection can starve so
+        behind others on a saturated link after an outage, its retransmissions backing off for
+        tens of seconds, and gRPC keeps it; a new connection starts afresh. The calls in flight
+        on the old one end unreachable (an upload is folded into the next one, as any undelivered
+        one) and the update stream is made again on the new channel."""
+        sent = time.monotonic()
+        try:
+            return self._call("Heartbeat", wire.heartbeat_to_pb(beat))
+        except Unreachable as err:
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._heard_at < sent:
+                self._reconnect(time.monotonic() - self._heard_at)
+            raise
 
     def contribute(self, c: Contribution) -> pb.ContributeReply:
         """Upload one contribution in chunks."""
         timeout = call_deadline_s(len(c.payload), CLIENT_UPLOAD_LINK)
-        return self._call(self.stub.Contribute, iter(wire.contribution_chunks(c)), timeout)
+        return self._call("Contribute", iter(wire.contribution_chunks(c)), timeout)
 
     def contribute_chunks(self, chunks: list[pb.ContributionChunk]) -> pb.ContributeReply:
         """Upload hand-made chunks (tests of the boundary checks)."""
-        return self._call(self.stub.Contribute, iter(chunks))
+        return self._call("Contribute", iter(chunks))
 
     def updates(self, learner_id: str, have_versions: list[int], session: Session,
                 part: tuple[int, int] | None = None) -> "UpdateStream":
@@ -222,7 +278,11 @@ class SyncClient:
                                     session=wire.session_to_pb(session))
         if part is not None:
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
-        return UpdateStream(self.stub.Updates(request, metadata=self.metadata), self.address)
+        try:
+            call = self.stub.Updates(request, metadata=self.metadata)
+        except ValueError:  # the channel was closed or replaced meanwhile
+            raise Unreachable(f"{self.address}: the channel is closed") from None
+        return UpdateStream(call, self.address, self.heard)
 
     def fetch_state(self, timeout_s: float = CLIENT_FETCH_S, *, learner_id: str = "", session: Session | None = None,
                     part: tuple[int, int] | None = None) -> GlobalState:
@@ -241,15 +301,17 @@ class SyncClient:
             raise _translate(err, self.address) from None
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
+        except ValueError:  # the channel was closed or replaced meanwhile
+            raise Unreachable(f"{self.address}: the channel is closed") from None
 
     def leave(self, leave: Leave) -> pb.LeaveReply:
-        return self._call(self.stub.Leave, wire.leave_to_pb(leave))
+        return self._call("Leave", wire.leave_to_pb(leave))
 
     def status(self, timeout_s: float = CLIENT_ANSWER_S, *, learner_offset: int = 0,
                learner_limit: int = 0) -> pb.StatusReply:
         """The synchronizer's status, with one page of its learners (in id order)."""
         request = pb.StatusRequest(learner_offset=learner_offset, learner_limit=learner_limit)
-        return self._call(self.stub.Status, request, timeout_s)
+        return self._call("Status", request, timeout_s)
 
     def status_dict(self, timeout_s: float = CLIENT_ANSWER_S, *, learner_offset: int = 0,
                     learner_limit: int = 0) -> dict[str, Any]:
@@ -259,9 +321,10 @@ class SyncClient:
 class UpdateStream:
     """Iterates over complete :class:`FragmentUpdate` values and :class:`StopNotice` (the budget is spent)."""
 
-    def __init__(self, call: Any, address: str) -> None:
+    def __init__(self, call: Any, address: str, heard: Callable[[], None]) -> None:
         self._call = call
         self._address = address
+        self._heard = heard
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -270,6 +333,7 @@ class UpdateStream:
         assembler = wire.UpdateAssembler()
         try:
             for msg in self._call:
+                self._heard()
                 if msg.stop:
                     yield StopNotice()
                     continue
