@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.baseline.dp_baselines import DataParallel
+from ddiloco.sim.dp_baselines import DataParallel
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.outputs.reporting import ProgressFn, RunWriter, summarize
