@@ -74,6 +74,7 @@ def test_a_planted_quorum_off_by_one_is_found(monkeypatch):
     assert "requires" in found.violation and f"seed {found.seed}" in found.violation
 
 
+@pytest.mark.slow
 def test_a_planted_bug_following_updates_of_another_incarnation_is_found(monkeypatch):
     original = Learner._apply
 
