@@ -40,7 +40,6 @@ from torch import nn
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import UpdateResult
 from ddiloco.core.shared.actions import Fail, LearnerAction, SendJoin, SendLeave
-from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, FragmentValue, GlobalState, Join
@@ -95,7 +94,7 @@ class ShardedLearnerRuntime:
                               "protocol.max_wait_s > 0 yet")
         self._specs = params.slices(self.plan)
         self._numel = [f.numel for f in self.plan.fragments]
-        self._downlink = get_codec(protocol.downlink_codec, block_size=protocol.block_size)
+        self._downlink = protocol.downlink()
         self._join_timeout_s = call_deadline_s(join_state_bytes(self.plan, protocol, 0), client_join_link(protocol))
         self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
                             tokens_per_step=tokens_per_step * self.world, bind=False)
