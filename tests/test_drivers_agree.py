@@ -170,6 +170,9 @@ class SimDriver:
     def on_round(self, record: RoundClosed, value: torch.Tensor) -> None:
         pass
 
+    def left_at(self, name: str) -> float:
+        return self.network.left_at(name, Direction.DOWN)
+
     def process_up(self, m: int, boot: int) -> bool:
         return True  # the script's learners die only by its say, and it drops what was meant for them
 

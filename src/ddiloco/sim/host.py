@@ -40,6 +40,10 @@ class NodeHost(Protocol):
         """A message on ``learner``'s update stream (its current process); None: lost, or cut
         because its transfer outlasts :func:`~ddiloco.core.shared.deadlines.stream_deadline_s`."""
 
+    def left_at(self, learner: str) -> float:
+        """When the last message pushed to ``learner`` has left: its transfer over the learner's
+        link done, its latency still ahead (what a stream's write on a real link waits for)."""
+
     def process_up(self, m: int, boot: int) -> bool:
         """Is learner ``m``'s process ``boot`` still running?"""
 

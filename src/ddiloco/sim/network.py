@@ -69,6 +69,11 @@ class Network:
         for d in Direction:
             self._links[(learner, d)].busy_until_s = now
 
+    def left_at(self, learner: str, direction: Direction) -> float:
+        """When the last message queued on ``learner``'s link in ``direction`` has been sent (its
+        latency not counted)."""
+        return self._links[(learner, direction)].busy_until_s
+
     def set_latency(self, learner: str, latency_s: float) -> None:
         """One learner's link gets its own one-way latency, both ways (a cross-region learner)."""
         if latency_s < 0:

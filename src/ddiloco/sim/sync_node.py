@@ -122,11 +122,10 @@ class SyncNode:
             elif isinstance(action, Broadcast):
                 update = action.update
                 self.replay.record(update.fragment, update.version, update, len(update.payload))
-                arrivals = [host.push_to(name, action.update.fragment, len(action.update.payload), action.update)
-                            for name in action.recipients]
-                arrivals = [t for t in arrivals if t is not None]
-                if arrivals:  # ξ_sync (core/shared/grace.py): until the update reaches its last recipient
-                    self.core.handle(SyncTimeObserved(max(arrivals) - now), now)
+                left = [host.left_at(name) for name in action.recipients
+                        if host.push_to(name, update.fragment, len(update.payload), update) is not None]
+                if left:  # ξ_sync (core/shared/grace.py): until the update has left for its last recipient
+                    self.core.handle(SyncTimeObserved(max(left) - now), now)
             elif isinstance(action, StopLearners):
                 for name in action.recipients:
                     host.push_to(name, -1, 0, StopNotice())

@@ -255,6 +255,9 @@ class VirtualCluster:
             return None
         return self.push(PushArrives(node.index, node.boot, message), fragment, payload_bytes)
 
+    def left_at(self, learner: str) -> float:
+        return self.network.left_at(learner, Direction.DOWN)
+
     def step_time_s(self, m: int) -> float:
         return self.recorder.timer.draw(m)
 

@@ -13,9 +13,12 @@ when no recipient listens. Where the drivers' worlds differ:
 - the gRPC runtime (``runtime/sync/core_host.py``) stops the clock when the last
   recipient's stream has written the update (gRPC's flow control holds a write while the
   learner's link is behind, so a slow link shows); the core's compute is wall time;
-- the virtual cluster (``sim/sync_node.py``) stops it when the update arrives at the last
-  recipient over its virtual link; a merge takes no virtual time there, and no round log is
-  waited for.
+- the virtual cluster (``sim/sync_node.py``) stops it when the update has left for the last
+  recipient over its virtual link: its transfer counts (a slow link shows), its latency does
+  not, as on a real stream, whose write returns long before the bytes arrive. A merge takes no
+  virtual time there, and no round log is waited for. (It stopped the clock at the arrival
+  until issue 42's long-link measurement: one far learner's latency then counted in every
+  round's ξ_sync and closed every round's grace window for the near learners.)
 """
 
 from __future__ import annotations
