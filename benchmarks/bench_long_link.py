@@ -63,6 +63,10 @@ RULES = {"refuse": ("protocol.staleness_reach=1", "protocol.staleness_leases=0")
 STEP_S = 0.01
 """The virtual step time: a fragment's round every period x this."""
 EVAL_BATCHES = 32
+LEASE_S = 2.0
+"""The lease, and so the bound in time (``protocol.staleness_leases`` leases): shorter than the
+tiny preset's 10 s, so that within a run of 8 virtual seconds the far learner's lateness outlasts
+it, as it would in any run of hours."""
 PERIOD = 3
 """H: shorter than the tiny preset's 6, so that a round trip of 8 x staleness_max rounds (0.96 s)
 fits eight times in a run of 8 virtual seconds."""
@@ -71,7 +75,8 @@ fits eight times in a run of 8 virtual seconds."""
 def run_one(preset: str, rule: str, spans: int, seed: int, time_s: float, data: bytes) -> dict[str, float]:
     """``spans``: the far learner's round trip in units of staleness_max rounds (``rule`` "without": no far learner)."""
     common = (f"run.seed={seed}", f"run.time_s={time_s}", "run.tokens=0", f"cluster.step_time_s={STEP_S}",
-              f"protocol.period={PERIOD}", "faults.mtbf_s=0", f"train.eval_batches={EVAL_BATCHES}",
+              f"protocol.period={PERIOD}", f"protocol.lease_s={LEASE_S}", "faults.mtbf_s=0",
+              f"train.eval_batches={EVAL_BATCHES}",
               *RULES.get(rule, ()))
     learners = 3 if rule == "without" else SHARDS
     config = build_config(preset=preset, overrides=(f"run.learners={learners}", *common))

@@ -64,6 +64,33 @@ def test_work_held_two_seconds_while_the_run_merges_twenty_versions_a_second_is_
     assert sorted((m.learner_id, m.base_version) for m in record.merged) == [("l0", 0), ("l1", lag)]
 
 
+def test_a_learner_late_beyond_the_reach_for_longer_than_the_bound_in_time_has_a_link_too_long():
+    """The bound in time is for a delay: a learner held by a fault is late for the fault's length.
+    One whose work lags beyond the reach for longer than the bound (a lease) is on a link too long
+    for the period, and merging such work left the model worse than without it at 4x and 8x
+    staleness_max (docs/design.md, *One learner on a long link*): refused from then on, said why,
+    although each contribution's base was superseded well inside the bound (its round trip)."""
+    plan, sync, cores, params = make_cluster(FAST, learners=2)
+    (c,) = contributions_for(cores[:1], params[:1], fragment=1)
+    verdicts = []
+    for rnd in range(1, 161):  # 8 s of rounds, 20 a second, l1's fresh work closing each
+        now = rnd * ROUND_S
+        (d,) = contributions_for(cores[1:], params[1:], fragment=1, seed=rnd)
+        actions = sync.handle(d, now)
+        if not closed(actions):
+            actions += sync.handle(Tick(), sync.next_deadline())
+        deliver(actions, cores[1:])
+        if rnd % 10 == 0 and rnd >= 30:  # every half second from 1.5 s, l0's work arrives 20 versions late
+            far = dataclasses.replace(c, seq=c.seq + rnd, base_version=sync.fragment_version(1) - 20)
+            verdicts.append((now, refused(sync.handle(far, now))))
+    first = verdicts[0][0]
+    assert all(r is None for t, r in verdicts if t - first < FAST.lease_s)  # a delay, as far as a lease tells
+    late = [r for t, r in verdicts if t - first >= FAST.lease_s]
+    assert late and all(r is not None and r.reason == "stale" and "a link too long for this period" in r.detail
+                        for r in late)
+    assert sync.status().honest_refused_steps == len(late) * c.steps
+
+
 def test_a_member_sending_old_based_work_within_the_time_bound_cannot_steer_the_model():
     """The time bound lets in old-based Δ from anyone, a hostile member too: what holds it is what
     holds fresh work (any payload could be sent from the current version at full weight). Its

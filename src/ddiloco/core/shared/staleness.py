@@ -90,9 +90,13 @@ class StalenessBound:
         (None: not known, e.g. superseded before a restart), can still be merged."""
         return lag <= self.versions or (age_s is not None and age_s < self.seconds)
 
-    def why_not(self, base_version: int, version: int, age_s: float | None) -> str:
-        """The refusal's detail for work measured from ``base_version`` at ``version``, beyond both bounds."""
+    def why_not(self, base_version: int, version: int, age_s: float | None, *, late_for_s: float = 0.0) -> str:
+        """The refusal's detail for work measured from ``base_version`` at ``version``, beyond both
+        bounds (``late_for_s``: how long the learner's work of this fragment has lagged so far)."""
         said = f"base version {base_version} lags {version} by more than {self.versions}"
+        if self.seconds > 0.0 and late_for_s >= self.seconds:
+            return (f"{said}, as this learner's work of the fragment has for {late_for_s:.1f} s (bound "
+                    f"{self.seconds:g} s): a link too long for this period, not a delay")
         if self.seconds <= 0.0:
             return said
         when = ("at a time not known (before this synchronizer started)" if age_s is None else

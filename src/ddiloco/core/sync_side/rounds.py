@@ -186,6 +186,9 @@ class GlobalFragment:
     """The largest ‖Δ‖ this fragment accepts, and the recent norms behind it."""
     superseded: SupersededTimes = field(default_factory=SupersededTimes)
     """When its recent versions stopped being current (the staleness bound in time)."""
+    beyond_reach: dict[str, float] = field(default_factory=dict)
+    """Learner -> since when its contributions of this fragment lag beyond the bound in versions,
+    every one since then (:meth:`check_version`: the bound in time is for a delay, not a distance)."""
 
     def check(self, c: Contribution, uplink: Codec, bound: StalenessBound, now: float) -> None:
         """:class:`Rejected` unless ``c`` fits this fragment: codec, size, a version it can be measured
@@ -196,17 +199,35 @@ class GlobalFragment:
         if len(c.payload) != expected:
             raise Rejected(RejectReason.BAD_SIZE, f"{len(c.payload)} payload bytes, expected {expected} for "
                                                   f"{self.value.numel()} values")
-        self.check_version(c.base_version, bound, now)
+        self.check_version(c.base_version, bound, now, c.learner_id)
 
-    def check_version(self, base_version: int, bound: StalenessBound, now: float) -> None:
+    def check_version(self, base_version: int, bound: StalenessBound, now: float, learner: str) -> None:
         """:class:`Rejected` unless Δ measured from ``base_version`` can be merged at ``now``: at most
-        ``bound.versions`` behind, or superseded at most ``bound.seconds`` ago."""
+        ``bound.versions`` behind, or within the bound in time, which is for a delay: the base
+        superseded less than ``bound.seconds`` ago, and ``learner``'s contributions of this fragment
+        beyond the bound in versions for less than that. A learner held by a fault is late for
+        the fault's length and current again after it; one whose link is too long for the period
+        lags beyond the reach for good, and its work, merged, left the model worse than without it
+        (docs/design.md, *One learner on a long link*). A refused contribution counts in that
+        time as an accepted one does."""
         if base_version > self.version:
             raise Rejected(RejectReason.FUTURE_VERSION, f"base version {base_version} > current {self.version}")
         lag = self.version - base_version
+        if lag <= bound.versions:
+            return
         age_s = self.superseded.age_s(base_version, now)
-        if not bound.merges(lag, age_s):
-            raise Rejected(RejectReason.STALE, bound.why_not(base_version, self.version, age_s))
+        late_for_s = now - self.beyond_reach.get(learner, now)
+        if late_for_s >= bound.seconds or not bound.merges(lag, age_s):
+            self.beyond_reach.setdefault(learner, now)
+            raise Rejected(RejectReason.STALE, bound.why_not(base_version, self.version, age_s, late_for_s=late_for_s))
+
+    def landed(self, learner: str, base_version: int, bound: StalenessBound, now: float) -> None:
+        """``learner``'s contribution measured from ``base_version`` was accepted at ``now``: the time
+        its contributions have lagged beyond the bound in versions goes on, starts, or ends."""
+        if self.version - base_version > bound.versions:
+            self.beyond_reach.setdefault(learner, now)
+        else:
+            self.beyond_reach.pop(learner, None)
 
     def close(self, outer: NesterovSGD, downlink: Codec, *, plain: bool) -> tuple[bytes, float]:
         """Merge the round, apply the outer step to Θ, return the compressed update and the

@@ -46,7 +46,7 @@ class SliceIntake:
         frag = self._fragment(c)
         if c.seq <= rec.last_seq.get(c.fragment, -1):
             raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} of fragment {c.fragment} was taken already")
-        frag.check_version(c.base_version, self._staleness, now)
+        frag.check_version(c.base_version, self._staleness, now, c.learner_id)
         whole, ended = self._slices.add(c, frag.value.numel(), self._uplink)
         self._slices_lost(ended)
         if whole is None:

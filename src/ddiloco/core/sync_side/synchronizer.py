@@ -207,6 +207,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         norm, pending, plausible, clipped = self._validate(c, rec, now)
         self._registry.repeats(rec, c)  # honest work, refused only once no member's check refuses it
         frag = self._fragments[c.fragment]
+        frag.landed(c.learner_id, c.base_version, self._staleness, now)
         key = (c.learner_id, c.session)
         clip = frag.norm_bound.admit(key, c.seq, norm, self.config.delta_norm_ratio_max)
         # Valid whole: from here on nothing refuses it.
