@@ -93,7 +93,7 @@ class ProtocolConfig:
     staleness_max: int = 4
     """Contributions whose base version lags the current one by at most this are merged at full
     weight; beyond it their weight falls as (staleness_max + 1) / (lag + 1) (``core/shared/staleness.py``)."""
-    staleness_reach: float = 4.0
+    staleness_reach: float = 3.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
     stale unless the bound in time lets them in (``staleness_leases``; 1 = every one beyond
     ``staleness_max``, the rule before issue 42, with ``staleness_leases`` 0). Merged up to 4x,
