@@ -96,16 +96,18 @@ class ProtocolConfig:
     staleness_reach: float = 3.0
     """Contributions lagging more than this many times ``staleness_max`` versions are refused as
     stale unless the bound in time lets them in (``staleness_leases``; 1 = every one beyond
-    ``staleness_max``, the rule before issue 42, with ``staleness_leases`` 0). Merged up to 4x,
-    a long link's late work measured no worse than refused over 6 seeds, and a transient link
-    fault's is not thrown away: docs/design.md, "Decisions the paper leaves open",
-    *One learner on a long link*."""
+    ``staleness_max``, the rule before issue 42, with ``staleness_leases`` 0). A learner whose round
+    trip spans 2x ``staleness_max`` rounds left the model no worse merged; at 4x and 8x merging made
+    it worse and refusing did not: docs/design.md, "Decisions the paper leaves open", *One learner
+    on a long link*."""
     staleness_leases: float = 1.0
     """A contribution beyond ``staleness_reach`` x ``staleness_max`` versions is still merged (at the
-    same falling weight) when its base version stopped being current less than this many leases ago
-    (0 = the bound in versions alone): a link fault of seconds makes work tens of versions late on a
-    fast run, and a delay shorter than a lease is one the protocol counts a live learner's
-    (``core/shared/staleness.py``; docs/chaos.md, "The CI version")."""
+    same falling weight) while it is a delay, not a distance: its base version stopped being current
+    less than this many leases ago, and this learner's work of the fragment has lagged beyond the
+    reach for less than that (0 = the bound in versions alone). A link fault of seconds makes work
+    tens of versions late on a fast run, and a delay shorter than a lease is one the protocol counts
+    a live learner's; a learner late beyond the reach for longer is on a link too long for the
+    period (``core/shared/staleness.py``; docs/chaos.md, "The CI version")."""
     lease_s: float = 10.0
     """A learner not heard from for this long is no longer waited for."""
     heartbeat_s: float = 2.0
