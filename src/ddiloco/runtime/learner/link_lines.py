@@ -20,8 +20,8 @@ def say_warning(action: LearnerAction, backlog: int) -> None:
         log.warning("this learner's contributions arrive stale: fragment %d, measured from version %d, was "
                     "refused although updates reach it in order (it holds version %d by now): its link's "
                     "round trip spans more rounds than the synchronizer merges late work from "
-                    "(protocol.staleness_max x protocol.staleness_reach), and more time than it waits for "
-                    "(protocol.staleness_leases x protocol.lease_s). It trains on, following the "
+                    "(protocol.staleness_max x protocol.staleness_reach), for longer than it takes for a "
+                    "delay (protocol.staleness_leases x protocol.lease_s). It trains on, following the "
                     "global model, without registering again; its own work is merged again once the link "
                     "is faster or the rounds slower: protocol.period = %d would fit",
                     action.fragment, action.base_version, action.held_version, action.period_fits)
