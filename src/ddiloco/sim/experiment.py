@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ddiloco.sim.dp_baselines import DataParallel
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.outputs.reporting import ProgressFn, RunWriter, summarize
 from ddiloco.settings.config import Config
+from ddiloco.sim.dp_baselines import DataParallel
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.snapshot import SnapshotFn
 from ddiloco.sim.virtual_cluster import VirtualCluster
