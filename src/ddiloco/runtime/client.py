@@ -187,6 +187,14 @@ class SyncClient:
         log.warning("the synchronizer at %s sent nothing back for %.0f s, not even a heartbeat's answer: "
                     "its connection is replaced by a new one", self.address, silent_s)
 
+    def _gone(self, stub: Any) -> Unreachable | None:
+        """What a call on ``stub`` that gRPC refused as made on a closed channel means: the learner
+        closed meanwhile (a slow upload outlived close) or the channel was replaced (:meth:`heartbeat`),
+        so the call is unreachable; None for any other cause (a bug, raised as it is)."""
+        if self._closed or stub is not self.stub:
+            return Unreachable(f"{self.address}: the channel is closed")
+        return None
+
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         stub = self.stub
         try:
@@ -197,9 +205,9 @@ class SyncClient:
                 self.heard()
             raise translated from None
         except ValueError:
-            if self._closed or stub is not self.stub:  # queued when the learner closed, or the channel was replaced
-                raise Unreachable(f"{self.address}: the channel is closed") from None
-            raise
+            if (gone := self._gone(stub)) is None:
+                raise
+            raise gone from None
         self.heard()
         return reply
 
@@ -217,8 +225,9 @@ class SyncClient:
         request = wire.join_to_pb(join, probe=probe)
         if part is not None:
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
+        stub = self.stub
         try:
-            for reply in self.stub.Join(request, timeout=timeout_s, metadata=self.metadata):
+            for reply in stub.Join(request, timeout=timeout_s, metadata=self.metadata):
                 if reply.HasField("header"):
                     header = reply.header
                     assembler = wire.StateAssembler()
@@ -228,8 +237,10 @@ class SyncClient:
             raise _translate(err, self.address) from None
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
-        except ValueError:  # the channel was closed or replaced meanwhile
-            raise Unreachable(f"{self.address}: the channel is closed") from None
+        except ValueError:
+            if (gone := self._gone(stub)) is None:
+                raise
+            raise gone from None
         self.heard()
         if header is None or assembler is None:
             raise Unreachable(f"{self.address}: join answered without a header")
@@ -278,10 +289,13 @@ class SyncClient:
                                     session=wire.session_to_pb(session))
         if part is not None:
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
+        stub = self.stub
         try:
-            call = self.stub.Updates(request, metadata=self.metadata)
-        except ValueError:  # the channel was closed or replaced meanwhile
-            raise Unreachable(f"{self.address}: the channel is closed") from None
+            call = stub.Updates(request, metadata=self.metadata)
+        except ValueError:
+            if (gone := self._gone(stub)) is None:
+                raise
+            raise gone from None
         return UpdateStream(call, self.address, self.heard)
 
     def fetch_state(self, timeout_s: float = CLIENT_FETCH_S, *, learner_id: str = "", session: Session | None = None,
@@ -293,16 +307,21 @@ class SyncClient:
             request.session.CopyFrom(wire.session_to_pb(session))
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         assembler = wire.StateAssembler()
+        stub = self.stub
         try:
-            for chunk in self.stub.FetchState(request, timeout=timeout_s, metadata=self.metadata):
+            for chunk in stub.FetchState(request, timeout=timeout_s, metadata=self.metadata):
                 assembler.add(chunk)
-            return assembler.state()
+            state = assembler.state()
         except grpc.RpcError as err:
             raise _translate(err, self.address) from None
         except wire.WireError as err:
             raise Unreachable(f"{self.address}: {err}") from None
-        except ValueError:  # the channel was closed or replaced meanwhile
-            raise Unreachable(f"{self.address}: the channel is closed") from None
+        except ValueError:
+            if (gone := self._gone(stub)) is None:
+                raise
+            raise gone from None
+        self.heard()
+        return state
 
     def leave(self, leave: Leave) -> pb.LeaveReply:
         return self._call("Leave", wire.leave_to_pb(leave))
