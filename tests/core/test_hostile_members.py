@@ -308,9 +308,10 @@ def test_contributions_delayed_and_arriving_back_to_back_are_still_plausible():
     # The learner's call timed out (its next send of the fragment waits for an answer), yet the
     # contribution was on its way and reaches the synchronizer late.
     cores[0].on_undelivered(first, 0.0)
+    after_hold = 2 * config.lease_s  # the next send waits for an update of the first for a lease; none comes
     while True:
         local_step(params[0], seed=cores[0].step)
-        due = step(cores[0], tokens=100, duration_s=1.0)
+        due = step(cores[0], tokens=100, duration_s=1.0, now=after_hold)
         for c in due:
             if c.fragment != fragment:
                 cores[0].on_undelivered(c, 0.0)

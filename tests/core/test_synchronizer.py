@@ -35,16 +35,18 @@ def contributions_for(cores, params, fragment, seed=0):
     """Have every learner step until ``fragment`` falls due; return its contributions.
 
     The other fragments' contributions are never delivered (the learner is told so, and folds
-    them into its next ones); the learner is told its call for ``fragment`` was answered (a learner
+    them into its next ones, sent once the wait for their updates is over: the learner's clock
+    is its steps of 1 s); the learner is told its call for ``fragment`` was answered (a learner
     holds a fragment's next send while the last one is unanswered)."""
     out = []
     for m, (core, p) in enumerate(zip(cores, params)):
         for _ in range(100):
             local_step(p, seed=seed * 100 + m * 10 + core.step)
-            due = step(core, tokens=100, duration_s=1.0)
+            now = float(core.step)
+            due = step(core, tokens=100, duration_s=1.0, now=now)
             for c in due:
                 if c.fragment != fragment:
-                    core.on_undelivered(c, 0.0)
+                    core.on_undelivered(c, now)
             match = [c for c in due if c.fragment == fragment]
             if match:
                 core.on_accepted(match[0], 0.0)
@@ -342,7 +344,8 @@ def test_progress_is_counted_once_per_boot_however_often_it_is_reported():
 
 def checkpoints_asked(limits: RunLimits, rounds: int, seconds_per_round: float) -> tuple[Synchronizer, list]:
     """One learner merging a round every ``seconds_per_round``: the synchronizer and the checkpoints it asked for."""
-    config = dataclasses.replace(BASE, quorum=1, lease_s=1e6, grace_max_s=1e-9)
+    # A lease past the last round; the sends of fragments folded meanwhile wait for it (in steps of 1 s).
+    config = dataclasses.replace(BASE, quorum=1, lease_s=60.0, grace_max_s=1e-9)
     plan, sync, cores, params = make_cluster(config, learners=1, limits=limits)
     checkpoints = []
     for rnd in range(rounds):
@@ -435,7 +438,8 @@ def test_a_learner_that_missed_an_update_still_gets_merged_and_the_next_version_
 
 def test_a_delta_from_the_anchor_of_merged_work_is_refused_as_repeated_and_only_its_new_steps_count_lost():
     """A contribution whose reply was lost is folded into the learner's next one, measured from the
-    same anchor. If the first was merged, the second carries its progress again: refused, the
+    same anchor, sent when the update that would say it was merged did not come within the hold
+    (lost too). If the first was merged, the second carries its progress again: refused, the
     global model untouched, the ledger counting only the steps the first did not carry, and the
     learner waits for that update once more; refused so again with no update in between, it joins
     again (the update was lost)."""

@@ -11,7 +11,16 @@ import dataclasses
 
 import pytest
 
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat, Join, Leave, Progress, Session
+from ddiloco.core.shared.messages import (
+    Contribution,
+    FragmentUpdate,
+    Heartbeat,
+    Join,
+    Leave,
+    MergedRef,
+    Progress,
+    Session,
+)
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
@@ -42,7 +51,8 @@ MESSAGES = [
                   slice=SliceSpec(1, 3, ((4, 8), (20, 3)))),
      contribution_round_trip),
     (FragmentUpdate(fragment=3, version=6, codec="int4", payload=bytes(range(256)) * 9000, incarnation=0xBEEF,
-                    round_age_s=0.25), update_round_trip),
+                    round_age_s=0.25, merged=(MergedRef("learner-1", 7, 9), MergedRef("learner-2", 3, 0))),
+     update_round_trip),  # several chunks: the merged list travels on the first
 ]
 
 

@@ -20,6 +20,7 @@ from ddiloco.core.shared.messages import (
     Heartbeat,
     Join,
     Leave,
+    MergedRef,
     Progress,
     Session,
 )
@@ -162,10 +163,11 @@ def update_chunks(update: FragmentUpdate) -> list[bytes]:
     """A compressed outer update as serialized Update messages, ready for every stream."""
     data = memoryview(update.payload)
     total = len(data)
+    merged = [pb.MergedRef(learner_id=m.learner_id, session=m.session, seq=m.seq) for m in update.merged]
     return [
         pb.Update(fragment=update.fragment, version=update.version, codec=update.codec, offset=offset,
                   total_bytes=total, incarnation=update.incarnation, round_age_s=update.round_age_s,
-                  data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
+                  merged=merged if offset == 0 else (), data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
         for offset in range(0, max(total, 1), CHUNK_BYTES)
     ]
 
@@ -176,11 +178,13 @@ class UpdateAssembler:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
         self._current: tuple[int, int, int] | None = None
+        self._merged: tuple[MergedRef, ...] = ()
 
     def add(self, msg: pb.Update) -> FragmentUpdate | None:
         key = (msg.fragment, msg.version, msg.incarnation)
         if msg.offset == 0:
             self._parts, self._current = [], key
+            self._merged = tuple(MergedRef(m.learner_id, int(m.session), int(m.seq)) for m in msg.merged)
         elif self._current != key or msg.offset != sum(map(len, self._parts)):
             self._parts, self._current = [], None  # a broken sequence: drop it (the learner will see a gap)
             return None
@@ -189,7 +193,8 @@ class UpdateAssembler:
             return None
         payload = b"".join(self._parts)
         self._parts, self._current = [], None
-        return FragmentUpdate(msg.fragment, msg.version, msg.codec, payload, int(msg.incarnation), msg.round_age_s)
+        return FragmentUpdate(msg.fragment, msg.version, msg.codec, payload, int(msg.incarnation), msg.round_age_s,
+                              self._merged)
 
 
 def state_chunks(state: GlobalState) -> Iterable[pb.StateChunk]:

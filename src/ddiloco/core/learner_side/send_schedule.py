@@ -14,7 +14,7 @@ instead: ``first_batch`` (where this process's data resumed) plus the step (``co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ddiloco.core.shared.fragments import FragmentPlan
 from ddiloco.core.shared.messages import Contribution
@@ -68,6 +68,9 @@ class SendSchedule:
         self._in_flight: dict[int, _InFlight] = {}
         self._unanswered: dict[int, int] = {}
         """Per fragment, the sequence number of a contribution whose call has not ended yet."""
+        self._folded: dict[int, list[tuple[int, Counters]]] = {}
+        """Per fragment, contributions folded into the next one since its last update: each one's
+        sequence number and what it carried (:meth:`fold`, :meth:`updated`)."""
         self.first_batch = 0
         """The batch of the learner's data stream its first step trained (``resume_at``)."""
 
@@ -87,6 +90,7 @@ class SendSchedule:
         self.seq[p] = 0
         self._in_flight.pop(p, None)
         self._unanswered.pop(p, None)
+        self._folded.pop(p, None)
         self._repeated.discard(p)
 
     def count(self, tokens: int, duration_s: float) -> None:
@@ -118,9 +122,19 @@ class SendSchedule:
         flight = self._in_flight.get(p)
         return flight is not None and now - flight.sent_at_s < flight.hold_s
 
-    def updated(self, p: int) -> None:
-        """An update of p came: a ``repeated`` refusal before it is forgotten."""
+    def updated(self, p: int, merged: Collection[int] = ()) -> None:
+        """An update of p came, merging this session's contributions ``merged`` (sequence numbers):
+        a ``repeated`` refusal before it is forgotten. A folded contribution among them reached the
+        model, only its answer was lost: its counters leave the next contribution, whose Δ (now
+        measured from this update) no longer carries its work."""
         self._repeated.discard(p)
+        for seq, carried in self._folded.pop(p, []):
+            if seq in merged:
+                c = self.counters[p]
+                c.tokens = max(0, c.tokens - carried.tokens)
+                c.steps = max(0, c.steps - carried.steps)
+                c.compute_s = max(0.0, c.compute_s - carried.compute_s)
+                c.first_step = max(c.first_step, carried.first_step + carried.steps)
 
     def repeated(self, p: int, step: int, now: float) -> bool:
         """The synchronizer merged p's last work, and refused the send after it as ``repeated``: the
@@ -149,15 +163,22 @@ class SendSchedule:
         return counters, seq
 
     def fold(self, c: Contribution) -> None:
-        """An undelivered contribution's counters go into the fragment's next one (its Δ needs no
-        keeping: the next Δ is measured from the same anchor and contains it)."""
+        """A contribution whose call got no answer: its counters go into the fragment's next one
+        (its Δ needs no keeping: the next Δ is measured from the same anchor and contains it).
+
+        No answer does not mean no arrival: the answer may be what was lost, after the
+        synchronizer accepted it. So the next send waits for the update as after any send
+        (:meth:`held`). If the update merged it, its counters leave the next contribution
+        (:meth:`updated`); if the update did not, the next Δ, measured from the update, still
+        holds its work. Sent at once, the next Δ would carry merged work again and be refused
+        (``repeated``), with the steps since."""
         counters = self.counters[c.fragment]
         counters.tokens += c.tokens
         counters.steps += c.steps
         counters.compute_s += c.compute_s
         counters.first_step = min(counters.first_step, c.first_step)
         self.answered(c.fragment, c.seq)
-        self.landed(c.fragment)
+        self._folded.setdefault(c.fragment, []).append((c.seq, Counters(c.tokens, c.steps, c.compute_s, c.first_step)))
 
     def landed(self, p: int) -> None:
         """Fragment p's contribution was answered (an update came, or a refusal): no longer in flight."""

@@ -246,6 +246,17 @@ class Contribution:
 
 
 @dataclass(frozen=True, slots=True)
+class MergedRef:
+    """One contribution an update merged: the learner, its session number and the contribution's
+    sequence number. A learner whose answer to a contribution was lost on the way learns from the
+    update whether that contribution reached the model (``SendSchedule.updated``)."""
+
+    learner_id: str
+    session: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class FragmentUpdate:
     """A compressed outer update that moves fragment ``fragment`` from ``version-1`` to ``version``.
 
@@ -261,6 +272,8 @@ class FragmentUpdate:
     round_age_s: float = 0.0
     """How long before this update the round's first fresh contribution arrived: learners send
     their next contribution of the fragment H steps after that moment, all in phase."""
+    merged: tuple[MergedRef, ...] = ()
+    """The contributions this update merged (empty where it is replayed from a round log)."""
 
     def __post_init__(self) -> None:
         if self.fragment < 0 or self.version < 1:

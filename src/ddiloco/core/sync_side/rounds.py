@@ -22,7 +22,7 @@ import torch
 
 from ddiloco.core.shared.codecs import Codec, fused_int4
 from ddiloco.core.shared.kernels import RESIDUAL_LEVELS, outer_step_int4
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Rejected, RejectReason, Session
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, MergedRef, Rejected, RejectReason, Session
 from ddiloco.core.shared.staleness import StalenessBound, SupersededTimes
 from ddiloco.core.sync_side.accumulate import RoundAccumulator
 from ddiloco.core.sync_side.norm_bound import NormBound
@@ -346,8 +346,8 @@ class GlobalFragment:
         self.superseded.clear()
 
     def update_message(self, payload: bytes, codec: Codec, incarnation: int, index: int,
-                       round_age_s: float) -> FragmentUpdate:
-        return FragmentUpdate(index, self.version, codec.name, payload, incarnation, round_age_s)
+                       round_age_s: float, merged: tuple[MergedRef, ...]) -> FragmentUpdate:
+        return FragmentUpdate(index, self.version, codec.name, payload, incarnation, round_age_s, merged)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -51,6 +51,7 @@ from ddiloco.core.shared.messages import (
     Heartbeat,
     Join,
     Leave,
+    MergedRef,
     Rejected,
     RejectReason,
     Request,
@@ -352,5 +353,6 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
             frag.ready_at_s = now + max(0, self.config.period - overlap) * self._registry.fastest_step_s()
         self._counters.merged(str(reason), now, running=self._run.phase is RunPhase.RUNNING)
         self._run.rounds_since_checkpoint += 1
-        update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s)
+        merged = tuple(MergedRef(m.learner_id, m.session, m.seq) for m in record.merged)
+        update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s, merged)
         return [record, LogRound(update, plain=reason is CloseReason.DRAIN), Broadcast(update, tuple(self.alive()))]

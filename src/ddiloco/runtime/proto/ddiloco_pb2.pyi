@@ -213,7 +213,7 @@ class UpdatesRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., have_versions: _Optional[_Iterable[int]] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., part: _Optional[_Union[RankSlice, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation", "round_age_s")
+    __slots__ = ("fragment", "version", "codec", "data", "stop", "offset", "total_bytes", "incarnation", "round_age_s", "merged")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class Update(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     codec: str
@@ -232,7 +233,18 @@ class Update(_message.Message):
     total_bytes: int
     incarnation: int
     round_age_s: float
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ..., round_age_s: _Optional[float] = ...) -> None: ...
+    merged: _containers.RepeatedCompositeFieldContainer[MergedRef]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., codec: _Optional[str] = ..., data: _Optional[bytes] = ..., stop: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ..., round_age_s: _Optional[float] = ..., merged: _Optional[_Iterable[_Union[MergedRef, _Mapping]]] = ...) -> None: ...
+
+class MergedRef(_message.Message):
+    __slots__ = ("learner_id", "session", "seq")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    session: int
+    seq: int
+    def __init__(self, learner_id: _Optional[str] = ..., session: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("learner_id", "session", "part")
