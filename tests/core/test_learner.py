@@ -153,6 +153,7 @@ def test_a_contribution_merged_whose_answer_was_lost_is_neither_sent_again_nor_c
     assert nxt is not None and nxt.base_version == first.base_version + 1
     assert nxt.first_step == first.last_step + 1 and nxt.steps == core.step - first.last_step
     assert nxt.tokens == 10 * nxt.steps  # the merged contribution's tokens are not claimed again
+    assert core.answers_lost == 1
     assert not isinstance(sync.handle(nxt, 6.0)[0], Refused)
 
 
@@ -167,6 +168,7 @@ def test_a_folded_contribution_an_update_did_not_merge_stays_in_the_next_one():
     nxt = _next_send_of_fragment_0(core, params, now=5.0, steps=BASE.period)
     assert nxt is not None and nxt.base_version == 1
     assert nxt.first_step == first.first_step and nxt.steps == first.steps + core.step - first.last_step
+    assert core.answers_lost == 0
 
 
 def test_work_of_an_earlier_session_is_dropped_not_folded():

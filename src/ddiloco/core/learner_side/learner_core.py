@@ -86,6 +86,8 @@ class Learner(LearnerQueries):
         self.updates: Counter[UpdateResult] = Counter()
         self.dropped = 0
         """Contributions dropped because their session ended before they were delivered."""
+        self.answers_lost = 0
+        """Contributions whose call got no answer, merged all the same (the update said so)."""
         self.steps_unsent = 0
         """Steps of fragments not flushed at the end, their last contribution still awaiting its update
         (summed over those fragments: a step counts once per fragment it was not sent for)."""
@@ -271,8 +273,8 @@ class Learner(LearnerQueries):
         self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
         self._anchored_at[p] = self.step
-        self.schedule.updated(p, [m.seq for m in update.merged
-                                  if m.learner_id == self.learner_id and m.session == session.number])
+        self.answers_lost += self.schedule.updated(p, [m.seq for m in update.merged
+                                                       if m.learner_id == self.learner_id and m.session == session.number])
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began

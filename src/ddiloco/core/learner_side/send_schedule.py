@@ -122,19 +122,22 @@ class SendSchedule:
         flight = self._in_flight.get(p)
         return flight is not None and now - flight.sent_at_s < flight.hold_s
 
-    def updated(self, p: int, merged: Collection[int] = ()) -> None:
+    def updated(self, p: int, merged: Collection[int] = ()) -> int:
         """An update of p came, merging this session's contributions ``merged`` (sequence numbers):
         a ``repeated`` refusal before it is forgotten. A folded contribution among them reached the
         model, only its answer was lost: its counters leave the next contribution, whose Δ (now
-        measured from this update) no longer carries its work."""
+        measured from this update) no longer carries its work. Returns how many such there were."""
         self._repeated.discard(p)
+        found = 0
         for seq, carried in self._folded.pop(p, []):
             if seq in merged:
+                found += 1
                 c = self.counters[p]
                 c.tokens = max(0, c.tokens - carried.tokens)
                 c.steps = max(0, c.steps - carried.steps)
                 c.compute_s = max(0.0, c.compute_s - carried.compute_s)
                 c.first_step = max(c.first_step, carried.first_step + carried.steps)
+        return found
 
     def repeated(self, p: int, step: int, now: float) -> bool:
         """The synchronizer merged p's last work, and refused the send after it as ``repeated``: the

@@ -227,9 +227,10 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
     elapsed = time.perf_counter() - started
     if place.rank == 0:
         s = runtime.stats
-        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s%s",
+        log.info("done: %d steps in %.1fs; %d contributions sent, %d updates applied, %d joins, rejected %s%s%s",
                  steps, elapsed, s.contributions_sent, s.updates_applied, s.joins,
                  ", ".join(f"{reason} {n}" for reason, n in sorted(s.rejected.items())) or "none",
+                 f"; {s.answers_lost} answers lost after the merge (the updates said so)" if s.answers_lost else "",
                  f"; the last flush left out {s.steps_unsent} steps (fragments still awaiting the update of "
                  "their last send: sent, they would carry its work twice)" if s.steps_unsent else "")
     if place.world > 1:

@@ -263,6 +263,7 @@ class LearnerRuntime:
             steps=self._steps,
             contributions_sent=link.stats.contributions_sent if link else 0,
             contributions_dropped=core.dropped if core else 0,
+            answers_lost=core.answers_lost if core else 0,
             steps_unsent=core.steps_unsent if core else 0,
             rejected=dict(link.stats.rejected) if link else {},
             updates_applied=updates.get(UpdateResult.APPLIED, 0),

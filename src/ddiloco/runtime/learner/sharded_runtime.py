@@ -140,6 +140,7 @@ class ShardedLearnerRuntime:
         """What this rank did so far (its own uploads; the updates every rank applied)."""
         updates = self.core.updates
         return RuntimeStats(steps=self._steps, contributions_sent=self.link.sent, contributions_dropped=self.core.dropped,
+                            answers_lost=self.core.answers_lost,
                             steps_unsent=self.core.steps_unsent,
                             rejected=dict(self.link.rejected), updates_applied=updates.get(UpdateResult.APPLIED, 0),
                             updates_ignored=updates.get(UpdateResult.IGNORED, 0), gaps=updates.get(UpdateResult.GAP, 0),

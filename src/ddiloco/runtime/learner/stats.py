@@ -13,6 +13,8 @@ class RuntimeStats:
     steps: int
     contributions_sent: int
     contributions_dropped: int
+    answers_lost: int
+    """Contributions whose call got no answer although they were merged (the update named them)."""
     steps_unsent: int
     """Steps the last flush left out, per fragment still awaiting its update (``Learner.close``)."""
     rejected: dict[str, int]
