@@ -62,7 +62,7 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
                    out / "global.pt")
     torch.save({"ranges": [s.ranges for s in runtime.slices], "versions": list(core.versions),
                 "anchors": [core.anchor(p).clone() for p in range(len(core.versions))],
-                "bytes_up": runtime.bytes_up, "bytes_down": runtime.bytes_down,
+                "bytes_up": runtime.bytes_up, "bytes_down": runtime.bytes_down, "next_deadline": core.next_deadline(),
                 "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
                out / f"rank{rank}.pt")
     runtime.close()

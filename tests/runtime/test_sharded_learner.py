@@ -27,7 +27,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1",
 DEADLINE_S = 240.0
 
 
-def start_sync(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def start_sync(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int]:
     init = tmp_path / "init.safetensors"
     subprocess.run([sys.executable, str(WORKER), "init", str(init)], check=True, env=ENV)
     port_file = tmp_path / "port"
@@ -35,7 +35,7 @@ def start_sync(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
                              "--learners", "1", "--tokens", "10000000", "--listen", "127.0.0.1:0",
                              "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
-                             "--set", "protocol.heartbeat_s=0.3"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+                             "--set", "protocol.heartbeat_s=0.3", *extra], stdout=log, stderr=subprocess.STDOUT, env=ENV)
     wait_for(lambda: port_file.exists() and port_file.read_text().strip() or proc.poll() is not None,
              "the synchronizer's port file", timeout_s=DEADLINE_S)
     assert proc.poll() is None, (tmp_path / "sync.log").read_text()
@@ -126,6 +126,29 @@ def test_a_two_rank_fsdp2_learner_trains_against_a_real_synchronizer(tmp_path: P
         assert ranks[0]["bytes_up"] > 0 and ranks[1]["bytes_up"] > 0  # each rank sent its own slices
         down = [r["bytes_down"] for r in ranks]  # each its own slices: about half each (a whole would fail to decode)
         assert all(0.3 * sum(down) < d < 0.7 * sum(down) for d in down), down
+        # The cores decide by one clock, rank 0's: on their own clocks they would part at a boundary
+        # (one rank's slice sent, its sibling's held for its update).
+        assert ranks[0]["next_deadline"] is not None and ranks[0]["next_deadline"] == ranks[1]["next_deadline"]
+    finally:
+        sync.terminate()
+        sync.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_sharded_learner_in_synchronous_diloco_waits_for_each_update_on_every_rank_alike(tmp_path: Path) -> None:
+    """Synchronous DiLoCo: a learner blocks after each send until the round that merges it. Each rank's
+    core says when to wait and when to train on; told one clock, they say it at the same exchange."""
+    sync, port = start_sync(tmp_path, "--mode", "diloco")
+    try:
+        run = torchrun(port, 30, tmp_path)
+        assert run.returncode == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+        status = status_of(port)
+        assert status is not None and status["mode"] == "diloco"
+        versions = [f["version"] for f in status["fragments"]]
+        assert min(versions) >= 3, versions
+        assert set(status["rejections"]) <= {"unknown_learner"}, status["rejections"]
+        ranks = check_ranks_hold_the_global_model(tmp_path)
+        assert ranks[0]["next_deadline"] == ranks[1]["next_deadline"]
     finally:
         sync.terminate()
         sync.wait(timeout=60)

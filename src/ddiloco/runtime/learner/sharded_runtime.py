@@ -21,8 +21,10 @@ contribution counts as accepted once every rank's slice was; refused if any was 
 verdict on the whole comes to the rank whose slice completed it); unanswered if any went unanswered
 (its steps go into the next one, whose slices end the incomplete set at the synchronizer).
 
-Not supported yet (refused in one line): a sharded synchronizer, synchronous DiLoCo and
-``protocol.max_wait_s`` (waits end at times each rank would see differently).
+Every core is told one time, rank 0's clock at the last exchange: the cores decide by time (how long
+a send waits for its update, heartbeats, join retries, synchronous DiLoCo's waits), and clocks read
+apart would let them part at a boundary. So a wait (``protocol.blocking``, ``protocol.max_wait_s``)
+ends at the same exchange on every rank. Not supported yet (refused in one line): a sharded synchronizer.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.learner_side.learner_phase import UpdateResult
+from ddiloco.core.learner_side.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.shared.actions import Fail, LearnerAction, SendJoin, SendLeave
 from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, join_state_bytes
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
@@ -56,6 +58,10 @@ from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
 from ddiloco.runtime.learner.stats import RuntimeStats
 
 log = logging.getLogger("ddiloco.learner")
+
+WAIT_POLL_S = 0.005
+"""While the cores wait (synchronous DiLoCo's update, ``protocol.max_wait_s``, a rejoin's state), how
+often the ranks exchange again: each exchange is one collective of a few numbers."""
 
 
 class ShardedLearnerRuntime:
@@ -77,9 +83,14 @@ class ShardedLearnerRuntime:
         params, sharded = sharded_params(model, self._group)
         self.rank, self.world = params.rank, params.world
         self.is_leader = self.rank == 0
-        box = [uuid.uuid4().hex[:12]]
+        box = [uuid.uuid4().hex[:12], time.monotonic()]
         dist.broadcast_object_list(box, src=0, group=self._group)
         self.boot = box[0]  # one learner, one boot: rank 0's
+        self._now: float = box[1]
+        """The time every core is told: rank 0's clock at the last exchange. The cores decide by time
+        (how long a send waits for its update, when to heartbeat or join again), and W clocks read
+        at W moments, or on W hosts, would let them decide apart at a boundary: one rank's slice
+        sent, its sibling's held."""
         clients = connect_all(connect, token=secret or token, tls_ca=tls_ca,
                               learner_id=learner_id if secret is not None else None)
         if len(clients) != 1:
@@ -89,9 +100,8 @@ class ShardedLearnerRuntime:
         self.plan = plan_from_layout(probe.header, dict(model.named_parameters()))
         params.check_fragments(self.plan, sharded)
         protocol = ProtocolConfig(**probe.protocol)
-        if protocol.shards != 1 or protocol.blocking or protocol.max_wait_s > 0:
-            raise ConfigError("a sharded learner does not support protocol.shards > 1, protocol.blocking or "
-                              "protocol.max_wait_s > 0 yet")
+        if protocol.shards != 1:
+            raise ConfigError("a sharded learner does not support protocol.shards > 1 yet")
         self._specs = params.slices(self.plan)
         self._numel = [f.numel for f in self.plan.fragments]
         self._downlink = protocol.downlink()
@@ -108,12 +118,12 @@ class ShardedLearnerRuntime:
         self._joins = 0
         self._overhead_s = 0.0
         self._closed = False
-        self._take(self.core.start(time.monotonic()))
-        deadline = None if not join_timeout_s else time.monotonic() + join_timeout_s
+        self._take(self.core.start(self._now))
+        deadline = None if not join_timeout_s else self._now + join_timeout_s
         while not self.core.joined:  # decided by the exchange: every rank leaves this loop at the same round
             self._exchange()
             if not self.core.joined:
-                if deadline is not None and time.monotonic() > deadline:
+                if deadline is not None and self._now > deadline:
                     raise DdilocoError(f"{learner_id!r} could not join the synchronizer in {join_timeout_s:g}s")
                 time.sleep(0.05)
         self._data_position = self.core.next_batch
@@ -180,8 +190,11 @@ class ShardedLearnerRuntime:
             duration_s = entered - self._last_step_end
         self._check_shards()
         self._steps += 1
-        self._take(self.core.record_step(tokens * self.world, duration_s, time.monotonic()))
+        self._take(self.core.record_step(tokens * self.world, duration_s, self._now))
         self._exchange()
+        while self.core.between_steps(self._now) is LoopMove.WAIT:  # the same answer on every rank: one core, one clock
+            time.sleep(WAIT_POLL_S)
+            self._exchange()
         self._last_step_end = time.perf_counter()
         self._overhead_s += self._last_step_end - entered
 
@@ -190,7 +203,7 @@ class ShardedLearnerRuntime:
         if self._closed:
             return
         self._closed = True
-        actions = self.core.close(time.monotonic()) if flush and self._failure is None else []
+        actions = self.core.close(self._now) if flush and self._failure is None else []
         self.link.dispatch([a for a in actions if not isinstance(a, SendLeave)])
         self.link.drain()
         dist.barrier(group=self._group)  # every slice answered before the learner leaves
@@ -233,10 +246,10 @@ class ShardedLearnerRuntime:
         header = None if joined is None else (joined.state.session, joined.state.incarnation,
                                               joined.state.data_position, bool(joined.header.stop))
         news = (outcomes, self._failure, stop, admission if isinstance(admission, Outcome) else None, header,
-                self._reach())
+                self._reach(), time.monotonic() if self.is_leader else None)
         everyone = self._gather(news)
-        now = time.monotonic()
-        _, _, _, join_outcome, header, _ = everyone[0]
+        _, _, _, join_outcome, header, _, now = everyone[0]
+        self._now = now
         if header is not None:
             self._join_all(None if joined is None else joined.state, header, now)
         elif join_outcome is not None:
