@@ -73,3 +73,35 @@ def test_a_slice_whose_starts_and_lengths_differ_in_number_is_a_wire_error():
     header.slice.rank = 3
     with pytest.raises(wire.WireError, match="rank 3 of world 3"):
         wire.contribution_from_pb(header, c.payload)
+
+
+def test_a_state_received_is_held_once_not_twice_while_its_tensors_are_built() -> None:
+    """A joining learner's peak: the chunks of a state and its values used to coexist until the last
+    fragment was built (about twice the state). Each chunk now goes as it is copied: the peak of
+    building the values is the state once, plus one fragment. (Allocations counted by tracemalloc,
+    which sees numpy's buffers and protobuf's bytes alike; no timing.)"""
+    import tracemalloc
+
+    import numpy as np
+    import torch
+
+    from ddiloco.core.shared.messages import FragmentValue
+
+    fragments = [FragmentValue(p, 3, torch.arange(2_000_000, dtype=torch.float32) + p) for p in range(3)]
+    state_bytes = sum(4 * f.values.numel() for f in fragments)
+    tracemalloc.start()
+    try:
+        assembler = wire.StateAssembler()
+        for frag in fragments:
+            for chunk in wire.fragment_chunks(frag):
+                assembler.add(pb.StateChunk.FromString(chunk.SerializeToString()))
+        tracemalloc.reset_peak()
+        held, _ = tracemalloc.get_traced_memory()
+        state = assembler.state()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held >= state_bytes  # the chunks
+    assert peak - held < 1.1 * state_bytes / len(fragments)  # the values take the chunks' place, but one fragment
+    for got, sent in zip(state.fragments, fragments):
+        assert got.version == 3 and np.array_equal(got.values.numpy(), sent.values.numpy())

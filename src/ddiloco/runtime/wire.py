@@ -231,12 +231,22 @@ class StateAssembler:
         self._meta[chunk.fragment] = (chunk.version, chunk.total_bytes)
 
     def state(self, *, incarnation: int = 0, session: Session | None = None, data_position: int = 0) -> GlobalState:
+        """The fragments' values, each copied chunk by chunk into its tensor while its chunks are let
+        go: a join holds the state once, plus one fragment's values. (Each fragment's chunks joined
+        and then copied held the state about twice, the chunks and the values, until the last fragment.)"""
         values = []
         for p in sorted(self._parts):
             version, total = self._meta[p]
-            data = b"".join(self._parts[p])
-            if len(data) != total:
-                raise WireError(f"state of fragment {p} incomplete ({len(data)} of {total} bytes)")
-            tensor = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
-            values.append(FragmentValue(p, version, tensor))
+            parts = self._parts.pop(p)
+            received = sum(map(len, parts))
+            if received != total or total % 4:
+                raise WireError(f"state of fragment {p} incomplete ({received} of {total} bytes)")
+            array = np.empty(total // 4, dtype=np.float32)
+            at = 0
+            parts.reverse()  # popped from the end, in order
+            while parts:
+                chunk = np.frombuffer(parts.pop(), dtype="<f4")
+                array[at:at + chunk.size] = chunk
+                at += chunk.size
+            values.append(FragmentValue(p, version, torch.from_numpy(array)))
         return GlobalState(tuple(values), incarnation=incarnation, session=session, data_position=data_position)
