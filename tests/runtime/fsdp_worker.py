@@ -2,7 +2,9 @@
 under ``torchrun``, ``learn PORT ID STEPS OUT`` trains it against ``ddiloco sync`` and each rank writes
 ``OUT/rank{r}.pt``: its fragments' slices (ranges), anchors and versions, just before it closes (and
 rank 0 the synchronizer's global model then, ``OUT/global.pt``).
-``--kill-at STEP``: rank 1 of the first incarnation kills itself (SIGKILL) at that step."""
+``--kill-at STEP``: rank 1 of the first incarnation kills itself (SIGKILL) at that step.
+``same PORT ID STEPS SEED``: the equivalence runs' learner, sharded under torchrun (rank r trains
+batch r) or unsharded alone (both batches at once), which leaves without a flush after STEPS."""
 
 from __future__ import annotations
 
@@ -69,6 +71,37 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
     leave_group()
 
 
+def same(port: str, learner_id: str, steps: int, seed: int) -> None:
+    """Under torchrun each rank trains its own batch of BATCH; alone, one process trains both ranks'
+    batches as one of 2 x BATCH: the same gradient, summed in another order. Synchronous DiLoCo
+    ends each step once what it sent is merged, so leaving without a flush ends the run at a point
+    that does not depend on timing."""
+    sharded = "RANK" in os.environ
+    if sharded:
+        init_group("gloo")
+    ranks = [dist.get_rank()] if sharded else [0, 1]
+    model = build()
+    if sharded:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = BATCH * len(ranks)
+    runtime = LearnerRuntime(model, f"127.0.0.1:{port}", learner_id, tokens_per_step=tokens, join_timeout_s=60)
+    batches = [torch.Generator().manual_seed(seed + 1000 * r + runtime.data_position) for r in ranks]
+    for _ in range(steps):
+        x = torch.cat([torch.randn(BATCH, 12, generator=g) for g in batches])
+        loss = ((model(x) - x.flip(1)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        runtime.step(tokens=tokens)
+    runtime.close(flush=False)
+    if sharded:
+        leave_group()
+
+
 def settled(runtime: LearnerRuntime, port: str) -> GlobalState:
     """The global state (rank 0's fetch; the others get its versions) once the ranks' cores hold some
     fragment at its version: the last rounds' updates reach the cores an exchange after they arrive, so
@@ -92,6 +125,8 @@ def main(argv: list[str]) -> int:
     try:
         if argv[0] == "init":
             save_initial_state(build(), argv[1])
+        elif argv[0] == "same":
+            same(argv[1], argv[2], int(argv[3]), int(argv[4]))
         else:
             kill_at = int(argv[6]) if len(argv) > 6 and argv[5] == "--kill-at" else None
             learn(argv[1], argv[2], int(argv[3]), Path(argv[4]), kill_at)
