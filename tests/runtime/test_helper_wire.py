@@ -184,3 +184,25 @@ def test_calls_held_in_a_step_go_together_and_never_to_a_successor():
         second = Running()
         assert rid in calls.started(second)  # reported lost when its successor starts ...
     assert second.received() == b"" and first.received() == b""  # ... so sent to neither
+
+
+def test_a_helper_thread_with_something_to_report_after_the_trainer_closed_ends_quietly():
+    """An update that arrived as the learner closed: the helper's receiver reported it on a pipe the
+    trainer had closed, and its thread's traceback went into the learner's log (the every-fault-kind
+    chaos test found it there once in ten runs)."""
+    from ddiloco.runtime.learner.helper import _until_closed
+
+    ours, theirs = socket.socketpair()
+    pipe = Pipe(ours)
+    theirs.close()
+    ours.shutdown(socket.SHUT_RDWR)  # as the helper's close leaves it
+    raised: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda args: raised.append(args.exc_value)
+    try:
+        thread = threading.Thread(target=_until_closed, args=(lambda: pipe.send(Msg.READY),))
+        thread.start()
+        thread.join(timeout=30)
+    finally:
+        threading.excepthook = hook
+        ours.close()
+    assert not thread.is_alive() and raised == []

@@ -147,6 +147,16 @@ class Helper:
             self.pipe.sock.shutdown(socket.SHUT_RDWR)  # the serving loop ends, and with it the process
 
 
+def _until_closed(body: Callable[[], None]) -> None:
+    """A thread's whole run. Once the training process closed the link (or is gone), what the thread
+    was about to report has no one to read it: it ends there, quietly. (An update that arrived as
+    the learner closed printed a thread's traceback into the learner's log.)"""
+    try:
+        body()
+    except PipeClosed:
+        return
+
+
 class ShardWorker:
     """The threads that talk to one synchronizer shard."""
 
@@ -160,9 +170,9 @@ class ShardWorker:
         self._session_changed = threading.Event()
         self._stream: Any = None
         name = f"{helper.spec.learner_id}-{shard}"
-        self.threads = [threading.Thread(target=self._sender, name=f"ddiloco-send-{name}", daemon=True),
-                        threading.Thread(target=self._control_loop, name=f"ddiloco-ctl-{name}", daemon=True),
-                        threading.Thread(target=self._receiver, name=f"ddiloco-recv-{name}", daemon=True)]
+        self.threads = [threading.Thread(target=_until_closed, args=(body,), name=f"ddiloco-{role}-{name}", daemon=True)
+                        for role, body in (("send", self._sender), ("ctl", self._control_loop),
+                                           ("recv", self._receiver))]
 
     def start(self) -> None:
         for t in self.threads:
