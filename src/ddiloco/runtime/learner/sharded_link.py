@@ -20,7 +20,10 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
 from ddiloco.core.shared.actions import LearnerAction, Send, SendHeartbeat, SendLeave
@@ -28,6 +31,7 @@ from ddiloco.core.shared.messages import FragmentUpdate, GlobalState, Join, Reje
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
+from ddiloco.runtime.learner.held_updates import Received
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -50,13 +54,17 @@ class Outcome:
 
 
 class RankLink:
-    """This rank's uploads (a sender thread) and its own update stream (a receiver thread)."""
+    """This rank's uploads (a sender thread) and its own update stream (a receiver thread, which
+    also decodes each update: ``decode``)."""
 
     def __init__(self, client: SyncClient, learner_id: str, slices: list[SliceSpec], *, rank: int,
-                 world: int) -> None:
+                 world: int, decode: Callable[[FragmentUpdate], torch.Tensor]) -> None:
         self.client = client
         self.learner_id = learner_id
         self.slices = slices
+        self._decode = decode
+        self.broken: str | None = None
+        """Why an update the synchronizer sent could not be decoded for this rank's slice (the learner stops)."""
         self.part = (rank, world)
         self.leader = rank == 0
         self.bytes_up = 0
@@ -67,7 +75,7 @@ class RankLink:
         self.rejected: Counter[str] = Counter()
         self._outbox: queue.Queue[LearnerAction | None] = queue.Queue()
         self._outcomes: list[Outcome] = []
-        self._updates: list[FragmentUpdate] = []
+        self._updates: list[Received] = []
         self._stop_notice = False
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -91,14 +99,14 @@ class RankLink:
     def backlog(self) -> int:
         return self._outbox.qsize()
 
-    def take(self) -> tuple[list[Outcome], list[FragmentUpdate], bool]:
+    def take(self) -> tuple[list[Outcome], list[Received], bool]:
         """The outcomes and updates since the last call, and whether the stream said the run stopped."""
         with self._lock:
             outcomes, updates, stop = self._outcomes, self._updates, self._stop_notice
             self._outcomes, self._updates, self._stop_notice = [], [], False
         return outcomes, updates, stop
 
-    def take_updates(self) -> list[FragmentUpdate]:
+    def take_updates(self) -> list[Received]:
         """The updates since the last call (outcomes and the stop stay for :meth:`take`)."""
         with self._lock:
             updates, self._updates = self._updates, []
@@ -205,11 +213,12 @@ class RankLink:
                 self._stream = stream
             try:
                 for item in stream:
+                    received = None if isinstance(item, StopNotice) else self._decoded(item)
                     with self._lock:
                         if isinstance(item, StopNotice):
                             self._stop_notice = True
-                        else:
-                            self._updates.append(item)
+                        elif received is not None:
+                            self._updates.append(received)
                             self.bytes_down += len(item.payload)
                             versions[item.fragment] = max(versions[item.fragment], item.version)
                     delay = BACKOFF_START_S
@@ -226,6 +235,17 @@ class RankLink:
             if not moved and not self._closing.is_set():  # broken or ended, not replaced: again, after a pause
                 time.sleep(delay)
                 delay = min(2 * delay, BACKOFF_MAX_S)
+
+
+    def _decoded(self, update: FragmentUpdate) -> Received | None:
+        """The update with its values, decoded here, off the training thread; None (and the link
+        broken, with why) if it does not fit this rank's slice."""
+        try:
+            return Received(update, self._decode(update))
+        except (ValueError, IndexError) as err:
+            self.broken = self.broken or (f"an update of fragment {update.fragment} (version {update.version}) "
+                                          f"does not fit this rank's slice: {err}")
+            return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,8 @@ class ShardedLearnerRuntime:
         self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
                             tokens_per_step=tokens_per_step * self.world, bind=False)
         self._shards = [(n, p, params.local[n].data_ptr()) for n, p in model.named_parameters() if n in sharded]
-        self.link = RankLink(clients[0], learner_id, self._specs, rank=self.rank, world=self.world)
+        self.link = RankLink(clients[0], learner_id, self._specs, rank=self.rank, world=self.world,
+                             decode=self._decode)
         self._held = HeldUpdates(len(self._specs))
         self._pending: dict[tuple[int, int, Any], dict[int, Outcome]] = {}
         self._wants_join = False
@@ -242,6 +243,7 @@ class ShardedLearnerRuntime:
             admission = self.link.join(self._join_request(), self._join_timeout_s)
         outcomes, updates, stop = self.link.take()
         self._held.add(updates)
+        self._failure = self._failure or self.link.broken
         joined = admission if isinstance(admission, JoinResult) else None
         header = None if joined is None else (joined.state.session, joined.state.incarnation,
                                               joined.state.data_position, bool(joined.header.stop))
@@ -284,13 +286,14 @@ class ShardedLearnerRuntime:
         session = self.core.session_of(0)
         for p in range(len(self._specs)):
             agreed = min(r[p][0] for r in reaches)  # type: ignore[index]
-            for update in self._held.take(p, self.core.versions[p], agreed):
-                self._take(self.core.on_update(update, now, values=self._decode(update)))
+            for r in self._held.take(p, self.core.versions[p], agreed):
+                self._take(self.core.on_update(r.update, now, values=r.values))
             if any(r[p][1] for r in reaches) and session is not None:  # type: ignore[index]
                 missed = FragmentUpdate(p, self.core.versions[p] + 2, self._downlink.name, b"", session.incarnation)
                 self._take(self.core.on_update(missed, now))  # the core decides the rejoin, as for a gap of its own
 
     def _decode(self, update: FragmentUpdate) -> torch.Tensor:
+        """This rank's slice of an update, as float32 (called on the link's receiver thread)."""
         p = update.fragment
         return decode_cut(self._downlink, update.payload, self._numel[p], self._specs[p])
 
@@ -331,7 +334,7 @@ class ShardedLearnerRuntime:
         for frag in mine.fragments:
             updates = self._held.take(frag.fragment, frag.version, target[frag.fragment])
             fragments.append(FragmentValue(frag.fragment, target[frag.fragment],
-                                           catch_up(frag.values, updates, self._decode)))
+                                           catch_up(frag.values, updates)))
         if not self.core.links[0].joining:
             self.core.links[0].start_join()  # every rank takes the registration rank 0 made
         state = GlobalState(tuple(fragments), incarnation=incarnation, session=session, data_position=data_position)
