@@ -158,6 +158,9 @@ class RankLink:
             stream.cancel()
         self._followed.set()
         self._sender.join(timeout=30.0)
+        # The receiver decodes with torch: left running into the interpreter's exit, a decode in
+        # progress aborted the process ("terminate called without an active exception").
+        self._receiver.join(timeout=30.0)
         self.client.close()
 
     # ---- threads ---------------------------------------------------------------------------
