@@ -116,7 +116,7 @@ def settled(runtime: LearnerRuntime, port: str) -> GlobalState:
         if any(v == g for v, g in zip(runtime.core.versions, box[0])):
             break
         time.sleep(0.1)
-        runtime.step(tokens=0)
+        runtime.step(tokens=BATCH)  # an exchange (a step without training: a step of 0 tokens is refused)
     return state
 
 
