@@ -42,7 +42,8 @@ def start_sync(tmp_path: Path, *extra: str, learners: int = 1) -> tuple[subproce
     proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
                              "--learners", str(learners), "--tokens", "10000000", "--listen", "127.0.0.1:0",
                              "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
-                             "--set", "protocol.heartbeat_s=0.3", *extra], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+                             "--set", "protocol.heartbeat_s=0.3", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV)
     wait_for(lambda: port_file.exists() and port_file.read_text().strip() or proc.poll() is not None,
              "the synchronizer's port file", timeout_s=DEADLINE_S)
     assert proc.poll() is None, (tmp_path / "sync.log").read_text()

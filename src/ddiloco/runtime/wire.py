@@ -167,7 +167,8 @@ def update_chunks(update: FragmentUpdate) -> list[bytes]:
     return [
         pb.Update(fragment=update.fragment, version=update.version, codec=update.codec, offset=offset,
                   total_bytes=total, incarnation=update.incarnation, round_age_s=update.round_age_s,
-                  merged=merged if offset == 0 else (), data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
+                  merged=merged if offset == 0 else (),
+                  data=bytes(data[offset : offset + CHUNK_BYTES])).SerializeToString()
         for offset in range(0, max(total, 1), CHUNK_BYTES)
     ]
 

@@ -273,8 +273,8 @@ class Learner(LearnerQueries):
         self._flat[p].apply(update.payload, values, self.config.alpha)
         self.versions[p] = update.version
         self._anchored_at[p] = self.step
-        self.answers_lost += self.schedule.updated(p, [m.seq for m in update.merged
-                                                       if m.learner_id == self.learner_id and m.session == session.number])
+        mine = [m.seq for m in update.merged if m.learner_id == self.learner_id and m.session == session.number]
+        self.answers_lost += self.schedule.updated(p, mine)
         step_s = self.step_time.get()
         if self.config.align_sends and step_s > 0:
             self.schedule.align(p, self.step, int(update.round_age_s / step_s))  # steps since the round began

@@ -239,7 +239,6 @@ class RankLink:
                 time.sleep(delay)
                 delay = min(2 * delay, BACKOFF_MAX_S)
 
-
     def _decoded(self, update: FragmentUpdate) -> Received | None:
         """The update with its values, decoded here, off the training thread; None (and the link
         broken, with why) if it does not fit this rank's slice."""

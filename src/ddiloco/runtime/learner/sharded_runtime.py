@@ -60,8 +60,8 @@ from ddiloco.runtime.learner.stats import RuntimeStats
 log = logging.getLogger("ddiloco.learner")
 
 WAIT_POLL_S = 0.005
-"""While the cores wait (synchronous DiLoCo's update, ``protocol.max_wait_s``, a rejoin's state), how
-often the ranks exchange again: each exchange is one collective of a few numbers."""
+"""While the cores wait (synchronous DiLoCo's update, ``protocol.max_wait_s``), how often the ranks
+exchange again: each exchange is one collective of a few numbers."""
 
 
 class ShardedLearnerRuntime:
