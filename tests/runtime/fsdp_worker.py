@@ -2,7 +2,8 @@
 under ``torchrun``, ``learn PORT ID STEPS OUT`` trains it against ``ddiloco sync`` and each rank writes
 ``OUT/rank{r}.pt``: its fragments' slices (ranges), anchors and versions, just before it closes (and
 rank 0 the synchronizer's global model then, ``OUT/global.pt``).
-``--kill-at STEP``: rank 1 of the first incarnation kills itself (SIGKILL) at that step.
+``--kill-at STEP``: rank 1 of the first incarnation kills itself (SIGKILL) at that step;
+``--kill-helper-at STEP``: rank 1 kills its link helper process (SIGKILL) at that step.
 ``same PORT ID STEPS SEED``: the equivalence runs' learner, sharded under torchrun (rank r trains
 batch r) or unsharded alone (both batches at once), which leaves without a flush after STEPS."""
 
@@ -34,7 +35,21 @@ def build() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 7), nn.Tanh(), nn.Linear(7, 12))
 
 
-def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None) -> None:
+def link_helpers() -> list[int]:
+    """The pids of this process's link helpers (its children running ``ddiloco.runtime.learner.helper``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                continue
+            if b"ddiloco.runtime.learner.helper" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return found
+
+
+def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None, kill_helper_at: int | None) -> None:
     init_group("gloo")
     rank = dist.get_rank()
     model = build()
@@ -46,6 +61,7 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
     runtime = LearnerRuntime(model, f"127.0.0.1:{port}", learner_id, tokens_per_step=BATCH, join_timeout_s=60)
     g = torch.Generator().manual_seed(1000 * rank + runtime.data_position)
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    at_kill: list[int] = []
     for step in range(steps):
         if runtime.should_stop:
             break
@@ -57,6 +73,14 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
         runtime.step(tokens=BATCH)
         if kill_at is not None and first and rank == 1 and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-run: slices of this rank may be on their way
+        if kill_helper_at is not None and rank == 1 and step == kill_helper_at:
+            at_kill = runtime.versions
+            (killed,) = link_helpers()
+            os.kill(killed, signal.SIGKILL)  # its calls in flight go unanswered; a new helper takes over
+            deadline = time.monotonic() + 120.0
+            while (helper := runtime.link.calls.helper) is None or helper.pid == killed:  # the new one is up
+                assert time.monotonic() < deadline, "no new link helper in 120 s"
+                time.sleep(0.05)
     core = runtime.core
     state = settled(runtime, port)
     if rank == 0:  # the global model now, before the flush of close() moves it on
@@ -65,7 +89,8 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
     torch.save({"ranges": [s.ranges for s in runtime.slices], "versions": list(core.versions),
                 "anchors": [core.anchor(p).clone() for p in range(len(core.versions))],
                 "bytes_up": runtime.bytes_up, "bytes_down": runtime.bytes_down, "next_deadline": core.next_deadline(),
-                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
+                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "helpers": link_helpers(),
+                "versions_at_kill": at_kill},
                out / f"rank{rank}.pt")
     runtime.close()
     leave_group()
@@ -128,8 +153,8 @@ def main(argv: list[str]) -> int:
         elif argv[0] == "same":
             same(argv[1], argv[2], int(argv[3]), int(argv[4]))
         else:
-            kill_at = int(argv[6]) if len(argv) > 6 and argv[5] == "--kill-at" else None
-            learn(argv[1], argv[2], int(argv[3]), Path(argv[4]), kill_at)
+            flags = dict(zip(argv[5::2], map(int, argv[6::2])))
+            learn(argv[1], argv[2], int(argv[3]), Path(argv[4]), flags.get("--kill-at"), flags.get("--kill-helper-at"))
     except DdilocoError as err:
         print(f"fsdp_worker.py: error: {err}", file=sys.stderr)
         return 2

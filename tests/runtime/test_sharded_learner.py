@@ -51,10 +51,11 @@ def start_sync(tmp_path: Path, *extra: str, learners: int = 1) -> tuple[subproce
 
 
 def torchrun(port: int, steps: int, out: Path, *, restarts: int = 0, kill_at: int | None = None,
-             ) -> subprocess.CompletedProcess:
+             kill_helper_at: int | None = None) -> subprocess.CompletedProcess:
     """The worker as a 2-rank torchrun job, its output in ``out/torchrun.log`` (a pipe would be held open by
     what a killed rank leaves behind, and the wait would never end)."""
     kill = ["--kill-at", str(kill_at)] if kill_at is not None else []
+    kill += ["--kill-helper-at", str(kill_helper_at)] if kill_helper_at is not None else []
     return run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                     str(free_port()), "--max-restarts", str(restarts), str(WORKER), "learn", str(port), "island-a",
                     str(steps), str(out), *kill], out / "torchrun.log")
@@ -132,6 +133,7 @@ def test_a_two_rank_fsdp2_learner_trains_against_a_real_synchronizer(tmp_path: P
         assert learner["id"] == "island-a"
         ranks = check_ranks_hold_the_global_model(tmp_path)
         assert ranks[0]["bytes_up"] > 0 and ranks[1]["bytes_up"] > 0  # each rank sent its own slices
+        assert [len(r["helpers"]) for r in ranks] == [1, 1]  # through a link helper process of its own
         down = [r["bytes_down"] for r in ranks]  # each its own slices: about half each (a whole would fail to decode)
         assert all(0.3 * sum(down) < d < 0.7 * sum(down) for d in down), down
         # The cores decide by one clock, rank 0's: on their own clocks they would part at a boundary
@@ -221,6 +223,27 @@ def test_a_rank_killed_mid_run_restarts_the_learner_whose_next_contributions_are
         assert status is not None
         assert "slice_mismatch" not in status["rejections"], status["rejections"]
         assert min(f["version"] for f in status["fragments"]) >= 5, status["fragments"]
+    finally:
+        sync.terminate()
+        sync.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_rank_s_link_helper_killed_mid_run_is_replaced_and_the_learner_trains_on(tmp_path: Path) -> None:
+    sync, port = start_sync(tmp_path)
+    try:
+        run = torchrun(port, 80, tmp_path, kill_helper_at=30)
+        log = (tmp_path / "torchrun.log").read_text()
+        assert run.returncode == 0, log[-4000:]
+        assert "link helper" in log and "starting a new one" in log, log[-4000:]  # rank 1's, killed
+        ranks = check_ranks_hold_the_global_model(tmp_path)
+        assert ranks[0]["restarts"] == ranks[1]["restarts"] == 0  # the job went on: no rank restarted
+        assert [len(r["helpers"]) for r in ranks] == [1, 1]
+        after, before = ranks[1]["versions"], ranks[1]["versions_at_kill"]
+        assert all(a > b for a, b in zip(after, before)), (before, after)  # merged after the kill, every fragment
+        status = status_of(port)
+        assert status is not None
+        assert "slice_mismatch" not in status["rejections"], status["rejections"]
     finally:
         sync.terminate()
         sync.wait(timeout=60)

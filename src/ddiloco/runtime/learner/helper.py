@@ -41,10 +41,12 @@ from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, GlobalState, Session, StopNotice
+from ddiloco.core.shared.slice_cut import cut_size, decode_cut
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames
 from ddiloco.runtime.learner.repeats import next_delay
 from ddiloco.runtime.learner.slots import Slot, SlotArea, shared_file
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -121,8 +123,10 @@ class Helper:
                 answer = self._answers.pop(msg[1], None)
                 if answer is not None:
                     answer.put(msg[2])
-            elif kind in (Msg.JOIN, Msg.BEAT):
+            elif kind in (Msg.JOIN, Msg.BEAT, Msg.FETCH):
                 self.shards[msg[2]].control(msg)
+            elif kind is Msg.FOLLOW:
+                self.shards[msg[1]].follow(msg[2], msg[3])
             elif kind is Msg.LEAVE:
                 self._leaves.append(msg[1:])
             elif kind is Msg.CLOSE:  # on a thread of its own: its sends still ask the core, through this loop
@@ -169,6 +173,8 @@ class ShardWorker:
         self._session = session
         self._session_changed = threading.Event()
         self._stream: Any = None
+        self._follow: tuple[Session, list[int]] | None = None
+        """A rank's stream (``Msg.FOLLOW``): its session, and the versions it holds, moved on by each update."""
         name = f"{helper.spec.learner_id}-{shard}"
         self.threads = [threading.Thread(target=_until_closed, args=(body,), name=f"ddiloco-{role}-{name}", daemon=True)
                         for role, body in (("send", self._sender), ("ctl", self._control_loop),
@@ -180,6 +186,11 @@ class ShardWorker:
 
     def control(self, msg: tuple) -> None:
         self._control.put(msg)
+
+    def follow(self, session: Session, versions: list[int]) -> None:
+        """A rank's update stream: ``session``'s, from ``versions`` on (a new subscription)."""
+        self._follow = (session, list(versions))
+        self._new_session(session)
 
     def outcome(self, rid: int, call: Callable[[], Any]) -> Any:
         """Make one call; report refused / undelivered (the caller reports accepted). The reply or None."""
@@ -217,7 +228,7 @@ class ShardWorker:
     def _payload(self, header: Contribution, data: bytes, raw: bool) -> bytes | None:
         """The bytes to upload: Δ compressed here if it came raw; None (and the run fails) if Δ was not finite."""
         codec = self.helper.uplink
-        numel = self.helper.spec.numels[header.fragment]
+        numel = self.helper.spec.sent_numel(header.fragment)
         try:
             if raw:
                 return codec.encode(torch.frombuffer(bytearray(data), dtype=torch.float32))
@@ -241,17 +252,32 @@ class ShardWorker:
             kind, rid, _, message = msg[:4]
             if kind is Msg.JOIN:
                 self._join(rid, message, msg[4])
+            elif kind is Msg.FETCH:
+                self._fetch(rid, message, msg[4])
             else:
                 reply = self.outcome(rid, lambda: self.client.heartbeat(message))
                 if reply is not None:
                     helper.pipe.send(Msg.ACCEPTED, rid, reply.stop, 0)
 
     def _join(self, rid: int, join: Any, timeout_s: float) -> None:
-        result: JoinResult | None = self.outcome(rid, lambda: self.client.join(join, timeout_s))
+        result: JoinResult | None = self.outcome(rid, lambda: self.client.join(join, timeout_s,
+                                                                                 part=self.helper.spec.part))
         if result is None:
             return
         send_state(self.helper.pipe, rid, result)
-        self._session = result.state.session
+        if self.helper.spec.part is None:  # a rank's stream is the one it names (FOLLOW)
+            self._new_session(result.state.session)
+
+    def _fetch(self, rid: int, session: Session, timeout_s: float) -> None:
+        """A rank's slices of the state, under its rank 0's ``session``; ADMITTED like a join's state."""
+        spec = self.helper.spec
+        state = self.outcome(rid, lambda: self.client.fetch_state(timeout_s, learner_id=spec.learner_id,
+                                                                  session=session, part=spec.part))
+        if state is not None:
+            send_state(self.helper.pipe, rid, JoinResult(pb.JoinHeader(), state))
+
+    def _new_session(self, session: Session | None) -> None:
+        self._session = session
         self._session_changed.set()
         stream = self._stream
         if stream is not None:
@@ -265,18 +291,18 @@ class ShardWorker:
         while not helper.closing.is_set():
             session = self._session
             self._session_changed.clear()
-            held = helper.ask(Ask.STREAM_VERSIONS, self.shard) if session is not None else None
+            held = self._stream_versions(session)
             if held is None:  # no session, or the state its join brought is not adopted yet
                 self._session_changed.wait(BACKOFF_START_S)
                 continue
             try:
-                stream = self.client.updates(helper.spec.learner_id, held, session)
+                stream = self.client.updates(helper.spec.learner_id, held, session, helper.spec.part)
                 self._stream = stream
                 for update in stream:
                     delay = BACKOFF_START_S
                     if isinstance(update, StopNotice):
                         helper.pipe.send(Msg.STOP_NOTICE, self.shard)
-                    elif not self._deliver(update):
+                    elif not self._deliver(update, held):
                         return
                 self._session_changed.wait(BACKOFF_START_S)  # closed by the synchronizer: subscribe again
             except (Unreachable, CallRefused):
@@ -289,12 +315,22 @@ class ShardWorker:
             finally:
                 self._stream = None
 
-    def _deliver(self, update: FragmentUpdate) -> bool:
+    def _stream_versions(self, session: Session | None) -> list[int] | None:
+        """The versions to subscribe from: a rank's, as it named them and its stream moved them on;
+        a whole learner's, its core's (asked). None: nothing to stream yet."""
+        if session is None:
+            return None
+        if self.helper.spec.part is None:
+            return self.helper.ask(Ask.STREAM_VERSIONS, self.shard)
+        follow = self._follow
+        return follow[1] if follow is not None and follow[0] == session else None
+
+    def _deliver(self, update: FragmentUpdate, held: list[int]) -> bool:
         """Write the update into its fragment's slot once the trainer released it, and announce it
         (decoded here where the spec says so). False if the helper closes meanwhile."""
         helper, spec, p = self.helper, self.helper.spec, update.fragment
         fits = (0 <= p < len(spec.numels) and update.codec == helper.downlink.name
-                and len(update.payload) == helper.downlink.encoded_size(spec.numels[p]))
+                and len(update.payload) == self._payload_size(p))
         if not fits:  # the core refuses it, with the reason
             helper.pipe.send(Msg.UPDATE, self.shard, update, -1, 0, False)
             return True
@@ -303,13 +339,23 @@ class ShardWorker:
             if helper.closing.wait(wait_s):
                 return False
             wait_s = min(2 * wait_s, WAIT_S / 10)
-        if spec.decodes[p]:
+        if spec.cuts:
+            data = decode_cut(helper.downlink, update.payload, spec.numels[p], spec.cuts[p]).numpy()
+        elif spec.decodes[p]:
             data = helper.downlink.decode(update.payload, spec.numels[p]).numpy()
         else:
             data = np.frombuffer(update.payload, dtype=np.uint8)
         seq = helper.slots.write(Slot.IN, p, data)
+        held[p] = max(held[p], update.version)  # a stream made again resumes after it
         helper.pipe.send(Msg.UPDATE, self.shard, dataclasses.replace(update, payload=b""), p, seq, spec.decodes[p])
         return True
+
+    def _payload_size(self, p: int) -> int:
+        """The bytes an update of fragment p carries: its cut to the rank's slice, or the whole payload."""
+        spec = self.helper.spec
+        if spec.cuts:
+            return cut_size(self.helper.downlink, spec.numels[p], spec.cuts[p])
+        return self.helper.downlink.encoded_size(spec.numels[p])
 
     def stop(self) -> None:
         self._session_changed.set()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.shared.messages import Contribution, GlobalState, Progress, Session
+from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import ClientSpec, JoinResult
 from ddiloco.runtime.learner.slots import SlotLayout
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
@@ -53,6 +54,12 @@ class Msg(enum.IntEnum):
     """``(rid, shard, Leave)``."""
     CLOSE = 8
     """``(timeout_s)``: deliver what is queued, then the leaves, then CLOSED, and exit."""
+    FETCH = 9
+    """``(rid, shard, Session, timeout_s)``: a sharded learner's rank > 0 fetches its slices of the state
+    under the session its rank 0 opened; the reply is ADMITTED, like a join's."""
+    FOLLOW = 10
+    """``(shard, Session, versions)``: a rank's update stream is the session's, from ``versions`` on
+    (a sharded learner's ranks say what to stream; an unsharded learner's helper asks, STREAM_VERSIONS)."""
     # ---- helper → training process
     READY = 20
     FATAL = 21
@@ -103,6 +110,15 @@ class HelperSpec:
     """The learner's boot id, which every contribution's progress carries (``SendFrames``)."""
     parent_pid: int
     log_level: int
+    part: tuple[int, int] | None = None
+    """(rank, world) of one rank of a sharded (FSDP2) learner, whose helper sends and receives only
+    its slices (``runtime/learner/sharded_link.py``); None for a whole learner."""
+    cuts: tuple[SliceSpec, ...] = ()
+    """With ``part``: the rank's slice of each fragment (``numels`` stay the whole fragments')."""
+
+    def sent_numel(self, fragment: int) -> int:
+        """How many values a contribution of ``fragment`` carries: the rank's slice, or the fragment."""
+        return self.cuts[fragment].numel if self.cuts else self.numels[fragment]
 
 
 class PipeClosed(Exception):
@@ -116,8 +132,8 @@ number), base version, seq, tokens, steps, compute_s, step_time_s, first step; i
 _CARRIED = ("learner_id", "session", "fragment", "base_version", "seq", "tokens", "steps", "compute_s",
             "step_time_s", "codec", "payload", "first_step", "progress", "slice")
 """Every field of a Contribution, as ``SendFrames`` carries it (a test fails if one is added: carry it too).
-``slice`` only as absent: a sharded learner's ranks send their slices over links of their own
-(``runtime/learner/sharded_link.py``), never through a helper; one that came here would be pickled."""
+``slice`` only as absent: a sharded learner's rank sends its slices pickled (a pickle per fragment and
+rank is nothing beside the slice's bytes, which travel in the slot)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,18 @@
-"""One rank's own connection to the synchronizer, for a sharded (FSDP2) learner.
+"""One rank's own connection to the synchronizer, for a sharded (FSDP2) learner: a link helper per rank.
 
 Every rank uploads its own slices (``core/shared/slices.py``), so the learner's uplink is spread over its
 ranks and no rank builds a whole fragment's Δ; and every rank receives only its own slices: of the
 state (rank 0 in its join, the others by a fetch under the session rank 0 opened) and of every update
 (a stream per rank, each update cut by the synchronizer: ``runtime/sync/slice_parts.py``). Rank 0
 alone speaks for the learner otherwise: it joins, heartbeats and leaves.
+
+The calls run where an unsharded learner's do, in a link helper process of the rank's own
+(``helper.py``, given ``part`` and the rank's ``cuts``): gRPC, compressing Δ, decoding each cut
+update and the retries of the stream never take the rank's interpreter lock, which the thread
+that launches its kernels needs. Δ crosses in the rank's out slots and decoded updates in its in
+slots (``slots.py``); the training thread writes a due slice into its slot and announces it, and a
+*relay* thread here reads what the helper reports. A helper that dies is started again: its calls
+in flight count as unanswered, and its stream resumes from the versions the rank holds.
 
 Nothing here decides anything: each call's outcome (accepted, refused and why, or unanswered) is
 recorded for the training thread, which applies the outcomes of all ranks to every rank's learner
@@ -16,24 +24,36 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import queue
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from ddiloco.core.learner_side.shard_link import BACKOFF_MAX_S, BACKOFF_START_S
+from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import LearnerAction, Send, SendHeartbeat, SendLeave
-from ddiloco.core.shared.messages import FragmentUpdate, GlobalState, Join, RejectReason, Request, Session, StopNotice
+from ddiloco.core.shared.messages import Contribution, GlobalState, Join, Leave, RejectReason, Request, Session
+from ddiloco.core.shared.slice_cut import cut_size
 from ddiloco.core.shared.slices import SliceSpec
-from ddiloco.runtime.call_errors import Unreachable
-from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, UpdateStream
+from ddiloco.runtime.client import ClientSpec, JoinResult
+from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.held_updates import Received
+from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, pickled, receive_state
+from ddiloco.runtime.learner.out_slots import OutSlots
+from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
+from ddiloco.runtime.learner.staging import HostStaging
 
 log = logging.getLogger("ddiloco.learner")
+
+CLOSE_S = 30.0
+"""How long a closing rank lets its helper deliver what is queued and leave."""
+ANSWER_GRACE_S = 30.0
+"""Beyond a join's or fetch's own deadline, how long the rank waits for its helper to report it."""
 
 
 class Answer(enum.Enum):
@@ -54,50 +74,87 @@ class Outcome:
 
 
 class RankLink:
-    """This rank's uploads (a sender thread) and its own update stream (a receiver thread, which
-    also decodes each update: ``decode``)."""
+    """This rank's link helper, its slots, and the relay thread that records what the helper reports."""
 
-    def __init__(self, client: SyncClient, learner_id: str, slices: list[SliceSpec], *, rank: int,
-                 world: int, decode: Callable[[FragmentUpdate], torch.Tensor]) -> None:
-        self.client = client
-        self.learner_id = learner_id
+    def __init__(self, client: ClientSpec, core: Learner, slices: list[SliceSpec], numels: list[int], *,
+                 rank: int, world: int) -> None:
+        self.learner_id = core.learner_id
         self.slices = slices
-        self._decode = decode
-        self.broken: str | None = None
-        """Why an update the synchronizer sent could not be decoded for this rank's slice (the learner stops)."""
         self.part = (rank, world)
         self.leader = rank == 0
+        self.broken: str | None = None
+        """Why this rank's link cannot go on (an update that does not fit its slice, a helper that cannot start)."""
         self.bytes_up = 0
         self.bytes_down = 0
         """Payload bytes this rank received: its slices of states and updates."""
         self.sent = 0
         self.unreachable = 0
         self.rejected: Counter[str] = Counter()
-        self._outbox: queue.Queue[LearnerAction | None] = queue.Queue()
+        uplink, downlink = core.codecs
+        self._downlink = downlink
+        self._numels = numels
+        layout = SlotLayout(tuple(max(uplink.encoded_size(s.numel), 4 * s.numel) for s in slices),
+                            tuple(4 * s.numel for s in slices))
+        self.slots = SlotArea(layout)
+        self._outs = OutSlots(self.slots, HostStaging(torch.device("cpu"), downlink, [], []))
+        config = core.config
+        self._spec = HelperSpec(core.learner_id, (client,), layout, config.codec, config.downlink_codec,
+                                config.block_size, tuple(numels), (True,) * len(slices), (None,), core.boot,
+                                os.getpid(), logging.getLogger("ddiloco.learner").getEffectiveLevel(),
+                                part=self.part, cuts=tuple(slices))
+        self.calls = HelperCalls()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        """Notified whenever a call ends (``drain`` waits on it)."""
         self._outcomes: list[Outcome] = []
         self._updates: list[Received] = []
         self._stop_notice = False
-        self._lock = threading.Lock()
-        self._closing = threading.Event()
+        self._waiting: dict[int, queue.Queue[JoinResult | Outcome]] = {}
+        """A join's or fetch's request id: where its answer goes (the training thread waits for it)."""
         self._follow: tuple[Session, list[int]] | None = None
-        self._stream: UpdateStream | None = None
-        self._sender = threading.Thread(target=self._send_loop, name=f"ddiloco-send-{learner_id}", daemon=True)
-        self._sender.start()
-        self._followed = threading.Event()
-        self._receiver = threading.Thread(target=self._receive_loop, name=f"ddiloco-recv-{learner_id}", daemon=True)
-        self._receiver.start()
+        """The session this rank streams, and the versions its updates reached (a new helper resumes there)."""
+        self._follow_lock = threading.Lock()
+        self._leaves: list[SendLeave] = []
+        self._closing = False
+        self._started = threading.Event()
+        self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{core.learner_id}-{rank}",
+                                       daemon=True)  # the helper dies with the thread that started it: this one
+        self._relay.start()
+        self._started.wait()
+        if self.broken is not None and self.calls.helper is None:
+            raise HelperError(self.broken)
 
     # ---- the training thread ---------------------------------------------------------------
 
     def dispatch(self, actions: list[LearnerAction]) -> None:
-        """Queue the uploads (every rank) and the heartbeats and leaves (rank 0) among ``actions``."""
+        """Announce the uploads (every rank) and the heartbeats (rank 0) among ``actions``; keep the
+        leave (rank 0) for :meth:`close`."""
         for action in actions:
-            if isinstance(action, Send) or (self.leader and isinstance(action, (SendHeartbeat, SendLeave))):
-                self._outbox.put(action)
+            if isinstance(action, Send):
+                self._send(action)
+            elif self.leader and isinstance(action, SendHeartbeat):
+                self._call(Msg.BEAT, action.message)
+            elif self.leader and isinstance(action, SendLeave):
+                self._leaves.append(action)
+
+    def _send(self, send: Send) -> None:
+        """The slice's Δ (or its payload) into its out slot, announced with its header (which names the slice)."""
+        if send.ready is not None:
+            send.ready()
+        seq, raw = self._outs.write(send)
+        header = dataclasses.replace(send.header, slice=self.slices[send.fragment])
+        rid = self.calls.next_rid()
+        self.calls.call(rid, header, 0, pickled((Msg.SEND, rid, 0, header, send.fragment, seq, raw)))
+
+    def _call(self, kind: Msg, request: Any, *extra: Any) -> int:
+        rid = self.calls.next_rid()
+        self.calls.call(rid, request, 0, pickled((kind, rid, 0, request, *extra)))
+        return rid
 
     @property
     def backlog(self) -> int:
-        return self._outbox.qsize()
+        """Calls handed to the helper and not answered yet."""
+        return len(self.calls.requests)
 
     def take(self) -> tuple[list[Outcome], list[Received], bool]:
         """The outcomes and updates since the last call, and whether the stream said the run stopped."""
@@ -114,142 +171,174 @@ class RankLink:
 
     def join(self, join: Join, timeout_s: float) -> JoinResult | Outcome:
         """Rank 0 registers the learner and receives its own slices of the state, or how the call ended."""
-        try:
-            joined = self.client.join(join, timeout_s, part=self.part)
-        except CallRefused as err:
-            return Outcome(join, Answer.REFUSED, err.reason)
-        except Unreachable as err:
-            log.warning("join of %s unanswered: %s", self.learner_id, err)
-            return Outcome(join, Answer.UNANSWERED)
-        self.bytes_down += sum(4 * f.values.numel() for f in joined.state.fragments)
-        return joined
+        answer = self._ask(Msg.JOIN, join, timeout_s)
+        if isinstance(answer, JoinResult):
+            self.bytes_down += sum(4 * f.values.numel() for f in answer.state.fragments)
+        return answer
 
     def fetch(self, session: Session, timeout_s: float) -> GlobalState | None:
         """Another rank's slices of the state, under ``session`` (rank 0's); None if refused or unanswered."""
-        try:
-            state = self.client.fetch_state(timeout_s, learner_id=self.learner_id, session=session, part=self.part)
-        except (CallRefused, Unreachable) as err:
-            log.warning("rank %d of %s: state fetch failed: %s", self.part[0], self.learner_id, err)
+        answer = self._ask(Msg.FETCH, session, timeout_s)
+        if not isinstance(answer, JoinResult):
+            log.warning("rank %d of %s: state fetch %s", self.part[0], self.learner_id, answer.answer.value)
             return None
-        self.bytes_down += sum(4 * f.values.numel() for f in state.fragments)
-        return state
+        self.bytes_down += sum(4 * f.values.numel() for f in answer.state.fragments)
+        return answer.state
+
+    def _ask(self, kind: Msg, request: Join | Session, timeout_s: float) -> JoinResult | Outcome:
+        answer: queue.Queue[JoinResult | Outcome] = queue.Queue(maxsize=1)
+        rid = self.calls.next_rid()
+        with self._lock:
+            self._waiting[rid] = answer
+        self.calls.call(rid, request, 0, pickled((kind, rid, 0, request, timeout_s)))  # type: ignore[arg-type]
+        try:
+            return answer.get(timeout=timeout_s + ANSWER_GRACE_S)
+        except queue.Empty:  # a helper that neither answers nor dies: the call went unanswered
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self.calls.done(rid)
+            return Outcome(request, Answer.UNANSWERED)  # type: ignore[arg-type]
 
     def follow(self, session: Session, versions: list[int]) -> None:
         """Receive this rank's slices of the updates of ``session`` from ``versions`` on (a new stream)."""
-        with self._lock:
+        with self._follow_lock:
             self._follow = (session, list(versions))
-            stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.cancel()
-        self._followed.set()
+            self._tell_follow()
 
     def drain(self) -> None:
-        """Wait until every queued call has ended (the flush of a closing learner)."""
-        done = threading.Event()
-        self._outbox.put(_Marker(done))  # type: ignore[arg-type]
-        done.wait()
+        """Wait until every call handed to the helper has ended (the flush of a closing learner)."""
+        with self._idle:
+            while self.calls.requests and self._relay.is_alive():
+                self._idle.wait(1.0)
 
     def close(self) -> None:
-        self._closing.set()
-        self._outbox.put(None)
-        with self._lock:
-            stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.cancel()
-        self._followed.set()
-        self._sender.join(timeout=30.0)
-        # The receiver decodes with torch: left running into the interpreter's exit, a decode in
-        # progress aborted the process ("terminate called without an active exception").
-        self._receiver.join(timeout=30.0)
-        self.client.close()
-
-    # ---- threads ---------------------------------------------------------------------------
-
-    def _record(self, outcome: Outcome) -> None:
-        with self._lock:
-            self._outcomes.append(outcome)
-
-    def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            if isinstance(item, _Marker):
-                item.done.set()
-                continue
-            request: Request
+        """Rank 0's leave, then the helper delivers what is queued and exits."""
+        self._closing = True
+        helper = self.calls.helper
+        if helper is not None and self._relay.is_alive():
+            if self.broken is None:
+                for leave in self._leaves:
+                    self._call(Msg.LEAVE, leave.message)
             try:
-                if isinstance(item, Send):
-                    c = dataclasses.replace(item.encode(), slice=self.slices[item.fragment])
-                    request = dataclasses.replace(c, payload=b"")
-                    stop = self.client.contribute(c).stop
-                    self.bytes_up += len(c.payload)
-                    self.sent += 1
-                elif isinstance(item, SendHeartbeat):
-                    request = item.message
-                    stop = self.client.heartbeat(item.message).stop
-                else:
-                    assert isinstance(item, SendLeave)
-                    request = item.message
-                    self.client.leave(item.message)
-                    stop = False
-                self._record(Outcome(request, Answer.ACCEPTED, stop=stop))
-            except CallRefused as err:
-                self.rejected[str(err.reason)] += 1
-                self._record(Outcome(request, Answer.REFUSED, err.reason))
-            except Unreachable:
-                self.unreachable += 1
-                self._record(Outcome(request, Answer.UNANSWERED))
+                helper.pipe.send(Msg.CLOSE, CLOSE_S)
+            except PipeClosed:
+                pass
+            self._relay.join(CLOSE_S)
+        if helper is not None:
+            helper.wait(CLOSE_S if self._relay.is_alive() else 5.0)
+        os.close(self.slots.fd)
 
-    def _receive_loop(self) -> None:
-        delay = BACKOFF_START_S
-        while not self._closing.is_set():
-            self._followed.wait()
-            with self._lock:
-                follow = self._follow
-            if follow is None or self._closing.is_set():
-                self._followed.clear()
-                continue
-            session, versions = follow
-            stream = self.client.updates(self.learner_id, versions, session, self.part)
-            with self._lock:
-                if self._follow is not follow:  # a newer registration meanwhile
-                    stream.cancel()
-                    continue
-                self._stream = stream
+    # ---- helper → training process ---------------------------------------------------------
+
+    def _relay_loop(self) -> None:
+        while True:
+            self.slots.release_all(Slot.IN, set())  # what a dead helper wrote unannounced is free again
             try:
-                for item in stream:
-                    received = None if isinstance(item, StopNotice) else self._decoded(item)
-                    with self._lock:
-                        if isinstance(item, StopNotice):
-                            self._stop_notice = True
-                        elif received is not None:
-                            self._updates.append(received)
-                            self.bytes_down += len(item.payload)
-                            versions[item.fragment] = max(versions[item.fragment], item.version)
-                    delay = BACKOFF_START_S
-            except CallRefused as err:  # the session ended: the core rejoins, and follow() names the new one
-                log.info("update stream of %s refused (%s)", self.learner_id, err)
+                helper = HelperProcess.start(self._spec, self.slots.fd)
+            except Exception as err:  # noqa: BLE001  # whatever it is, the rank must hear of it, not hang
+                self.broken = self.broken or (str(err) if isinstance(err, HelperError)
+                                              else f"the rank's link helper: {err}")
+                self._started.set()
+                return
+            with self._follow_lock:
+                lost = self.calls.started(helper)
+                self._tell_follow()
+            for rid in lost:
+                self._ended(rid, Answer.UNANSWERED)
+            self._started.set()
+            self._serve(helper)
+            if self._closing:
+                return
+            self.calls.gone()
+            log.warning("rank %d's link helper (pid %d) %s; starting a new one (its %d calls in flight count as "
+                        "unanswered)", self.part[0], helper.pid, helper.exit_line(), len(self.calls.requests))
+            helper.kill()
+
+    def _tell_follow(self) -> None:
+        """The stream to follow, to the helper running now (under ``_follow_lock``)."""
+        follow, helper = self._follow, self.calls.helper
+        if follow is not None and helper is not None:
+            try:
+                helper.pipe.send(Msg.FOLLOW, 0, follow[0], list(follow[1]))
+            except PipeClosed:
+                pass  # the relay sees it die, and tells the next one
+
+    def _serve(self, helper: HelperProcess) -> None:
+        while True:
+            try:
+                msg = helper.pipe.recv()
+                if msg[0] is Msg.ADMITTED:
+                    msg = (*msg, helper.pipe.recv_fd())
+            except PipeClosed:
+                return
+            kind = msg[0]
+            if kind is Msg.CLOSED:
+                return
+            if kind is Msg.ASK:  # is this send still to go? Always: the cores decided it at the step
+                try:
+                    helper.pipe.send(Msg.ANSWER, msg[1], msg[2] is Ask.STILL_TO_SEND)
+                except PipeClosed:
+                    return
+            elif kind is Msg.UPDATE:
+                self._on_update(*msg[2:])
+            elif kind is Msg.STOP_NOTICE:
                 with self._lock:
-                    if self._follow is follow:
-                        self._followed.clear()
-            except Unreachable as err:
-                log.info("update stream of %s broke (%s): subscribing again", self.learner_id, err)
-            with self._lock:
-                self._stream = None
-                moved = self._follow is not follow
-            if not moved and not self._closing.is_set():  # broken or ended, not replaced: again, after a pause
-                time.sleep(delay)
-                delay = min(2 * delay, BACKOFF_MAX_S)
+                    self._stop_notice = True
+            elif kind is Msg.FATAL:
+                self.broken = self.broken or msg[1]
+            elif kind is Msg.ADMITTED:
+                self._answer(msg[1], receive_state(*msg[2:]))
+            elif kind is Msg.ACCEPTED:
+                self._ended(msg[1], Answer.ACCEPTED, stop=msg[2], nbytes=msg[3])
+            elif kind is Msg.REFUSED:
+                self._ended(msg[1], Answer.REFUSED, reason=msg[2])
+            else:  # UNDELIVERED, or TORN: the slot was written again before the helper read it
+                self._ended(msg[1], Answer.UNANSWERED)
 
-    def _decoded(self, update: FragmentUpdate) -> Received | None:
-        """The update with its values, decoded here, off the training thread; None (and the link
-        broken, with why) if it does not fit this rank's slice."""
-        try:
-            return Received(update, self._decode(update))
-        except (ValueError, IndexError) as err:
+    def _ended(self, rid: int, answer: Answer, *, stop: bool = False, nbytes: int = 0,
+               reason: RejectReason | None = None) -> None:
+        entry = self.calls.done(rid)
+        if entry is None:
+            return
+        request = entry[0]
+        if answer is Answer.REFUSED:
+            self.rejected[str(reason)] += 1
+        elif answer is Answer.UNANSWERED:
+            self.unreachable += 1
+        elif isinstance(request, Contribution):
+            self.sent += 1
+            self.bytes_up += nbytes
+        outcome = Outcome(request, answer, reason, stop)
+        if not self._answer(rid, outcome) and not isinstance(request, Leave):
+            with self._idle:
+                self._outcomes.append(outcome)
+                self._idle.notify_all()
+
+    def _answer(self, rid: int, answer: JoinResult | Outcome) -> bool:
+        """Hand a join's or fetch's answer to the training thread waiting for it; False if none waits."""
+        with self._idle:
+            waiting = self._waiting.pop(rid, None)
+            self.calls.done(rid)
+            self._idle.notify_all()
+        if waiting is not None:
+            waiting.put(answer)
+        return waiting is not None
+
+    def _on_update(self, update: Any, p: int, seq: int, _decoded: bool) -> None:
+        """An update of this rank's slice, decoded by the helper into the in slot: copied out (the
+        ranks apply it only once every rank holds it, ``held_updates.py``) and the slot released."""
+        if p < 0:
             self.broken = self.broken or (f"an update of fragment {update.fragment} (version {update.version}) "
-                                          f"does not fit this rank's slice: {err}")
-            return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Marker:
-    done: threading.Event
+                                          "does not fit this rank's slice")
+            return
+        view = self.slots.view(Slot.IN, p, seq)
+        assert view is not None  # the helper writes a slot again only once it is released
+        values = torch.from_numpy(view.view(np.float32).copy())
+        self.slots.release(Slot.IN, p)
+        with self._follow_lock:
+            if self._follow is not None and self._follow[0].incarnation == update.incarnation:
+                versions = self._follow[1]
+                versions[p] = max(versions[p], update.version)
+        with self._lock:
+            self._updates.append(Received(update, values))
+            self.bytes_down += cut_size(self._downlink, self._numels[p], self.slices[p])

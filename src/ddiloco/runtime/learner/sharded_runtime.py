@@ -35,7 +35,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -46,7 +45,6 @@ from ddiloco.core.shared.deadlines import call_deadline_s, client_join_link, joi
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, FragmentValue, GlobalState, Join
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.shared.slice_cut import decode_cut
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
@@ -109,8 +107,8 @@ class ShardedLearnerRuntime:
         self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
                             tokens_per_step=tokens_per_step * self.world, bind=False)
         self._shards = [(n, p, params.local[n].data_ptr()) for n, p in model.named_parameters() if n in sharded]
-        self.link = RankLink(clients[0], learner_id, self._specs, rank=self.rank, world=self.world,
-                             decode=self._decode)
+        clients[0].close()  # the rank's link helper makes its own: no gRPC channel stays in the training process
+        self.link = RankLink(clients[0].spec, self.core, self._specs, self._numel, rank=self.rank, world=self.world)
         self._held = HeldUpdates(len(self._specs))
         self._pending: dict[tuple[int, int, Any], dict[int, Outcome]] = {}
         self._wants_join = False
@@ -291,11 +289,6 @@ class ShardedLearnerRuntime:
             if any(r[p][1] for r in reaches) and session is not None:  # type: ignore[index]
                 missed = FragmentUpdate(p, self.core.versions[p] + 2, self._downlink.name, b"", session.incarnation)
                 self._take(self.core.on_update(missed, now))  # the core decides the rejoin, as for a gap of its own
-
-    def _decode(self, update: FragmentUpdate) -> torch.Tensor:
-        """This rank's slice of an update, as float32 (called on the link's receiver thread)."""
-        p = update.fragment
-        return decode_cut(self._downlink, update.payload, self._numel[p], self._specs[p])
 
     def _join_all(self, mine: GlobalState | None, header: tuple, now: float) -> None:
         """Rank 0 joined (``mine``: its slices; ``header``: what it learned): every other rank fetches its
