@@ -56,11 +56,11 @@ def build(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def memory_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def memory_kb(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 # ---- one learner process (one rank of a job) -------------------------------------------------
@@ -109,6 +109,8 @@ def learner(args: argparse.Namespace) -> None:
             runtime.step(tokens=BATCH)
     assert started is not None
     steps_per_s = args.steps / (time.perf_counter() - started)
+    helper = runtime.link.calls.helper if runtime is not None else None
+    helper_kb = memory_kb("VmHWM", helper.pid) if helper is not None else 0  # the link's process, before it exits
     if runtime is not None:
         runtime.close()  # its flush counts: both kinds of learner send every step they trained
     stats = runtime.stats if runtime is not None else None
@@ -117,7 +119,7 @@ def learner(args: argparse.Namespace) -> None:
     # to the loop, less sensitive to the machine's load than two runs' steps/s.
     overhead_s = stats.step_overhead_s / stats.steps if stats is not None and stats.steps else 0.0
     result = {"mode": args.mode, "rank": dist.get_rank() if sharded else 0, "steps_per_s": steps_per_s,
-              "vmhwm_kb": memory_kb("VmHWM"), "baseline_kb": baseline_kb,
+              "vmhwm_kb": memory_kb("VmHWM"), "baseline_kb": baseline_kb, "helper_vmhwm_kb": helper_kb,
               "vmhwm_after_join_kb": joined_kb, "bytes_up": bytes_up,
               "contributions_sent": sent, "step_overhead_s": overhead_s, "step_s": 1.0 / steps_per_s}
     with open(args.out, "a") as f:
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace, mode: str, port: int, out: Path) -> list[dict[
     if mode == "unsharded":
         cmd = [sys.executable, *learner_args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world), "--master-port",
                str(free_port()), *learner_args]
     with open(out.with_suffix(".log"), "ab") as log:
         subprocess.run(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=1800)
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=9, help="Linear layers (default 9: 21.2M parameters)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per learner process (default 30)")
     parser.add_argument("--pairs", type=int, default=5, help="attached/alone pairs (default 5; 0: memory and bytes only)")
+    parser.add_argument("--world", type=int, default=2,
+                        help="ranks of the sharded learner (default 2; 1: the link helper has a core to itself here)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.role == "learner":
@@ -199,7 +203,7 @@ def main() -> None:
     above = [(r["vmhwm_kb"] - r["baseline_kb"]) for r in ranks]
     plain_above = plain["vmhwm_kb"] - plain["baseline_kb"]
     results = {
-        **header, "parameters": params, "steps": args.steps,
+        **header, "parameters": params, "steps": args.steps, "world": args.world,
         "unsharded": plain, "sharded": ranks,
         "vmhwm_ratio_per_rank": [r["vmhwm_kb"] / plain["vmhwm_kb"] for r in ranks],
         "vmhwm_above_baseline_ratio_per_rank": [a / plain_above for a in above],
@@ -213,7 +217,9 @@ def main() -> None:
     }
     print(f"VmHWM unsharded {plain['vmhwm_kb'] / 1024:.0f} MiB ({plain_above / 1024:.0f} above its baseline); "
           + "; ".join(f"rank {r['rank']} {r['vmhwm_kb'] / 1024:.0f} MiB ({a / 1024:.0f} above)"
-                      for r, a in zip(ranks, above)))
+                      for r, a in zip(ranks, above))
+          + "; link helpers: unsharded " + f"{plain['helper_vmhwm_kb'] / 1024:.0f} MiB, per rank "
+          + ", ".join(f"{r['helper_vmhwm_kb'] / 1024:.0f}" for r in ranks))
     print("VmHWM ratio per rank " + ", ".join(f"{x:.2f}" for x in results["vmhwm_ratio_per_rank"])
           + "; above baseline " + ", ".join(f"{x:.2f}" for x in results["vmhwm_above_baseline_ratio_per_rank"]))
     print(f"bytes up: unsharded {plain['bytes_up']:,}; per rank " + ", ".join(f"{r['bytes_up']:,}" for r in ranks)
