@@ -51,12 +51,17 @@ class FlatFragment:
         self._uplink, self._downlink = uplink, downlink
         host_fp32 = (self.buffer is not None and self.buffer.device.type == "cpu"
                      and self.buffer.dtype == torch.float32)
-        self.fused_up = host_fp32 and fused_int4(uplink)
-        """Δ is encoded here, in one pass, into the payload (else returned as a tensor to encode)."""
+        unbound_fp32 = self.buffer is None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                   for t in self._tensors)
+        self.fused_up = (host_fp32 or unbound_fp32) and fused_int4(uplink)
+        """Δ is encoded here, in one pass, into the payload (else returned as a tensor to encode). An
+        unbound fragment's parameters (an FSDP2 shard's) are first gathered into one transient copy:
+        no larger than the float32 Δ it replaces, and its encoding stays off the interpreter lock."""
         self.fused_down = host_fp32 and fused_int4(downlink)
         """Updates are applied from their payload in one pass (no decoded tensor needed)."""
         if self.fused_up or self.fused_down:
-            self._local_np, self._anchor_np = self.buffer.numpy(), self.anchor.numpy()
+            self._anchor_np = self.anchor.numpy()
+            self._local_np = self.buffer.numpy() if self.buffer is not None else None
 
     @property
     def numel(self) -> int:
@@ -91,7 +96,12 @@ class FlatFragment:
         block = self._uplink.block_size  # type: ignore[attr-defined]
         blocks = -(-self.numel // block)
         payload = np.empty(self._uplink.encoded_size(self.numel), dtype=np.uint8)
-        bad = delta_int4(self._anchor_np, self._local_np, block, payload[: 4 * blocks].view("<f4"),
+        if self._local_np is not None:
+            local = self._local_np
+        else:
+            with torch.no_grad():
+                local = self._gather().numpy()
+        bad = delta_int4(self._anchor_np, local, block, payload[: 4 * blocks].view("<f4"),
                          payload[4 * blocks:])
         if bad:
             raise ValueError(f"fragment {self.index}: Δ is not finite in {bad} of its {blocks} blocks (NaN or inf "

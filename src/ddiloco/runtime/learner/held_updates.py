@@ -12,7 +12,8 @@ for every rank at once, as a gap does for an unsharded learner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,27 @@ from ddiloco.core.shared.messages import FragmentUpdate
 @dataclass(frozen=True, slots=True)
 class Received:
     """An update of this rank's slices, as its stream brought it, and its values decoded by the
-    receiver thread (the training thread only adds them): decoding was ~70% of the time a sharded
+    rank's link helper (the training thread only adds them): decoding was ~70% of the time a sharded
     learner's step spent in ddiloco (py-spy, 21.2M model)."""
 
     update: FragmentUpdate
     values: torch.Tensor
+    release: Callable[[], None] | None = None
+    """The values are a view of the link's in slot, which the link may not write again (nor fill
+    with the fragment's next update) until this is called: once applied or dropped (:meth:`done`).
+    None: the values are the rank's own memory."""
+
+    def done(self) -> None:
+        if self.release is not None:
+            self.release()
+
+    def own(self) -> "Received":
+        """The same update in memory of the rank's own, its slot given back to the link."""
+        if self.release is None:
+            return self
+        mine = dataclasses.replace(self, values=self.values.clone(), release=None)
+        self.release()
+        return mine
 
 
 class HeldUpdates:
@@ -38,6 +55,9 @@ class HeldUpdates:
 
     def add(self, received: Sequence[Received]) -> None:
         for r in received:
+            old = self._held[r.update.fragment].get(r.update.version)
+            if old is not None:
+                old.done()
             self._held[r.update.fragment][r.update.version] = r
 
     def reach(self, versions: Sequence[int], incarnation: int) -> list[tuple[int, bool]]:
@@ -46,7 +66,7 @@ class HeldUpdates:
         answer = []
         for p, held in enumerate(self._held):
             for v in [v for v, r in held.items() if v <= versions[p] or r.update.incarnation != incarnation]:
-                del held[v]
+                held.pop(v).done()
             last = versions[p]
             while last + 1 in held:
                 last += 1
@@ -54,11 +74,21 @@ class HeldUpdates:
         return answer
 
     def take(self, fragment: int, after: int, through: int) -> list[Received]:
-        """The updates of ``fragment`` from version ``after + 1`` to ``through``, in order (let go here)."""
+        """The updates of ``fragment`` from version ``after + 1`` to ``through``, in order (let go here:
+        the caller calls each one's ``done`` once it applied it)."""
         return [self._held[fragment].pop(v) for v in range(after + 1, through + 1)]
+
+    def own(self) -> None:
+        """Copy every held update out of the link's slots: a wait for several versions of one fragment
+        (a join's catch-up) needs them all at once, and a slot holds one."""
+        for held in self._held:
+            for v, r in held.items():
+                held[v] = r.own()
 
     def clear(self) -> None:
         for held in self._held:
+            for r in held.values():
+                r.done()
             held.clear()
 
 
@@ -67,4 +97,5 @@ def catch_up(values: torch.Tensor, updates: Sequence[Received]) -> torch.Tensor:
     sum of the dequantized updates (``FragmentUpdate``), so this is its slice bit for bit."""
     for r in updates:
         values = values + r.values
+        r.done()
     return values

@@ -93,7 +93,8 @@ class RankLink:
         uplink, downlink = core.codecs
         self._downlink = downlink
         self._numels = numels
-        layout = SlotLayout(tuple(max(uplink.encoded_size(s.numel), 4 * s.numel) for s in slices),
+        layout = SlotLayout(tuple(uplink.encoded_size(s.numel) if core.encodes_contributions(p)
+                                  else max(uplink.encoded_size(s.numel), 4 * s.numel) for p, s in enumerate(slices)),
                             tuple(4 * s.numel for s in slices))
         self.slots = SlotArea(layout)
         self._outs = OutSlots(self.slots, HostStaging(torch.device("cpu"), downlink, [], []))
@@ -115,6 +116,8 @@ class RankLink:
         """The session this rank streams, and the versions its updates reached (a new helper resumes there)."""
         self._follow_lock = threading.Lock()
         self._leaves: list[SendLeave] = []
+        self._holding: set[int] = set()
+        """Fragments whose in slot holds an update the rank has not applied yet."""
         self._closing = False
         self._started = threading.Event()
         self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{core.learner_id}-{rank}",
@@ -232,7 +235,7 @@ class RankLink:
 
     def _relay_loop(self) -> None:
         while True:
-            self.slots.release_all(Slot.IN, set())  # what a dead helper wrote unannounced is free again
+            self.slots.release_all(Slot.IN, set(self._holding))  # what a dead helper wrote unannounced is free again
             try:
                 helper = HelperProcess.start(self._spec, self.slots.fd)
             except Exception as err:  # noqa: BLE001  # whatever it is, the rank must hear of it, not hang
@@ -324,21 +327,27 @@ class RankLink:
             waiting.put(answer)
         return waiting is not None
 
+    def _give_back(self, p: int) -> None:
+        self._holding.discard(p)
+        self.slots.give_back(Slot.IN, p)
+        self.slots.release(Slot.IN, p)
+
     def _on_update(self, update: Any, p: int, seq: int, _decoded: bool) -> None:
-        """An update of this rank's slice, decoded by the helper into the in slot: copied out (the
-        ranks apply it only once every rank holds it, ``held_updates.py``) and the slot released."""
+        """An update of this rank's slice, decoded by the helper into the in slot, which the rank holds
+        (no copy) until it applied the update (the ranks apply it only once every rank holds it,
+        ``held_updates.py``), then gives back: between updates the slot's memory is no one's."""
         if p < 0:
             self.broken = self.broken or (f"an update of fragment {update.fragment} (version {update.version}) "
                                           "does not fit this rank's slice")
             return
         view = self.slots.view(Slot.IN, p, seq)
         assert view is not None  # the helper writes a slot again only once it is released
-        values = torch.from_numpy(view.view(np.float32).copy())
-        self.slots.release(Slot.IN, p)
+        self._holding.add(p)
+        values = torch.from_numpy(view.view(np.float32))
         with self._follow_lock:
             if self._follow is not None and self._follow[0].incarnation == update.incarnation:
                 versions = self._follow[1]
                 versions[p] = max(versions[p], update.version)
         with self._lock:
-            self._updates.append(Received(update, values))
+            self._updates.append(Received(update, values, release=lambda: self._give_back(p)))
             self.bytes_down += cut_size(self._downlink, self._numels[p], self.slices[p])

@@ -286,6 +286,7 @@ class ShardedLearnerRuntime:
             agreed = min(r[p][0] for r in reaches)  # type: ignore[index]
             for r in self._held.take(p, self.core.versions[p], agreed):
                 self._take(self.core.on_update(r.update, now, values=r.values))
+                r.done()
             if any(r[p][1] for r in reaches) and session is not None:  # type: ignore[index]
                 missed = FragmentUpdate(p, self.core.versions[p] + 2, self._downlink.name, b"", session.incarnation)
                 self._take(self.core.on_update(missed, now))  # the core decides the rejoin, as for a gap of its own
@@ -308,6 +309,7 @@ class ShardedLearnerRuntime:
         while all(f is not None for f in everyone):
             target = [max(f[p] for f in everyone) for p in range(len(self._specs))]
             self._held.add(self.link.take_updates())
+            self._held.own()
             reach = self._held.reach(fetched, incarnation) if fetched is not None else []
             ready = all(r >= t for (r, _), t in zip(reach, target))
             gap = any(g for _, g in reach)
