@@ -49,6 +49,15 @@ def link_helpers() -> list[int]:
     return found
 
 
+MORE_STEPS = 20_000
+"""With ``--kill-helper-at``, the ranks train on past STEPS until every fragment merged since the kill
+(a slice lost with the helper holds its fragment's next send up to a lease), at most this many steps."""
+
+
+def merged_since(versions: list[int], before: list[int]) -> bool:
+    return all(v > b for v, b in zip(versions, before))
+
+
 def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None, kill_helper_at: int | None) -> None:
     init_group("gloo")
     rank = dist.get_rank()
@@ -62,7 +71,8 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
     g = torch.Generator().manual_seed(1000 * rank + runtime.data_position)
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     at_kill: list[int] = []
-    for step in range(steps):
+    step = 0
+    while step < steps or (at_kill and not merged_since(runtime.versions, at_kill) and step < MORE_STEPS):
         if runtime.should_stop:
             break
         x = torch.randn(BATCH, 12, generator=g)
@@ -73,14 +83,16 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
         runtime.step(tokens=BATCH)
         if kill_at is not None and first and rank == 1 and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-run: slices of this rank may be on their way
+        if kill_helper_at is not None and step == kill_helper_at:
+            at_kill = runtime.versions  # the same on every rank: their cores apply the same updates at one step
         if kill_helper_at is not None and rank == 1 and step == kill_helper_at:
-            at_kill = runtime.versions
             (killed,) = link_helpers()
             os.kill(killed, signal.SIGKILL)  # its calls in flight go unanswered; a new helper takes over
             deadline = time.monotonic() + 120.0
             while (helper := runtime.link.calls.helper) is None or helper.pid == killed:  # the new one is up
                 assert time.monotonic() < deadline, "no new link helper in 120 s"
                 time.sleep(0.05)
+        step += 1
     core = runtime.core
     state = settled(runtime, port)
     if rank == 0:  # the global model now, before the flush of close() moves it on

@@ -186,6 +186,26 @@ def test_calls_held_in_a_step_go_together_and_never_to_a_successor():
     assert second.received() == b"" and first.received() == b""  # ... so sent to neither
 
 
+def test_a_call_answered_while_it_is_still_being_recorded_ends_for_good():
+    """The relay may hear a call's outcome before ``call`` has returned (a heartbeat answered at once):
+    the call must end then, not come back once ``call`` records it (a flush then waited without end)."""
+    calls, helper = HelperCalls(), Running()
+    calls.started(helper)
+    rid = calls.next_rid()
+    answered = threading.Thread(target=calls.done, args=(rid,))
+    send = helper.pipe.send_frames
+
+    def send_and_answer(data: bytes, **kw) -> None:
+        send(data, **kw)
+        answered.start()  # the relay, on another thread, as the helper answers
+        answered.join(timeout=1.0)  # it waits for the call's record (the fix); before, it ended here, first
+
+    helper.pipe.send_frames = send_and_answer
+    calls.call(rid, HEADER, 0, FRAMES.send(rid, 0, HEADER, 3, 2, False))
+    answered.join()
+    assert calls.requests == {}
+
+
 def test_a_helper_thread_with_something_to_report_after_the_trainer_closed_ends_quietly():
     """An update that arrived as the learner closed: the helper's receiver reported it on a pipe the
     trainer had closed, and its thread's traceback went into the learner's log (the every-fault-kind

@@ -230,7 +230,9 @@ def test_a_rank_killed_mid_run_restarts_the_learner_whose_next_contributions_are
 
 @pytest.mark.slow
 def test_a_rank_s_link_helper_killed_mid_run_is_replaced_and_the_learner_trains_on(tmp_path: Path) -> None:
-    sync, port = start_sync(tmp_path)
+    # A slice lost with the helper holds its fragment's next send until the update says whether it
+    # was merged, at most a lease: a short one, so the ranks need not train on for 10 s.
+    sync, port = start_sync(tmp_path, "--set", "protocol.lease_s=2")
     try:
         run = torchrun(port, 80, tmp_path, kill_helper_at=30)
         log = (tmp_path / "torchrun.log").read_text()

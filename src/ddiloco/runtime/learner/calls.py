@@ -93,6 +93,10 @@ class HelperCalls:
             self.generation += 1
 
     def done(self, rid: int) -> tuple[Request, int] | None:
-        """Forget call ``rid`` (its outcome came back); its request and shard, None if unknown."""
-        entry = self.requests.pop(rid, None)
+        """Forget call ``rid`` (its outcome came back); its request and shard, None if unknown. Under
+        the lock: an outcome can come back while :meth:`call` is still recording the call it sent
+        (a heartbeat answered at once), and without it that record would bring the call back, never
+        to end (a closing learner's flush waited for it without end)."""
+        with self.lock:
+            entry = self.requests.pop(rid, None)
         return None if entry is None else entry[:2]
