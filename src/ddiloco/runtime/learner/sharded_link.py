@@ -9,9 +9,11 @@ alone speaks for the learner otherwise: it joins, heartbeats and leaves.
 The calls run where an unsharded learner's do, in a link helper process of the rank's own
 (``helper.py``, given ``part`` and the rank's ``cuts``): gRPC, compressing Δ, decoding each cut
 update and the retries of the stream never take the rank's interpreter lock, which the thread
-that launches its kernels needs. Δ crosses in the rank's out slots and decoded updates in its in
-slots (``slots.py``); the training thread writes a due slice into its slot and announces it, and a
-*relay* thread here reads what the helper reports. A helper that dies is started again: its calls
+that launches its kernels needs. Δ crosses in the rank's out slots (as float32, compressed by the
+helper) and decoded updates in its in slots (``slots.py``); the training thread writes a due slice
+into its slot and announces it, and a *relay* thread here reads what the helper reports. A slot's
+pages are given back once the rank is done with it (the send's call ended; the update applied), so
+between uses the slots are no process's memory. A helper that dies is started again: its calls
 in flight count as unanswered, and its stream resumes from the versions the rank holds.
 
 Nothing here decides anything: each call's outcome (accepted, refused and why, or unanswered) is
@@ -116,6 +118,12 @@ class RankLink:
         """The session this rank streams, and the versions its updates reached (a new helper resumes there)."""
         self._follow_lock = threading.Lock()
         self._leaves: list[SendLeave] = []
+        self._out_lock = threading.Lock()
+        """Between the training thread writing an out slot and the relay giving one back."""
+        self._written: dict[int, int] = {}
+        """Per fragment, the number its out slot was last written at."""
+        self._sending: dict[int, tuple[int, int]] = {}
+        """Per send's request id: its fragment and its out slot's number."""
         self._holding: set[int] = set()
         """Fragments whose in slot holds an update the rank has not applied yet."""
         self._closing = False
@@ -144,10 +152,25 @@ class RankLink:
         """The slice's Δ (or its payload) into its out slot, announced with its header (which names the slice)."""
         if send.ready is not None:
             send.ready()
-        seq, raw = self._outs.write(send)
-        header = dataclasses.replace(send.header, slice=self.slices[send.fragment])
+        p = send.fragment
+        with self._out_lock:
+            seq, raw = self._outs.write(send)
+            self._written[p] = seq
+        header = dataclasses.replace(send.header, slice=self.slices[p])
         rid = self.calls.next_rid()
-        self.calls.call(rid, header, 0, pickled((Msg.SEND, rid, 0, header, send.fragment, seq, raw)))
+        self._sending[rid] = (p, seq)
+        self.calls.call(rid, header, 0, pickled((Msg.SEND, rid, 0, header, p, seq, raw)))
+
+    def _sent(self, rid: int) -> None:
+        """A send's call ended, so its helper is done with its out slot: unless written again since, the
+        slot's pages are given back (a raw Δ is 4 bytes a value; between sends it is no one's memory)."""
+        sent = self._sending.pop(rid, None)
+        if sent is None:
+            return
+        p, seq = sent
+        with self._out_lock:
+            if self._written.get(p) == seq:
+                self.slots.give_back(Slot.OUT, p)
 
     def _call(self, kind: Msg, request: Any, *extra: Any) -> int:
         rid = self.calls.next_rid()
@@ -301,6 +324,7 @@ class RankLink:
     def _ended(self, rid: int, answer: Answer, *, stop: bool = False, nbytes: int = 0,
                reason: RejectReason | None = None) -> None:
         entry = self.calls.done(rid)
+        self._sent(rid)
         if entry is None:
             return
         request = entry[0]
