@@ -147,3 +147,23 @@ def test_a_model_that_swaps_its_parameter_objects_is_named(change, problem):
     change(model)
     with pytest.raises(ParameterError, match=rf"^parameter {problem}.* after the learner started"):
         hold.check()
+
+
+@pytest.mark.parametrize("gather", [8, 128, 1 << 20])
+def test_an_unbound_fragment_s_fused_delta_in_passes_is_the_codecs_payload_bit_for_bit(monkeypatch, gather):
+    """An FSDP2 shard's fragment (unbound: FSDP keeps its memory) gathers a run of blocks at a time;
+    runs that end inside a parameter, or inside a block boundary's neighbour, change nothing."""
+    monkeypatch.setattr("ddiloco.core.learner_side.flat.GATHER_VALUES", gather)
+    g = torch.Generator().manual_seed(3)
+    params = [nn.Parameter(torch.randn(s, generator=g)) for s in [(37, 5), (1000,), (3, 3, 7), (2049,)]]
+    frag = FlatFragment(0, [f"p{i}" for i in range(4)], params, INT4, INT4, bind=False)
+    assert frag.buffer is None and frag.fused_up
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g))
+    payload = frag.take_delta()
+    assert payload.tobytes() == INT4.encode(frag.anchor - torch.cat([p.detach().reshape(-1) for p in params]))
+    with torch.no_grad():
+        params[3][2000] = float("inf")
+    with pytest.raises(ValueError, match=r"fragment 0: Δ is not finite in 1 of its"):
+        frag.take_delta()

@@ -32,6 +32,8 @@ from ddiloco.core.shared.errors import ParameterError
 from ddiloco.core.shared.fragments import flatten, unflatten_into
 
 AFTER_START = "after the learner started"
+GATHER_VALUES = 1 << 20
+"""Values an unbound fragment's Δ gathers per pass (4 MiB of float32), for the fused int4 kernel."""
 
 
 class FlatFragment:
@@ -51,12 +53,17 @@ class FlatFragment:
         self._uplink, self._downlink = uplink, downlink
         host_fp32 = (self.buffer is not None and self.buffer.device.type == "cpu"
                      and self.buffer.dtype == torch.float32)
-        self.fused_up = host_fp32 and fused_int4(uplink)
-        """Δ is encoded here, in one pass, into the payload (else returned as a tensor to encode)."""
+        unbound_fp32 = self.buffer is None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                   for t in self._tensors)
+        self.fused_up = (host_fp32 or unbound_fp32) and fused_int4(uplink)
+        """Δ is encoded here, in one pass, into the payload (else returned as a tensor to encode). An
+        unbound fragment's parameters (an FSDP2 shard's) are gathered a run of blocks at a time into a
+        small scratch first: no float32 Δ of the whole fragment, and the encoding off the interpreter lock."""
         self.fused_down = host_fp32 and fused_int4(downlink)
         """Updates are applied from their payload in one pass (no decoded tensor needed)."""
         if self.fused_up or self.fused_down:
-            self._local_np, self._anchor_np = self.buffer.numpy(), self.anchor.numpy()
+            self._anchor_np = self.anchor.numpy()
+            self._local_np = self.buffer.numpy() if self.buffer is not None else None
 
     @property
     def numel(self) -> int:
@@ -91,8 +98,11 @@ class FlatFragment:
         block = self._uplink.block_size  # type: ignore[attr-defined]
         blocks = -(-self.numel // block)
         payload = np.empty(self._uplink.encoded_size(self.numel), dtype=np.uint8)
-        bad = delta_int4(self._anchor_np, self._local_np, block, payload[: 4 * blocks].view("<f4"),
-                         payload[4 * blocks:])
+        scales, packed = payload[: 4 * blocks].view("<f4"), payload[4 * blocks:]
+        if self._local_np is not None:
+            bad = delta_int4(self._anchor_np, self._local_np, block, scales, packed)
+        else:
+            bad = self._delta_in_passes(block, scales, packed)
         if bad:
             raise ValueError(f"fragment {self.index}: Δ is not finite in {bad} of its {blocks} blocks (NaN or inf "
                              f"in parameters {list(self.names)}): the model diverged")
@@ -158,6 +168,30 @@ class FlatFragment:
             local.copy_(self.anchor)
         if local is not self.buffer:
             self._scatter(local)
+
+    def _delta_in_passes(self, block: int, scales: np.ndarray, packed: np.ndarray) -> int:
+        """``delta_int4`` of an unbound fragment, a run of whole blocks at a time: each run's parameters
+        gathered into one small scratch (never a copy of the whole fragment beside the anchor)."""
+        step = block * max(1, GATHER_VALUES // block)
+        scratch = torch.empty(min(step, self.numel), dtype=torch.float32)
+        bad = 0
+        for start in range(0, self.numel, step):
+            run = scratch[: min(step, self.numel - start)]
+            self._gather_range(run, start)
+            first = start // block
+            bad += delta_int4(self._anchor_np[start:start + run.numel()], run.numpy(), block,
+                              scales[first:first + -(-run.numel() // block)], packed[start >> 1:])
+        return bad
+
+    def _gather_range(self, out: Tensor, start: int) -> None:
+        """Values ``start`` .. ``start + len(out)`` of the flat vector, copied from the parameters into ``out``."""
+        end, offset = start + out.numel(), 0
+        with torch.no_grad():
+            for t in self._tensors:
+                lo, hi = max(start, offset), min(end, offset + t.numel())
+                if lo < hi:
+                    out[lo - start:hi - start].copy_(t.reshape(-1)[lo - offset:hi - offset])
+                offset += t.numel()
 
     def _segments(self, flat: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Each parameter beside its part of ``flat`` (a view; the anchor, or a vector laid out like it)."""

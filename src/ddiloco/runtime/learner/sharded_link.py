@@ -9,8 +9,9 @@ alone speaks for the learner otherwise: it joins, heartbeats and leaves.
 The calls run where an unsharded learner's do, in a link helper process of the rank's own
 (``helper.py``, given ``part`` and the rank's ``cuts``): gRPC, compressing Δ, decoding each cut
 update and the retries of the stream never take the rank's interpreter lock, which the thread
-that launches its kernels needs. Δ crosses in the rank's out slots (as float32, compressed by the
-helper) and decoded updates in its in slots (``slots.py``); the training thread writes a due slice
+that launches its kernels needs. Δ crosses in the rank's out slots (the int4 payload of the core's
+fused pass on the CPU, else float32 for the helper to compress) and decoded updates in its in slots
+(``slots.py``); the training thread writes a due slice
 into its slot and announces it, and a *relay* thread here reads what the helper reports. A slot's
 pages are given back once the rank is done with it (the send's call ended; the update applied), so
 between uses the slots are no process's memory. A helper that dies is started again: its calls
