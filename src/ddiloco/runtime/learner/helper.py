@@ -29,7 +29,6 @@ import ctypes
 import dataclasses
 import itertools
 import logging
-import mmap
 import os
 import queue
 import signal
@@ -44,12 +43,12 @@ import torch
 from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.errors import DdilocoError
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, GlobalState, Session, StopNotice
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Session, StopNotice
 from ddiloco.core.shared.slice_cut import cut_size, decode_cut
 from ddiloco.runtime.client import CallRefused, JoinResult, SyncClient, Unreachable
-from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, Pipe, PipeClosed, SendFrames, send_state
 from ddiloco.runtime.learner.repeats import next_delay
-from ddiloco.runtime.learner.slots import Slot, SlotArea, shared_file
+from ddiloco.runtime.learner.slots import Slot, SlotArea
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 log = logging.getLogger("ddiloco.learner")
@@ -367,30 +366,6 @@ class ShardWorker:
         if stream is not None:
             stream.cancel()
         self.client.close()
-
-
-def send_state(pipe: Pipe, rid: int, result: JoinResult) -> None:
-    """A join's reply: the header and the state's layout as a message, its values (float32, back to
-    back) as an anonymous shared file that the trainer maps."""
-    state = result.state
-    offsets, at = [], 0
-    for frag in state.fragments:
-        offsets.append(at)
-        at += 4 * (frag.values.numel() if frag.values is not None else 0)
-    fd = shared_file(at, "ddiloco-state")
-    try:
-        if at:
-            with mmap.mmap(fd, at) as region:
-                out = np.frombuffer(region, dtype=np.uint8)
-                for frag, offset in zip(state.fragments, offsets):
-                    values = frag.values.to(torch.float32).contiguous().reshape(-1).numpy()
-                    out[offset:offset + values.nbytes] = values.view(np.uint8)
-                del out
-        skeleton = GlobalState(tuple(dataclasses.replace(f, values=None) for f in state.fragments),
-                               state.incarnation, state.session, state.data_position)
-        pipe.send(Msg.ADMITTED, rid, result.header.SerializeToString(), skeleton, offsets, at, fd=fd)
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str]) -> int:

@@ -5,9 +5,9 @@ They are small (a fragment's bytes travel through the shared slots, ``slots.py``
 training thread sends on its steps, contributions' announces (SEND), are fixed structs
 (:class:`SendFrames`: a ``struct.pack``, a fraction of a pickle's cost; the fields every
 contribution of a learner shares come from the helper's spec); every other message is pickled.
-An in slot's release is no message: a word in the slot's header (``slots.py``). A join's global state, too large for a message and too rare for a
-slot of its own, travels as an anonymous shared file whose descriptor follows its message
-(``SCM_RIGHTS``).
+An in slot's release is no message: a word in the slot's header (``slots.py``). A join's global
+state, too large for a message and too rare for a slot of its own, travels as an anonymous shared
+file whose descriptor follows its message (``SCM_RIGHTS``: :func:`send_state`, :func:`receive_state`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ddiloco.core.shared.messages import Contribution, GlobalState, Progress, Session
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import ClientSpec, JoinResult
-from ddiloco.runtime.learner.slots import SlotLayout
+from ddiloco.runtime.learner.slots import SlotLayout, shared_file
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 _HEAD = struct.Struct("<IB")
@@ -241,7 +241,7 @@ class Pipe:
 
 
 def receive_state(header: bytes, skeleton: GlobalState, offsets: list[int], size: int, fd: int) -> JoinResult:
-    """A join's reply as the helper sent it (``helper.send_state``): the values are views of the
+    """A join's reply as the helper sent it (:func:`send_state`): the values are views of the
     shared file, mapped here and closed once the last view is gone (no copy)."""
     try:
         region = mmap.mmap(fd, size) if size else None
@@ -252,3 +252,27 @@ def receive_state(header: bytes, skeleton: GlobalState, offsets: list[int], size
         np.frombuffer(region, dtype=np.float32, count=(end - at) // 4, offset=at)) if region is not None
         else torch.empty(0)) for frag, at, end in zip(skeleton.fragments, offsets, ends))
     return JoinResult(pb.JoinHeader.FromString(header), dataclasses.replace(skeleton, fragments=fragments))
+
+
+def send_state(pipe: Pipe, rid: int, result: JoinResult) -> None:
+    """A join's reply: the header and the state's layout as a message, its values (float32, back to
+    back) as an anonymous shared file that the trainer maps."""
+    state = result.state
+    offsets, at = [], 0
+    for frag in state.fragments:
+        offsets.append(at)
+        at += 4 * (frag.values.numel() if frag.values is not None else 0)
+    fd = shared_file(at, "ddiloco-state")
+    try:
+        if at:
+            with mmap.mmap(fd, at) as region:
+                out = np.frombuffer(region, dtype=np.uint8)
+                for frag, offset in zip(state.fragments, offsets):
+                    values = frag.values.to(torch.float32).contiguous().reshape(-1).numpy()
+                    out[offset:offset + values.nbytes] = values.view(np.uint8)
+                del out
+        skeleton = GlobalState(tuple(dataclasses.replace(f, values=None) for f in state.fragments),
+                               state.incarnation, state.session, state.data_position)
+        pipe.send(Msg.ADMITTED, rid, result.header.SerializeToString(), skeleton, offsets, at, fd=fd)
+    finally:
+        os.close(fd)
