@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import ddiloco
@@ -67,6 +68,20 @@ class HelperProcess:
             helper.kill()
             raise HelperError(reply[1])
         return helper
+
+    def messages(self) -> Iterator[tuple]:
+        """What the helper reports, a message at a time (a join's state with its file's descriptor),
+        until it says CLOSED or is gone."""
+        while True:
+            try:
+                msg = self.pipe.recv()
+                if msg[0] is Msg.ADMITTED:
+                    msg = (*msg, self.pipe.recv_fd())
+            except PipeClosed:
+                return
+            if msg[0] is Msg.CLOSED:
+                return
+            yield msg
 
     @property
     def pid(self) -> int:

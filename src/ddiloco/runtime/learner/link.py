@@ -211,15 +211,7 @@ class LearnerLink:
 
     def _serve(self, helper: HelperProcess) -> None:
         """Feed the core what the helper reports, until it closes or dies."""
-        while True:
-            try:
-                msg = helper.pipe.recv()
-                if msg[0] is Msg.ADMITTED:
-                    msg = (*msg, helper.pipe.recv_fd())
-            except PipeClosed:
-                return
-            if msg[0] is Msg.CLOSED:
-                return
+        for msg in helper.messages():
             self._on_message(helper, msg)
 
     def _on_message(self, helper: HelperProcess, msg: tuple) -> None:

@@ -291,16 +291,9 @@ class RankLink:
                 pass  # the relay sees it die, and tells the next one
 
     def _serve(self, helper: HelperProcess) -> None:
-        while True:
-            try:
-                msg = helper.pipe.recv()
-                if msg[0] is Msg.ADMITTED:
-                    msg = (*msg, helper.pipe.recv_fd())
-            except PipeClosed:
-                return
+        """Record what the helper reports, until it closes or dies."""
+        for msg in helper.messages():
             kind = msg[0]
-            if kind is Msg.CLOSED:
-                return
             if kind is Msg.ASK:  # is this send still to go? Always: the cores decided it at the step
                 try:
                     helper.pipe.send(Msg.ANSWER, msg[1], msg[2] is Ask.STILL_TO_SEND)
