@@ -91,7 +91,7 @@ def learn(port: str, learner_id: str, steps: int, out: Path, kill_at: int | None
             deadline = time.monotonic() + 120.0
             while (helper := runtime.link.calls.helper) is None or helper.pid == killed:  # the new one is up
                 assert time.monotonic() < deadline, "no new link helper in 120 s"
-                time.sleep(0.05)
+                time.sleep(0.05)  # a bounded poll: the link's relay thread starts the new helper and signals no one
         step += 1
     core = runtime.core
     state = settled(runtime, port)

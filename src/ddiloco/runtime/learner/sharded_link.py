@@ -121,8 +121,6 @@ class RankLink:
         self._leaves: list[SendLeave] = []
         self._out_lock = threading.Lock()
         """Between the training thread writing an out slot and the relay giving one back."""
-        self._written: dict[int, int] = {}
-        """Per fragment, the number its out slot was last written at."""
         self._sending: dict[int, tuple[int, int]] = {}
         """Per send's request id: its fragment and its out slot's number."""
         self._holding: set[int] = set()
@@ -151,12 +149,9 @@ class RankLink:
 
     def _send(self, send: Send) -> None:
         """The slice's Δ (or its payload) into its out slot, announced with its header (which names the slice)."""
-        if send.ready is not None:
-            send.ready()
         p = send.fragment
         with self._out_lock:
             seq, raw = self._outs.write(send)
-            self._written[p] = seq
         header = dataclasses.replace(send.header, slice=self.slices[p])
         rid = self.calls.next_rid()
         self._sending[rid] = (p, seq)
@@ -170,7 +165,7 @@ class RankLink:
             return
         p, seq = sent
         with self._out_lock:
-            if self._written.get(p) == seq:
+            if self.slots.view(Slot.OUT, p, seq) is not None:  # not written again since
                 self.slots.give_back(Slot.OUT, p)
 
     def _call(self, kind: Msg, request: Any, *extra: Any) -> int:

@@ -110,16 +110,12 @@ class SlotArea:
             raise SlotError(f"cannot map the learner's link slots ({layout.total:,} bytes): {err}") from None
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._slots = []
-        self._spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        """Per fragment, the out and in slots' payloads as (offset, bytes) in the region."""
         for p, (out_at, in_at) in enumerate(layout.offsets()):
             pair = []
             for at, size in ((out_at, layout.out_bytes[p]), (in_at, layout.in_bytes[p])):
                 header = self.bytes[at:at + 24].view(np.uint64)
                 pair.append((header, self.bytes[at + HEADER_BYTES:at + HEADER_BYTES + size]))
             self._slots.append(pair)
-            self._spans.append(((out_at + HEADER_BYTES, layout.out_bytes[p]),
-                                (in_at + HEADER_BYTES, layout.in_bytes[p])))
 
     def payload(self, kind: Slot, p: int) -> np.ndarray:
         """The whole slot as uint8 (write into it between ``begin`` and ``end``)."""
@@ -168,9 +164,10 @@ class SlotArea:
 
     def give_back(self, kind: Slot, p: int) -> None:
         """Free the memory behind slot p's whole pages (they read as zeros until written again): a
-        slot that holds something only now and then then counts in no process's resident set
-        between. Only while its writer cannot write it (before :meth:`release`)."""
-        at, size = self._spans[p][kind]
+        slot that holds something only now and then counts in no process's resident set between.
+        Only while its writer cannot write it (before :meth:`release`)."""
+        payload = self._slots[p][kind][1]
+        at, size = payload.ctypes.data - self.address(), payload.nbytes
         start, end = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE, (at + size) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start and hasattr(mmap, "MADV_REMOVE"):
             self._map.madvise(mmap.MADV_REMOVE, start, end - start)
