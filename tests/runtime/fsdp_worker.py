@@ -40,7 +40,9 @@ def link_helpers() -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid():
+            if not entry.name.isdigit():
+                continue
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid():  # its parent
                 continue
             if b"ddiloco.runtime.learner.helper" in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
