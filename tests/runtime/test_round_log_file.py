@@ -5,6 +5,7 @@ resumed synchronizer replays what is intact and refuses a log with a gap."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -39,6 +40,32 @@ def test_records_come_back_in_order_across_segments_and_old_segments_are_dropped
         [(1, True, b"b" * 7), (0, False, b"")]
     log.drop_before(second)
     assert [n for n, _ in segments(tmp_path)] == [second]
+    log.close()
+
+
+def test_a_waiter_that_gave_up_on_its_barrier_never_stops_the_log(tmp_path, monkeypatch):
+    """Issue 53: a join whose caller went away cancels the barrier it awaited; resolving that
+    future raised on the log's thread and ended it, and every later update and checkpoint waited
+    for good. The first record's fsync is held until the barrier has been given up on."""
+    log = RoundLog(tmp_path, IDENTITY)
+    entered, release = threading.Event(), threading.Event()
+    flush = log._flush
+
+    def held_flush() -> None:
+        entered.set()
+        release.wait(30)
+        flush()
+
+    monkeypatch.setattr(log, "_flush", held_flush)
+    first = log.append(0, 1, False, b"a")
+    assert entered.wait(30)
+    abandoned = log.barrier()
+    assert abandoned.cancel()  # what asyncio.wrap_future does when the awaiting task is cancelled
+    release.set()
+    first.result(timeout=30)
+    log.append(0, 2, False, b"b").result(timeout=30)  # the thread is still there
+    log.barrier().result(timeout=30)
+    assert [r.version for r in read_rounds(tmp_path, IDENTITY)] == [1, 2]
     log.close()
 
 

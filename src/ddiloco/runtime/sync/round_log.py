@@ -26,6 +26,7 @@ others after it is not a crash mid-write but a damaged file: refused, in one lin
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -36,7 +37,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -204,7 +205,7 @@ class RoundLog:
                 if item is _Control.CLOSE:
                     self._sync(waiting)
                     self._file.close()
-                    done.set_result(None)
+                    _settle(done, None)
                     return
                 if item is _Control.BARRIER:
                     waiting.append(done)
@@ -242,7 +243,16 @@ class RoundLog:
                 log.error("round log %s: %s; merged rounds are sent without being logged, and a crash now "
                           "loses those merged since the last checkpoint", self.path, err)
             for f in futures:
-                f.set_result(None)
+                _settle(f, None)
             return
         for f in futures:
-            f.set_result(result)
+            _settle(f, result)
+
+
+def _settle(done: Future, result: object) -> None:
+    """Resolve a waiter's future unless it gave up on it: a join whose caller went away cancels the
+    barrier it awaited (``asyncio.wrap_future``), and ``set_result`` on a cancelled future raises.
+    Raised on the log's thread, that ended the thread, and with it every later barrier, update and
+    checkpoint: a flood of abandoned joins stopped the run for good (issue 53)."""
+    with contextlib.suppress(InvalidStateError):
+        done.set_result(result)
