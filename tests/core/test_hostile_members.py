@@ -14,7 +14,9 @@ from test_synchronizer import contributions_for
 
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import (
+    Accepted,
     Admitted,
+    LeaseExpired,
     LearnersForgotten,
     LinkStarved,
     Refused,
@@ -115,22 +117,24 @@ def test_token_counts_are_held_to_the_message_bound():
         dataclasses.replace(c, tokens=2**48 + 1, steps=2**30)
 
 
-def test_a_contribution_claiming_more_work_than_fits_its_time_is_refused_and_changes_nothing():
+def test_a_contribution_claiming_more_work_than_fits_its_time_gains_no_weight_for_it():
     """Finding 2: a member's claimed tokens become its merge weight. Steps beyond one per
-    protocol.min_step_s since its last accepted contribution, tokens beyond what it declared per
-    step, or a sequence number far ahead are implausible."""
+    protocol.min_step_s since its process registered count for nothing (issue 57: they were
+    refused, and so was an honest learner faster than the floor); a sequence number far ahead is
+    implausible (tokens beyond what it declared per step: the next test)."""
     plan, sync, cores, params = make_cluster(STRICT, learners=2)
     c = a_contribution(cores, params)  # 3 steps of 100 tokens (the learners declared none: the cap is 2^24)
     before = counters(sync, "l0")
-    for forged, now in ((dataclasses.replace(c, steps=10**6, tokens=10**6), 1.0),  # 1e6 steps in 1 s
-                        (dataclasses.replace(c, seq=2**62 - 1), 1.0)):  # would lock l0 out as duplicate
-        reply = refused(sync.handle(forged, now))
-        assert reply.reason == "implausible", reply.detail
-    assert counters(sync, "l0") == (before[0], before[1] + 2, before[2])
+    reply = refused(sync.handle(dataclasses.replace(c, seq=2**62 - 1), 1.0))  # would lock l0 out as duplicate
+    assert reply.reason == "implausible", reply.detail
+    assert counters(sync, "l0") == (before[0], before[1] + 1, before[2])
     assert sync.pending_tokens() == 0
     assert sync.status().honest_refused_steps == 0  # a member's refusals, never honest work (core/sync_side/refusals.py)
-    accepted = sync.handle(c, 1.0)[0]
-    assert not isinstance(accepted, Refused), accepted  # the real one still goes through
+    greedy = dataclasses.replace(c, steps=10**6, tokens=10**8)  # 1e6 steps of 100 tokens in 1 s
+    assert not isinstance(sync.handle(greedy, 1.0)[0], Refused)
+    fits = int(1.0 / STRICT.min_step_s) + 1  # what 1 s holds: one step per 10 ms
+    assert sync.pending_tokens() == fits * 100  # its weight and tokens: what the clock allows, at its claimed rate
+    assert sync.status().claims_clipped["steps"] == 1
 
 
 def test_declared_tokens_per_step_bound_what_a_learner_may_claim():
@@ -251,6 +255,35 @@ def test_registrations_beyond_the_cap_are_refused_and_dead_learners_are_forgotte
     status = sync.status()
     assert status.learners == () and status.learners_forgotten == 4
     assert isinstance(sync.handle(Join("x4", "b"), 1200.0)[0], Admitted)
+
+
+def test_a_learner_of_the_run_restarting_into_a_registry_full_of_abandoned_joins_takes_an_idle_lease():
+    """Issue 53: a flood of joins abandoned once the state arrived holds every lease for a lease each.
+    A learner whose work was accepted before takes the lease of the oldest registration never heard
+    from since its join; a stranger waits; a registration that was heard from keeps its lease."""
+    plan, sync, cores, params = make_cluster(BASE, learners=1, limits=RunLimits(learners=1))  # four leases
+    c = a_contribution(cores, params)
+    assert isinstance(sync.handle(c, 1.0)[0], Accepted)
+    sync.handle(Tick(), 100.0)  # l0's process died: its lease ran out
+    sessions = []
+    for i, t in enumerate((101.0, 102.0, 103.0)):
+        admitted = sync.handle(Join(f"flood-{i}", f"f{i}"), t)[0]
+        assert isinstance(admitted, Admitted)
+        sessions.append(admitted.state.session)
+        sync.handle(StateDelivered(f"flood-{i}", admitted.state.session, True), t)  # and never heard of again
+    heard = sync.handle(Join("stranger", "s"), 104.0)[0]
+    sync.handle(StateDelivered("stranger", heard.state.session, True), 104.0)
+    assert isinstance(sync.handle(Heartbeat("stranger", heard.state.session, Progress("s")), 104.5)[0], Accepted)
+    status = sync.status(105.0)
+    assert (status.idle_registrations, status.oldest_idle_registration_s) == (3, 4.0)
+    assert refused(sync.handle(Join("flood-9", "f9"), 105.0)).reason == "registry_full"
+
+    actions = sync.handle(Join("l0", "b0-restarted"), 106.0)
+    assert isinstance(actions[0], Admitted) and [a.learner_id for a in actions if isinstance(a, LeaseExpired)] == \
+        ["flood-0"]
+    assert sync.session_problem("flood-0", sessions[0]) is not None  # its lease ended now
+    alive = {s.learner_id for s in sync.status(106.0).learners if s.alive}
+    assert alive == {"l0", "flood-1", "flood-2", "stranger"} and sync.status(106.0).idle_registrations == 2
 
 
 def test_data_shards_are_the_cores_decision_and_stay_with_the_id():

@@ -12,7 +12,7 @@ from test_synchronizer import BASE, contributions_for
 from ddiloco.core.shared.actions import Tick
 from ddiloco.core.shared.messages import Heartbeat, Leave, Progress, Session
 from ddiloco.core.sync_side.claims import ClaimLimits
-from ddiloco.core.sync_side.registry import ACCEPT_TIMES, LearnerRecord
+from ddiloco.core.sync_side.learner_record import ACCEPT_TIMES, LearnerRecord
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 
 

@@ -83,6 +83,10 @@ def print_status(s: dict) -> None:
               f"sync {g['sync_s'] * 1e3:.0f} ms)  longest pause between merges {s['longest_pause_s']:.2f}s")
     if s["rejections"]:
         out.print("rejections: " + ", ".join(f"{k} {v}" for k, v in s["rejections"].items()))
+    if s.get("idle_registrations"):
+        out.print(f"[yellow]idle registrations: {s['idle_registrations']}[/yellow] hold a lease without having been "
+                  f"heard from since their join (the oldest for {s['oldest_idle_registration_s']:.0f}s): abandoned "
+                  "joins, or a flood of them; a learner of the run that restarts takes the place of one")
     if s.get("checkpoint_failures"):
         out.print(f"[red]failed checkpoint writes: {s['checkpoint_failures']}[/red] (last: {s['last_checkpoint_error']})")
     learners = Table(title=f"learners ({len(s['learners'])} of {s.get('learners_total', len(s['learners']))}; "

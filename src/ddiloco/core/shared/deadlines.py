@@ -23,6 +23,10 @@ here, and a driver supplies only what its world knows.
   memory and slots from slow or stalling members, far below what a learner expects of its link.
   The simulator's virtual streams never wait for their reader, so only a message whose own
   transfer on a virtual link slower than that floor outlasts its deadline is ever cut there.
+- **A stop** (SIGTERM, SIGINT): the synchronizer ends within :func:`stop_deadline_s`, whatever state
+  its callers and streams are in: calls in flight get :data:`STOP_CALLS_S`, then every wait of the
+  shutdown (the final checkpoint, the streams' last sends, the round log's last fsync) shares what is
+  left of the bound, and one that runs out is given up in one line.
 - **A starved link**: a learner whose work has not been accepted for a while although the
   synchronizer answers. The learner judges itself in steps (:func:`starved`), the synchronizer
   judges it in time (:func:`starved_after_s`): one rule, both forms here.
@@ -61,6 +65,22 @@ DRAIN_LEASES = 2.0
 """After the run's stop, how long the synchronizer waits for learners to flush and leave, in leases:
 a learner that heard the stop at its last heartbeat has one lease to send its last work, and the
 send one more lease to arrive."""
+
+STOP_CALLS_S = 1.0
+"""At a stop, how long calls in flight get to end by themselves before they are cancelled."""
+STOP_FIXED_S = 10.0
+"""What a stop may take besides writing the state: the core's last event, the streams' last sends,
+the round log's last fsync, the threads' ends."""
+STOP_DISK_BYTES_PER_S = 50e6
+"""The slowest disk a final checkpoint is given time for. It writes Θ and the outer momentum, twice
+the state a join sends (8 bytes a parameter): next to nothing for the presets, 160 s for 1B parameters;
+a synchronizer of up to 100M parameters stops within the 30 s that Slurm (``KillWait``) and Kubernetes
+(``terminationGracePeriodSeconds``) give by default."""
+
+
+def stop_deadline_s(state_bytes: int) -> float:
+    """How long a synchronizer holding ``state_bytes`` of global state (fp32 Θ) may take to stop."""
+    return STOP_CALLS_S + STOP_FIXED_S + 2 * state_bytes / STOP_DISK_BYTES_PER_S
 
 
 @dataclass(frozen=True, slots=True)

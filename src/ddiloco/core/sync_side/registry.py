@@ -26,99 +26,19 @@ is delivered (``Synchronizer.handle(StateDelivered)``); the lease starts then.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import re
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ddiloco.core.shared.actions import MergedContribution
 from ddiloco.core.shared.deadlines import starved_after_s
 from ddiloco.core.shared.messages import Contribution, Join, Rejected, RejectReason, Request, Session
+from ddiloco.core.sync_side.learner_record import Forgotten, LearnerRecord
 from ddiloco.core.sync_side.refusals import Refusals
 from ddiloco.core.sync_side.sync_status import LearnerStatus
 
-RETIRED_BOOTS = 8
-"""Replaced boots remembered per learner id (a checkpoint keeps them too)."""
-ACCEPT_TIMES = 256
-"""Recent acceptance times kept per learner (contributions per minute in status)."""
-RATE_WINDOW_S = 60.0
-"""The window of a learner's contributions per minute."""
 SESSION_TAG_BITS = 20
 """Low bits of a session number that are unguessable; the bits above count registrations."""
-
-
-@dataclass(slots=True)
-class LearnerRecord:
-    """What the synchronizer knows of one learner."""
-
-    session: Session
-    boot: str = ""
-    alive: bool = True
-    lease_until_s: float = 0.0
-    last_seen_s: float = 0.0
-    session_started_s: float = 0.0
-    admitting_until_s: float | None = None
-    """While the global state is on its way: the lease waits, up to this time."""
-    dead_since_s: float | None = None
-    starved: bool = False
-    step_time_s: float | None = None
-    tokens_per_step: int = 0
-    data_shard: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    registrations: int = 0
-    last_seq: dict[int, int] = field(default_factory=dict)
-    merged_through: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Per fragment, the base version and the last step of the current session's newest merged
-    contribution: a later Δ from that base or an older one carries it again (``repeated``)."""
-    """Last accepted sequence number per fragment, in the current session."""
-    accepted_at: dict[int, float] = field(default_factory=dict)
-    """When a contribution of each fragment was last accepted, in the current session."""
-    claims_since_s: float | None = None
-    """Since when this boot's claims are bounded: the start of its first session at this
-    synchronizer incarnation (None until it registered here). A learner keeps its progress across
-    a re-registration, so its allowance follows the boot, not the session (``core/sync_side/claims.py``)."""
-    claims_head_s: float = 0.0
-    """How much earlier than :attr:`claims_since_s` its claims may have begun: the progress a learner
-    may keep across a synchronizer restart, for the boot a restored checkpoint lists (``core/sync_side/claims.py``)."""
-    steps_accepted: dict[int, int] = field(default_factory=dict)
-    """Steps of the contributions accepted per fragment since :attr:`claims_since_s` (what they may
-    claim is bounded by the wall time since: ``core/sync_side/claims.py``)."""
-    compute_accepted: dict[int, float] = field(default_factory=dict)
-    """Compute seconds accepted per fragment since :attr:`claims_since_s` (bounded the same way)."""
-    refusals: Refusals = field(default_factory=Refusals)
-    """Its refused contributions by reason, with the steps and tokens they held (``core/sync_side/refusals.py``)."""
-    accept_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=ACCEPT_TIMES))
-    retired_boots: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RETIRED_BOOTS))
-
-    def accepted_per_min(self, now: float) -> int:
-        """Contributions accepted in the minute before ``now``; 0 once the learner is gone (its
-        last minute would otherwise show a dead learner at work for a minute more)."""
-        if not self.alive:
-            return 0
-        recent = [t for t in self.accept_times if now - t <= RATE_WINDOW_S]
-        if len(recent) == ACCEPT_TIMES and now > recent[0]:  # more than we keep: scale the ones we have
-            return round(len(recent) * RATE_WINDOW_S / (now - recent[0]))
-        return len(recent)
-
-    def claims_origin_s(self) -> float:
-        """Since when its contributions' claims are bounded (:attr:`claims_since_s`, set by every registration)."""
-        return (self.session_started_s if self.claims_since_s is None else self.claims_since_s) - self.claims_head_s
-
-    def last_progress_s(self) -> float:
-        """When this learner's work last reached the synchronizer (or its session began)."""
-        return max(self.accepted_at.values(), default=self.session_started_s)
-
-
-@dataclass(frozen=True, slots=True)
-class Forgotten:
-    """Counts of learners the registry no longer lists."""
-
-    learners: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    registrations: int = 0
 
 
 class Registry:
@@ -173,6 +93,7 @@ class Registry:
         rec.boot = join.boot
         rec.alive = True
         rec.starved = False
+        rec.heard = False
         rec.dead_since_s = None
         rec.registrations += 1
         rec.tokens_per_step = tokens_per_step
@@ -216,7 +137,36 @@ class Registry:
         rec.session_started_s = now
         rec.lease_until_s = now + (self.lease_s if ok else 0.0)
 
+    def make_room(self, join: Join, now: float) -> str | None:
+        """When ``join`` needs a lease and every lease is held: a learner whose work was accepted here
+        before (one of the run's, restarting) takes the lease of the oldest *idle* registration, one
+        never heard from since its join and of an id with no accepted work: it ends now, and its
+        name is returned. A stranger waits for a lease to end (``registry_full``): a flood of joins
+        abandoned once the state arrived holds every lease for a lease each, and without this an
+        honest learner restarting meanwhile could not get back in (issue 53)."""
+        rec = self.records.get(join.learner_id)
+        if (not self.max_learners or rec is None or rec.alive or not rec.accepted
+                or join.boot in rec.retired_boots or self.alive_count() < self.max_learners):
+            return None
+        idle = [(r.session_started_s, name) for name, r in self.records.items() if self._idle(r)]
+        if not idle:
+            return None
+        _, name = min(idle)
+        self._end_lease(self.records[name], now)
+        return name
+
+    @staticmethod
+    def _idle(rec: LearnerRecord) -> bool:
+        return rec.alive and not rec.heard and not rec.accepted
+
+    def idle(self, now: float) -> tuple[int, float]:
+        """Registrations holding a lease without being heard from since their join (never trained
+        here): how many, and the age of the oldest (0 if none)."""
+        since = [rec.session_started_s for rec in self.records.values() if self._idle(rec)]
+        return len(since), (now - min(since) if since else 0.0)
+
     def renew(self, rec: LearnerRecord, now: float) -> None:
+        rec.heard = True
         rec.last_seen_s = now
         rec.lease_until_s = max(rec.lease_until_s, now + self.lease_s)
 
@@ -327,11 +277,16 @@ class Registry:
         for name in sorted(self.records):
             rec = self.records[name]
             if rec.alive and rec.lease_until_s <= now:
-                rec.alive = False
-                rec.dead_since_s = now
-                rec.admitting_until_s = None
+                self._end_lease(rec, now)
                 expired.append(name)
         return expired
+
+    @staticmethod
+    def _end_lease(rec: LearnerRecord, now: float) -> None:
+        rec.alive = False
+        rec.lease_until_s = min(rec.lease_until_s, now)
+        rec.dead_since_s = now
+        rec.admitting_until_s = None
 
     def forget(self, now: float, also: Callable[[str], None]) -> tuple[str, ...]:
         """Learners dead for ``forget_after_s`` (or the oldest dead, beyond twice ``max_learners``

@@ -91,6 +91,7 @@ class SyncQueries:
         """A snapshot as of ``now`` (without it: of the latest event, and each learner's rate of its last message)."""
         run = self._run
         clock = self._last_event_s if now is None else now
+        idle, oldest_idle_s = self._registry.idle(clock)
         return SyncStatus(
             incarnation=self.incarnation,
             phase=run.phase,
@@ -124,4 +125,6 @@ class SyncQueries:
             refused_tokens=dict(self._counters.refusals.tokens),
             honest_refused_steps=honest_total(self._counters.refusals.steps),
             honest_refused_tokens=honest_total(self._counters.refusals.tokens),
+            idle_registrations=idle,
+            oldest_idle_registration_s=oldest_idle_s,
         )

@@ -137,6 +137,11 @@ class SyncStatus:
     honest_refused_steps: int = merged(ShardMerge.SUM, default=0)
     honest_refused_tokens: int = merged(ShardMerge.SUM, default=0)
     """Of those, the honest work thrown away (``RefusalKind.HONEST`` reasons): goodput's loss to refusals."""
+    idle_registrations: int = merged(ShardMerge.SUM, default=0)
+    """Leases held by registrations never heard from since their join, of ids that never trained here:
+    an abandoned join, or a flood of them (``Registry.idle``)."""
+    oldest_idle_registration_s: float = merged(ShardMerge.MAX, default=0.0)
+    """How long the oldest of those has held its lease (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,8 @@ from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.sync_side.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.sync_side.norm_bound import NormBound
 from ddiloco.core.sync_side.outer import NesterovSGD
-from ddiloco.core.sync_side.registry import LearnerRecord, Registry
+from ddiloco.core.sync_side.learner_record import LearnerRecord
+from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
@@ -168,6 +169,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
     def _join(self, join: Join, now: float) -> list[SyncAction]:
         if self._run.phase is RunPhase.FINISHED:
             raise Rejected(RejectReason.FINISHED, "the run is over")
+        evicted = self._registry.make_room(join, now)
         rec = self._registry.register(join, now, admission_s=self.admission_s(),
                                       window_s=deadlines.admission_window_s(self.state_bytes, self.config),
                                       tokens_per_step=self._claims.tokens_per_step(join.tokens_per_step))
@@ -177,7 +179,8 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         state = GlobalState(tuple(FragmentValue(i, f.version, None) for i, f in self._fragments.items()),
                             incarnation=self.incarnation, session=rec.session,
                             data_position=self._positions.position(join.learner_id))
-        return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard)]
+        return [Admitted(join.learner_id, state, stop=self._stopping, data_shard=rec.data_shard),
+                *([LeaseExpired(evicted, now)] if evicted else [])]
 
     # Progress is cumulative per boot, so it is counted only from messages that are accepted:
     # a refused one's tokens come again with the learner's next accepted message, and a

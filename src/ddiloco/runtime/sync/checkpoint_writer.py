@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
 from ddiloco.runtime.sync.round_log import LoggedRound, RoundLog, read_rounds
+from ddiloco.runtime.sync.shutdown import StopDeadline
 from ddiloco.runtime.sync.state_dir import StateDir, current_checkpoint, load_latest
 
 log = logging.getLogger("ddiloco.sync")
@@ -128,9 +129,14 @@ class CheckpointWriter:
         if self._task is not None:
             await self._task
 
-    def close(self) -> None:
+    def close(self, stop: StopDeadline | None = None) -> None:
+        """Close the round log (within ``stop``'s bound, if given) and the state directory."""
         if self.round_log is not None:
-            self.round_log.close()
+            if not self.round_log.close(None if stop is None else stop.left_s()):
+                assert stop is not None
+                stop.missed.append("the round log's last fsync")
+                log.error("stopping: the round log's last records were not confirmed durable within the stop's "
+                          "bound of %.0fs", stop.bound_s)
             self.round_log = None
         if self.state_dir is not None:
             self.state_dir.close()

@@ -173,9 +173,14 @@ class RoundLog:
             if n < number:
                 file.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        self._put(_Control.CLOSE).result()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Write what is queued and close the file; False if that did not end within ``timeout_s``."""
+        try:
+            self._put(_Control.CLOSE).result(timeout_s)
+        except TimeoutError:
+            return False
         self._thread.join()
+        return True
 
     def _put(self, item: LoggedRound | _Control) -> Future:
         done: Future = Future()

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import grpc
 
+from ddiloco.core.shared.deadlines import STOP_CALLS_S, stop_deadline_s
 from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.core.shared.kernels import compile_kernels
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.sync.service import SERVICE_NAME, SyncService
+from ddiloco.runtime.sync.shutdown import StopDeadline
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 log = logging.getLogger("ddiloco.sync")
@@ -86,11 +88,13 @@ class SyncServer:
         return port
 
     async def stop(self) -> None:
-        """No more calls, then the service's final checkpoint (so it holds every merge)."""
+        """No more calls, then the service's final checkpoint (so it holds every merge), within the
+        stop's bound (``deadlines.stop_deadline_s``)."""
+        deadline = StopDeadline(stop_deadline_s(self.service.core.state_bytes))
         self.service.streams.close_all()
         if self._server is not None:
-            await self._server.stop(grace=1.0)
-        await self.service.stop()
+            await deadline.wait(self._server.stop(grace=STOP_CALLS_S), "the calls in flight to end")
+        await self.service.stop(deadline)
 
 
 def handlers(s: SyncService) -> grpc.GenericRpcHandler:
@@ -139,6 +143,9 @@ async def serve(service: SyncService, listen: Address, *, credentials: grpc.Serv
         log.info("shutting down%s%s", why, f": writing the final checkpoint to {saving.path}" if saving else "")
         await server.stop()
         _say_saved(service, stopped_by[0] if stopped_by else None)
+    if service.stop_missed:
+        raise DdilocoError(f"the stop gave up waiting for {', '.join(service.stop_missed)}; the round log holds "
+                           "every round merged since the last checkpoint that was written: restart with --resume")
     if service.host.failure is not None:
         raise DdilocoError(f"the synchronizer's core failed ({service.host.failure!r}); the log has the traceback; "
                            "restart with --resume from the last checkpoint")
@@ -148,7 +155,7 @@ def _say_saved(service: SyncService, signal_name: str | None) -> None:
     """The last line of a clean stop: what was saved, and how to go on."""
     saving = service.writer.state_dir
     versions = list(service.view.versions)
-    if service.host is not None and service.host.failure is not None:
+    if service.stop_missed or (service.host is not None and service.host.failure is not None):
         return  # the failure is raised, with its own advice
     if saving is None:
         log.info("stopped at fragment versions %s; nothing saved (no --state-dir)", versions)

@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import grpc
 
 from ddiloco.core.shared.actions import Admitted, Refused, StateDelivered
+from ddiloco.core.shared.deadlines import stop_deadline_s
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import RejectReason, Session, StopNotice
 from ddiloco.core.shared.protocol_config import Mode
@@ -53,6 +54,7 @@ from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service_records import ServiceRecords
 from ddiloco.runtime.sync.slice_parts import Part, SliceParts, part_of
+from ddiloco.runtime.sync.shutdown import StopDeadline
 from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply
@@ -118,9 +120,9 @@ class SyncService(ServiceRecords):
         self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
-        uplink = self.protocol.uplink()
         largest = max(self.layout.plan.fragments[p].numel for p in self.core.owned)
-        self.boundary = Boundary(Authenticator(options.token, options.credentials), uplink.encoded_size(largest),
+        self.boundary = Boundary(Authenticator(options.token, options.credentials),
+                                 self.protocol.uplink().encoded_size(largest),
                                  len(self.layout.plan.fragments), self.metrics, self.ledger)
         self.calls = CallLimits(self.protocol, limits.max_learners)
         self.uploads = Uploads(self.boundary, self.calls, lambda: self._host)
@@ -143,6 +145,7 @@ class SyncService(ServiceRecords):
                                      self.parts.update)
         self.host: SyncHost | None = None
         self.copies = SharedCopies(lambda fn: self._host.query(fn), lambda: self._host.durable())
+        self.stop_missed: list[str] = []  # what the last stop gave up waiting for (shutdown.py)
 
     @property
     def view(self) -> CoreView:
@@ -382,15 +385,16 @@ class SyncService(ServiceRecords):
         self.host.start()
         return self.host
 
-    async def stop(self) -> None:
-        """Stop the timer, write the final checkpoint, close every stream, stop the host."""
+    async def stop(self, deadline: StopDeadline | None = None) -> None:
+        """Stop the timer, the final checkpoint, the streams, the host: each wait bounded (``shutdown.py``)."""
+        stop = deadline or StopDeadline(stop_deadline_s(self.core.state_bytes))
         if self.host is not None:
-            await self.host.stop_timer()
+            await stop.wait(self.host.stop_timer(), "the core's timer")
             if self.host.failure is None:  # a core that failed mid-event may hold half an update
-                await self.checkpoint()
-            await self.host.flush()
+                await stop.wait(self.checkpoint(), "the final checkpoint")
+            await stop.wait(self.host.flush(), "the updates queued behind the round log")
             self.streams.close_all()
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+            await stop.wait(asyncio.gather(*list(self._pending), return_exceptions=True), "the transfers' reports")
             await self.host.stop()
-        self.writer.close()
-
+        self.writer.close(stop)
+        self.stop_missed = stop.missed
