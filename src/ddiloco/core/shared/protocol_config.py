@@ -123,10 +123,12 @@ class ProtocolConfig:
     """In a merge, no learner's token weight counts for more than this multiple of the round's
     lower-median weight (0 = no cap): a member claiming far more work than the others cannot
     steer the round, while honest differences (slower hardware, a folded period) keep their weight."""
-    min_step_s: float = 0.001
-    """The fastest inner step the synchronizer believes: a learner's claimed steps (progress,
-    contributions, sequence numbers) beyond one per this many seconds since its last counted
-    report are not counted (progress) or refused as implausible (contributions)."""
+    min_step_s: float = 1e-5
+    """The fastest inner step the synchronizer counts: a learner's claimed steps beyond one per this
+    many seconds since its process registered count toward neither the budget nor its merge weight
+    (its outer gradient is still merged: speed is never a refusal), and its sequence numbers beyond
+    one send per period of such steps are refused as implausible (an honest learner sends a fragment
+    once per round trip). Raise it near your fastest real step to bound what a member may claim."""
     max_tokens_per_step: int = 0
     """Most tokens one inner step of a learner may claim (its whole batch, all its ranks); 0 = what
     each learner declares when it joins (at most 2^24). Set it to bound a member's claims."""

@@ -1,15 +1,29 @@
-"""What a member may claim: no more work than the run's configuration makes possible.
+"""What a member may claim: no more work than the clock allows, counted; never a refusal for speed.
 
 A learner reports its training progress (cumulative tokens and steps per process boot)
 and, with every contribution, the tokens and steps behind it; the first feeds the run's
 budget, the second the merge weights. Both come from a member the synchronizer cannot
-watch, so both are trusted only as far as time allows: since a fixed origin a learner can
-have taken at most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the fastest inner step
-the run believes possible), each of at most ``tokens_per_step`` tokens (what it declared when
-it joined, never above the run's own cap). What lies beyond is not counted — a progress report
-is clipped (and counted as clipped), a contribution refused as ``implausible`` — so one
-member's message can neither end a run nor outweigh the others by claiming work it could
-not have done. The bound is on totals since the origin, not on what one message adds since
+watch, so both are *counted* only as far as time allows: since a fixed origin a learner is
+credited at most ``elapsed / min_step_s + 1`` steps (``min_step_s``: the fastest inner step
+the run counts), each of at most ``tokens_per_step`` tokens (what it declared when it joined,
+never above the run's own cap). What lies beyond is clipped, and counted as clipped: a progress
+report adds only what fits to the budget, a contribution's steps and tokens are cut to what fits
+(its efficiency, tokens per step, kept) before they weigh in its merge, while its outer gradient
+is merged. So one member's message can neither end a run nor outweigh the others by claiming
+work it could not have done, and an honest learner faster than any floor loses nothing but
+the weight of what the floor leaves uncounted.
+
+*Why a clip and not a refusal* (issue 57). A floor on the step time is not a property of honest
+learners: a small model on a GPU steps faster than 1 ms, and so do the first steps of a loop that
+slows down later. Refused, their work was thrown away (an honest ~1 ms loop was refused in one
+launch of three; a faster one hundreds of times a run). What the check protects is the weight and
+the budget, and a clip protects both as well as a refusal did. What is still refused is what an
+honest learner cannot send: tokens beyond those it declared per step (its core raises before it
+sends them) and a sequence number further ahead than one send per period of ``min_step_s`` steps
+(an honest learner sends a fragment again only once its previous send was answered: a round
+trip, which no learner makes in ``period × min_step_s``, 10 µs a step by default).
+
+The bound is on totals since the origin, not on what one message adds since
 the previous one: messages arrive late and back to back (a slow link, a busy synchronizer),
 and an honest learner's totals never outrun the clock, whereas two reports a millisecond
 apart may well carry seconds of work between them.
@@ -28,15 +42,14 @@ restarted from its checkpoint has no origin for a boot (another incarnation's cl
 learner keeps its progress where the restored value is the one it holds (the round log): the
 boot the checkpoint lists starts with a head start of what a learner may keep,
 ``staleness_max`` periods at ``min_step_s`` (``Registry.kept_s``), once; a new process has
-none. Claims beyond these are refused as ``implausible``: a member's refusal, never honest
-work (``core/sync_side/refusals.py``).
+none. Claims beyond these count for nothing (clipped, ``claims_clipped["steps"]`` in status).
 
 The sequence number of a contribution is held to the same clock: a learner sends a
 fragment at most once per period, so ``seq`` (counted from 0 in each session) may not exceed
 the periods that fit since the origin. A far-future ``seq`` (which would lock the
-real learner out of the fragment as ``duplicate``) is refused the same way.
+real learner out of the fragment as ``duplicate``) is refused as ``implausible``.
 
-Claimed times are held to the same clock, but clipped rather than refused (they are
+Claimed times are held to the same clock, clipped too (they are
 measurements, and an honest learner's may be a little off): the compute seconds a learner
 claims for one fragment add up to at most the wall time since the origin (they feed the
 reported goodput), and its step time lies between ``min_step_s`` and the wall time per step
@@ -84,30 +97,44 @@ class ClaimLimits:
 def check_contribution(c: Contribution, limits: ClaimLimits, *, since_s: float, now: float, tokens_per_step: int,
                        last_seq: int, steps_before: int, compute_before: float,
                        period: int) -> tuple[Contribution, tuple[ClipReason, ...]]:
-    """:class:`Rejected` unless ``c`` is new (``duplicate``) and, with the ``steps_before`` already
-    accepted for its fragment since the origin ``since_s`` (its boot's first session here), claims
-    work that fits since then (``implausible``); else ``c`` with its times clipped (:func:`plausible_timing`)."""
+    """:class:`Rejected` unless ``c`` is new (``duplicate``), holds no more tokens per step than its
+    learner declared and a sequence number that fits the time since the origin ``since_s`` (its boot's
+    first session here; else ``implausible``); else ``c`` counting, with the ``steps_before`` already
+    counted for its fragment since the origin, the steps that fit since then (:func:`plausible_work`)
+    and its times clipped (:func:`plausible_timing`), and what was clipped."""
     if c.seq <= last_seq:
         raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} for fragment {c.fragment} already received")
-    steps = limits.steps_in(now - since_s)
-    if steps_before + c.steps > steps:
-        raise Rejected(RejectReason.IMPLAUSIBLE, f"{steps_before + c.steps} steps claimed for fragment {c.fragment} "
-                                                 f"in {now - since_s:.3g}s since this process registered (at most "
-                                                 f"{steps} at one per {limits.min_step_s:g}s)")
     if c.tokens > c.steps * tokens_per_step:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"{c.tokens} tokens in {c.steps} steps "
                                                  f"(at most {tokens_per_step} per step)")
+    steps = limits.steps_in(now - since_s)
     sends = 1 + steps // period
     if c.seq > sends:
         raise Rejected(RejectReason.IMPLAUSIBLE, f"seq {c.seq} after {now - since_s:.3g}s since this process "
                                                  f"registered (at most {sends} sends fit)")
-    return plausible_timing(c, limits, since_s=since_s, now=now, steps_before=steps_before,
-                            compute_before=compute_before)
+    counted, clipped = plausible_work(c, steps - steps_before)
+    counted, timing = plausible_timing(counted, limits, since_s=since_s, now=now, steps_before=steps_before,
+                                       compute_before=compute_before)
+    return counted, clipped + timing
+
+
+def plausible_work(c: Contribution, allowed_steps: int) -> tuple[Contribution, tuple[ClipReason, ...]]:
+    """``c`` counting at most ``allowed_steps`` steps (what the clock leaves since the origin, at
+    least one: its outer gradient is merged whatever it claims), its tokens cut in the same
+    proportion so that its tokens per step, its efficiency, stay what it claimed."""
+    if c.steps <= allowed_steps:
+        return c, ()
+    steps = max(1, allowed_steps)
+    return replace(c, steps=steps, tokens=max(1, c.tokens * steps // c.steps)), (ClipReason.STEPS,)
 
 
 class ClipReason(enum.StrEnum):
-    """Which claimed time of a contribution was clipped to what the clock allows (a status counter's key)."""
+    """Which claim of a contribution was clipped to what the clock allows (a status counter's key)."""
 
+    STEPS = "steps"
+    """More steps for a fragment than the clock allows since the claims' origin: the merge weight and
+    the round's tokens count what it allows, the outer gradient is merged (a fast honest learner's work
+    is never refused for its speed)."""
     COMPUTE = "compute_s"
     """More compute seconds for a fragment than wall time since the claims' origin."""
     STEP_TIME = "step_time_s"
