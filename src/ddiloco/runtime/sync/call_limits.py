@@ -245,6 +245,14 @@ class CallLimits:
             raise timed_out(what, seconds) from None
 
 
+def _retrieved(task: asyncio.Future[bytes]) -> None:
+    """Mark a read's outcome as seen: the stream's end (StopAsyncIteration) or an error is the
+    caller's to act on when it reads ``result()``, and when it no longer will (it was cancelled,
+    or it raised before), the outcome is of no use to anyone and must not be logged as lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Paced:
     """An upload's messages: the first (its header) within a lease, every later one by when a
     sender at ``protocol.min_link_bytes_per_s`` that started a lease late would have delivered it whole. A
@@ -269,11 +277,18 @@ class Paced:
         if self._messages is None:
             self._messages = self._requests.__aiter__()
         read = asyncio.ensure_future(self._messages.__anext__())
+        read.add_done_callback(_retrieved)
         waits = {read}
         if self.slot is not None:
             waits.add(asyncio.ensure_future(self.slot.evicted.wait()))
         try:
             await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # The call was cancelled while it waited (a stop, the client gone): its read must not
+            # outlive it. Left running, it ended with the stream's StopAsyncIteration that no one
+            # retrieved, and asyncio logged "Task exception was never retrieved" (issue 57).
+            read.cancel()
+            raise
         finally:
             for task in waits - {read}:
                 task.cancel()
