@@ -71,6 +71,17 @@ def parse_address(text: str, *, option: str, allow_port_zero: bool = False) -> A
     return Address(host, port)
 
 
+def is_loopback(address: str) -> bool:
+    """Is ``HOST:PORT`` this host's loopback (127.0.0.0/8, ::1, localhost)? A name is not resolved."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def load_token(token_file: str | None) -> str | None:
     """The shared token from ``token_file``, else from $DDILOCO_TOKEN, else None."""
     if token_file:

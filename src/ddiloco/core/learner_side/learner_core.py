@@ -56,8 +56,9 @@ class Learner(LearnerQueries):
 
     def __init__(self, learner_id: str, config: ProtocolConfig, plan: FragmentPlan,
                  named_parameters: Mapping[str, torch.Tensor], *, boot: str = "boot", tokens_per_step: int = 0,
-                 bind: bool = True) -> None:
-        """``bind``: lay out each fragment's parameters in one flat buffer (False: FSDP2 shards, FSDP owns them)."""
+                 bind: bool = True, on_loopback: bool = False) -> None:
+        """``bind``: lay out each fragment's parameters in one flat buffer (False: FSDP2 shards, FSDP owns them).
+        ``on_loopback``: the synchronizer is on this host (a slow round trip is then CPU time, never the link's)."""
         config.validate()
         if not learner_id:
             raise ValueError("a learner needs a non-empty id")
@@ -91,7 +92,8 @@ class Learner(LearnerQueries):
         self.steps_unsent = 0
         """Steps of fragments not flushed at the end, their last contribution still awaiting its update
         (summed over those fragments: a step counts once per fragment it was not sent for)."""
-        self.watch = LinkWatch(plan.period, len(plan.fragments), config.lease_s, config.heartbeat_interval_s)
+        self.watch = LinkWatch(plan.period, len(plan.fragments), config.lease_s, config.heartbeat_interval_s,
+                               on_loopback=on_loopback)
         """Whether its link carries its work (starved, behind)."""
         self.kept: tuple[int, ...] = ()
         """The fragments whose progress the latest admission kept (the synchronizer held our value)."""

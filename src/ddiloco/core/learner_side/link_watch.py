@@ -12,7 +12,10 @@ slow. Two signs, each said once (and again only after the link recovered):
   learner's own steps kept their pace: steps slowed ``CPU_SLOW_AT`` times its fastest mean a
   CPU shared with other processes, which slows the sends (encoding, the synchronizer's merge)
   as much as the steps (a learner on 127.0.0.1 under CPU contention was told its link was too
-  slow);
+  slow); and a synchronizer on the same host (loopback) is never a slow link either: its round trip
+  is CPU time, whatever the steps do (issue 57: steps of 1 ms kept their pace on a loaded host and
+  the learner was sent to ``ddiloco bandwidth``). Over a network the learner cannot tell a slow link
+  from a synchronizer short of CPU, and says so;
 - *stale* (:class:`~ddiloco.core.shared.actions.Stale`): its contributions are refused as stale while
   the updates reach it in order: the round trip spans more rounds than the staleness bound.
 
@@ -82,7 +85,10 @@ class _Pace:
 
 
 class LinkWatch:
-    def __init__(self, period: int, fragments: int, lease_s: float, heartbeat_s: float) -> None:
+    def __init__(self, period: int, fragments: int, lease_s: float, heartbeat_s: float, *,
+                 on_loopback: bool = False) -> None:
+        self.on_loopback = on_loopback
+        """The synchronizer is on this host (what *behind* then blames: the CPU, never the link)."""
         self._answered_at_step = 0
         """The step at which the synchronizer last answered any call."""
         self._silent: dict[int, _Silent] = {}
@@ -199,7 +205,8 @@ class LinkWatch:
                 self.behind = True
                 step_s, fastest_s = self._pace.step_s, self._pace.fastest_s
                 actions.append(Behind(mean, self.period, step_s, fastest_s,
-                                      cpu_bound=0 < fastest_s and step_s >= CPU_SLOW_AT * fastest_s))
+                                      cpu_bound=0 < fastest_s and step_s >= CPU_SLOW_AT * fastest_s,
+                                      on_loopback=self.on_loopback))
             elif self.behind and mean < CAUGHT_UP_AT * self.period:
                 self.behind = False
         return actions

@@ -310,6 +310,9 @@ class Behind:
     """Its fastest seconds per step over as many steps, earlier in the run."""
     cpu_bound: bool = False
     """Its steps slowed as its sends did (``link_watch.CPU_SLOW_AT``): the CPU, not the link, is short."""
+    on_loopback: bool = False
+    """The synchronizer is on this host: the link is loopback, which carries far more than any model's
+    fragments, so a slow round trip is CPU time (the synchronizer's, the link helper's), never the link's."""
 
     @property
     def share(self) -> float:
@@ -331,8 +334,16 @@ class Behind:
                     f"({1e3 * self.fastest_step_s:.0f} ms), so the CPU is short, not necessarily the link: other "
                     "processes (the synchronizer, other learners) compete for this host's cores and its sends wait "
                     "for them as its steps do; give each process its own cores (train.threads, --threads)")
-        return (f"{carried}: its steps keep their pace, so its link is too slow for this model and period; its work "
-                "reaches the global model that much slower (ddiloco bandwidth says what the link needs)")
+        if self.on_loopback:
+            return (f"{carried}: the synchronizer is on this host, and loopback carries far more than this, so the "
+                    "round trip is CPU time, not the link: the synchronizer (its merges) and this learner's link "
+                    "helper wait for cores that the learners and other processes hold; its work reaches the global "
+                    "model that much slower. Give each process its own cores (train.threads, --threads; fewer "
+                    "learners per host) or send less often (a longer protocol.period)")
+        return (f"{carried}: its steps keep their pace, so either its link is too slow for this model and period "
+                "(ddiloco bandwidth says what a link needs) or the synchronizer's host is short of CPU (its merge "
+                "time: `ddiloco status`, grace window ... sync ms); this learner cannot tell the two apart. Its work "
+                "reaches the global model that much slower")
 
 
 @dataclass(frozen=True, slots=True)

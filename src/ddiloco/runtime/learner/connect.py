@@ -11,12 +11,18 @@ from collections.abc import Sequence
 from ddiloco.core.learner_side.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
 from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
 from ddiloco.core.shared.errors import ConfigError, DdilocoError
-from ddiloco.runtime.auth import parse_address
+from ddiloco.runtime.auth import is_loopback, parse_address
 from ddiloco.runtime.client import JoinResult, SyncClient, Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
 from ddiloco.runtime.learner.repeats import next_delay
 
 log = logging.getLogger("ddiloco.learner")
+
+
+def on_loopback(clients: Sequence[SyncClient]) -> bool:
+    """Is every shard of the synchronizer on this host? Then a learner whose sends fall behind is told
+    its CPU is short, never its link (``core/learner_side/link_watch.py``)."""
+    return all(is_loopback(client.address) for client in clients)
 
 
 def probe_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float | None = None) -> JoinResult:

@@ -54,7 +54,7 @@ from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
-from ddiloco.runtime.learner.connect import connect_all, one_run, probe_with_backoff
+from ddiloco.runtime.learner.connect import connect_all, on_loopback, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
 from ddiloco.runtime.learner.ranks import StepFlags, cpu_group, distributed, share_step
 from ddiloco.runtime.learner.staging import HostStaging
@@ -188,7 +188,7 @@ class LearnerRuntime:
         self.plan = plan_from_layout(probes[0].header, self._params)
         protocol = ProtocolConfig(**probes[0].protocol)
         self.core = core = Learner(self.learner_id, protocol, self.plan, self._params, boot=self.boot,
-                                   tokens_per_step=self.tokens_per_step)
+                                   tokens_per_step=self.tokens_per_step, on_loopback=on_loopback(self.clients))
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         downlink = protocol.downlink()
         compile_learner_kernels()  # now, not at the first due fragment (a stall of seconds)

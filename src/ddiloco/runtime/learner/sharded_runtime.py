@@ -48,7 +48,7 @@ from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
-from ddiloco.runtime.learner.connect import connect_all, probe_with_backoff
+from ddiloco.runtime.learner.connect import connect_all, on_loopback, probe_with_backoff
 from ddiloco.runtime.learner.held_updates import HeldUpdates, catch_up
 from ddiloco.runtime.learner.ranks import cpu_group
 from ddiloco.runtime.learner.sharded_layout import sharded_params
@@ -105,7 +105,7 @@ class ShardedLearnerRuntime:
         self._downlink = protocol.downlink()
         self._join_timeout_s = call_deadline_s(join_state_bytes(self.plan, protocol, 0), client_join_link(protocol))
         self.core = Learner(learner_id, protocol, params.local_plan(self.plan), params.local, boot=self.boot,
-                            tokens_per_step=tokens_per_step * self.world, bind=False)
+                            tokens_per_step=tokens_per_step * self.world, bind=False, on_loopback=on_loopback(clients))
         self._shards = [(n, p, params.local[n].data_ptr()) for n, p in model.named_parameters() if n in sharded]
         clients[0].close()  # the rank's link helper makes its own: no gRPC channel stays in the training process
         self.link = RankLink(clients[0].spec, self.core, self._specs, self._numel, rank=self.rank, world=self.world)
