@@ -12,7 +12,7 @@ from rich.table import Table
 from ddiloco.commands.display import print_table
 from ddiloco.commands.options import positive_seconds
 from ddiloco.core.shared.errors import DdilocoError
-from ddiloco.core.sync_side.refusals import honest_total
+from ddiloco.core.sync_side.refusals import lost_total
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
@@ -91,14 +91,14 @@ def print_status(s: dict) -> None:
         out.print(f"[red]failed checkpoint writes: {s['checkpoint_failures']}[/red] (last: {s['last_checkpoint_error']})")
     learners = Table(title=f"learners ({len(s['learners'])} of {s.get('learners_total', len(s['learners']))}; "
                            f"{s.get('learners_forgotten', 0)} forgotten)")
-    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "honest steps refused", "joins", "tokens",
+    for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "steps refused", "joins", "tokens",
                 "data at", "step ms", "MB up", "MB down"):
         learners.add_column(col, justify="left" if col == "id" else "right")
     for lr in s["learners"]:
         seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
         state = "no" if not lr["alive"] else "joining" if lr["joining"] else "starved" if lr["link_starved"] else "yes"
         learners.add_row(lr["id"], state, seen, str(lr["accepted"]), str(lr["accepted_per_min"]), str(lr["rejected"]),
-                         f"{honest_total(lr.get('refused_steps', {})):,}", str(lr["registrations"]),
+                         _lost(lr.get("refused_steps", {})), str(lr["registrations"]),
                          f"{lr['tokens']:,}", f"{lr['data_position']:,}",
                          f"{lr['step_time_s'] * 1e3:.0f}",
                          f"{lr['bytes_up'] / 1e6:.2f}", f"{lr['bytes_down'] / 1e6:.2f}")
@@ -110,6 +110,13 @@ def print_status(s: dict) -> None:
         fragments.add_row(str(f["id"]), str(f["version"]), f"{f['numel']:,}", f"{f['bytes_up'] / 1e6:.2f}",
                           f"{f['bytes_down'] / 1e6:.2f}")
     print_table(fragments)
+
+
+def _lost(refused_steps: dict[str, int]) -> str:
+    """The steps of a learner's work the synchronizer threw away, in red when there are any: in a
+    real run every learner is honest by assumption, so each one is a defect its user must see."""
+    steps = lost_total(refused_steps)
+    return f"[red]{steps:,}[/red]" if steps else "0"
 
 
 def budgets(s: dict) -> str:

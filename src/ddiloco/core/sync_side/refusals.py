@@ -74,6 +74,13 @@ def honest_total(by_reason: Mapping[str, int]) -> int:
     return sum(n for reason, n in by_reason.items() if kind_of(reason) is RefusalKind.HONEST)
 
 
+def lost_total(by_reason: Mapping[str, int]) -> int:
+    """The work thrown away, honest or not (steps, tokens or refusals), from its counts by reason: what a
+    learner's user is told of (a real run has no hostile members by assumption: every such refusal
+    is a defect to report where the user looks, issue 57)."""
+    return sum(n for reason, n in by_reason.items() if kind_of(reason) is not RefusalKind.RESENT)
+
+
 def honest_learner_steps(learners: Iterable[Mapping[str, Any]], hostile: Iterable[str] = ()) -> int:
     """:func:`honest_total` of the steps summed over learners as ``ddiloco status --json`` lists them (``id``,
     ``refused_steps``), leaving out the ``hostile`` ids."""

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 SYNC = "sync"
 STATE_DIR = "sync-state"
 """The synchronizer's --state-dir, under the launch's output directory."""
+PORT_FILE = "sync.port"
+"""The synchronizer's gRPC port while the run goes (``ddiloco status 127.0.0.1:$(cat OUT/sync.port)``),
+under the launch's output directory; removed when the launch ends."""
 STOPPED = 130
 FAILED = 1
 
@@ -41,8 +44,10 @@ class Launch:
     def __init__(self, out: Path, command: list[str], learners: int, sync_args: list[str], *,
                  token: str | None = None, max_restarts: int = 3, http_port: int | None = None) -> None:
         self.out = out
+        self.new_out = not out.exists()
         self.state_dir = out / STATE_DIR
         self.new_state = not self.state_dir.exists()
+        self.port_file = out / PORT_FILE
         self.command = command
         self.names = learner_names(learners)
         self.sync_args = sync_args
@@ -62,6 +67,8 @@ class Launch:
         self._stop = StopSignals()
         self._echoed = {name: 0 for name in self.names}
         """How much of each learner's log is already on the launcher's stdout."""
+        self._refusals_told: dict[str, tuple[int, float]] = {}
+        """Per learner id: how many refusals that threw work away were announced, and when."""
 
     def __enter__(self) -> "Launch":
         self._stop.__enter__()
@@ -70,10 +77,19 @@ class Launch:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
             self.procs.close()
-            if kind is not None and issubclass(kind, ConfigError) and self.new_state:
-                shutil.rmtree(self.state_dir, ignore_errors=True)  # a launch refused leaves no run behind
+            self.port_file.unlink(missing_ok=True)  # the port of a synchronizer that is gone
+            if kind is not None and issubclass(kind, ConfigError):
+                self._forget()
         finally:
             self._stop.__exit__(kind, *exc)
+
+    def _forget(self) -> None:
+        """A launch refused leaves nothing behind that it made (docs/operations.md): no run (the
+        state directory), no logs, and no output directory where there was none."""
+        if self.new_state:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        if self.new_out:
+            shutil.rmtree(self.out, ignore_errors=True)
 
     def run(self) -> int:
         """Start everything, supervise until the run ends; the run's exit code."""
@@ -90,7 +106,7 @@ class Launch:
             return self._supervise(client, address, threads)
 
     def _start_sync(self) -> str:
-        port_file = self.out / "sync.port"
+        port_file = self.port_file
         port_file.unlink(missing_ok=True)
         self.procs.start(SYNC, ["sync", *self.sync_args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
                          env={"OMP_NUM_THREADS": "1"})
@@ -189,7 +205,27 @@ class Launch:
         except (Unreachable, CallRefused):
             return False
         self.joined |= {lr["id"] for lr in status["learners"]}
+        self._tell_refusals(status["learners"])
         return bool(status["finished"])
+
+    def _tell_refusals(self, learners: list[dict]) -> None:
+        """Say on the launcher's output when the synchronizer threw away a copy's work (issue 57: an honest
+        learner's contributions were refused and only the synchronizer's log said so): at the first
+        refusal, then at most every ``REPEAT_EVERY_S`` while more come, with the totals by reason."""
+        from ddiloco.core.sync_side.refusals import lost_total
+        from ddiloco.runtime.learner.repeats import REPEAT_EVERY_S
+
+        now = time.monotonic()
+        for lr in learners:
+            name, refused, steps = lr["id"], lr.get("refused", {}), lr.get("refused_steps", {})
+            count, (told, told_at) = lost_total(refused), self._refusals_told.get(lr["id"], (0, -REPEAT_EVERY_S))
+            if count > told and now - told_at >= REPEAT_EVERY_S:
+                self._refusals_told[name] = (count, now)
+                reasons = ", ".join(f"{reason} {n} ({steps.get(reason, 0):,} steps)" for reason, n in refused.items()
+                                    if lost_total({reason: n}))
+                announce(f"launch: the synchronizer refused {count} of {name}'s contributions, its work thrown away: "
+                         f"{reasons}; why: its log ({self.procs.logs}/{name}.log) and the synchronizer's "
+                         f"({self.procs.logs}/{SYNC}.log)")
 
     def _end(self, finished: bool) -> int:
         """Every copy ended: the synchronizer exits by itself once the run is finished (else it is stopped)."""

@@ -41,7 +41,7 @@ from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
 from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
-from ddiloco.runtime.learner.link_lines import say_outage, say_warning
+from ddiloco.runtime.learner.link_lines import say_outage, say_refusal, say_warning
 from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.repeats import Repeats
 from ddiloco.runtime.learner.slots import Slot, SlotArea
@@ -267,7 +267,7 @@ class LearnerLink:
         if kind is Msg.REFUSED:
             reason, detail = fields
             self.stats.rejected[reason] += 1
-            self.refusals.say(reason, "%s refused by shard %d: %s", type(request).__name__, shard, detail)
+            say_refusal(self.refusals, request, reason, shard, detail)
             self.tell_core(lambda core: core.on_refused(request, reason, clock(), shard=shard))
             return
         if kind is Msg.UNDELIVERED:

@@ -6,8 +6,23 @@ from __future__ import annotations
 import logging
 
 from ddiloco.core.shared.actions import Behind, LearnerAction, Outage, OutagePhase, Stale, Starved
+from ddiloco.core.shared.messages import Contribution, Request
+from ddiloco.core.sync_side.refusals import RefusalKind, kind_of
+from ddiloco.runtime.learner.repeats import Repeats
 
 log = logging.getLogger("ddiloco.learner")
+
+
+def say_refusal(repeats: Repeats, request: Request, reason: str, shard: int, detail: str) -> None:
+    """A refusal, once per reason and then summarized: a warning when it threw work away (its kind,
+    ``core/sync_side/refusals.py``), the line a user sees without configuring logging (issue 57: an
+    honest learner's work was refused and only the synchronizer's log said so); else information."""
+    if isinstance(request, Contribution) and kind_of(reason) is not RefusalKind.RESENT:
+        repeats.say(reason, "the synchronizer refused this learner's contribution of fragment %d (%d steps, "
+                    "%d tokens; shard %d): %s: %s; that work is lost, training goes on", request.fragment,
+                    request.steps, request.tokens, shard, reason, detail, level=logging.WARNING)
+    else:
+        repeats.say(reason, "%s refused by shard %d: %s", type(request).__name__, shard, detail)
 
 
 def say_warning(action: LearnerAction, backlog: int) -> None:

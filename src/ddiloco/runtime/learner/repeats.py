@@ -24,12 +24,13 @@ class Repeats:
         self._said: dict[object, tuple[float, int]] = {}
         """Per key: when it was last logged, and how many times it came since."""
 
-    def say(self, key: object, fmt: str, *args: object) -> None:
+    def say(self, key: object, fmt: str, *args: object, level: int = logging.INFO) -> None:
+        """Log at ``level`` the first time for ``key``, then at most every ``REPEAT_EVERY_S`` with a count."""
         now = self._clock()
         said = self._said.get(key)
         if said is None or now - said[0] >= REPEAT_EVERY_S:
             repeats = f" ({said[1]} more like it in the last {now - said[0]:.0f} s)" if said and said[1] else ""
-            self._log.info(fmt + "%s", *args, repeats)
+            self._log.log(level, fmt + "%s", *args, repeats)
             self._said[key] = (now, 0)
         else:
             self._said[key] = (said[0], said[1] + 1)

@@ -1,0 +1,51 @@
+"""A user's script whose inner steps take about a millisecond (a small MLP): issue 57's learner.
+
+``python fast_steps.py init FILE`` writes the initial weights; ``python fast_steps.py learner`` trains
+as the copy ``ddiloco launch`` started (``LearnerRuntime.from_env``) until the run's budget is
+spent, on random regression data seeded by its data shard. No logging is configured, as in a
+script that never thought of it: what the runtime warns about reaches stderr all the same.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
+
+BATCH = 16
+WIDTH = 32
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+
+
+def learner() -> None:
+    torch.set_num_threads(1)
+    model = build_model()
+    g = torch.Generator().manual_seed(int(os.environ.get("DDILOCO_DATA_SHARD", "0")))
+    target = torch.randn(WIDTH, 1, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = 0
+    with LearnerRuntime.from_env(model, tokens_per_step=BATCH) as runtime:
+        while not runtime.should_stop:
+            x = torch.randn(BATCH, WIDTH, generator=g)
+            loss = nn.functional.mse_loss(model(x), x @ target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            runtime.step(tokens=BATCH)
+            steps += 1
+    print(f"done after {steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "init":
+        save_initial_state(build_model(), sys.argv[2])
+    else:
+        learner()

@@ -1,0 +1,83 @@
+"""Issue 57, in real processes: a user's script of ~1 ms steps (``fast_steps.py``) launched with
+``ddiloco launch`` had contributions refused as ``implausible`` (in 1 launch of 3; a faster one in
+every launch), and only the synchronizer's log said so. Now every contribution of such a script is
+accepted, three launches in a row; and where work is refused (here: a ``protocol.min_step_s`` of a
+second, far above the script's steps, so its sequence numbers outrun what the clock allows), the
+launcher's output, the learner's own log and ``ddiloco status`` say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddiloco.cli import main
+from runtime_helpers import session_pids, wait_for
+
+SCRIPT = Path(__file__).with_name("fast_steps.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def launch(tmp_path: Path, *options: str) -> subprocess.Popen:
+    init = tmp_path / "init.safetensors"
+    subprocess.run([sys.executable, str(SCRIPT), "init", str(init)], check=True, env=ENV)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddiloco.cli", "launch", "--learners", "2", "--init", str(init), "--preset", "tiny",
+         "--out", str(tmp_path / "out"), *options, "--", sys.executable, str(SCRIPT), "learner"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(3))
+def test_every_contribution_of_a_1_ms_step_script_is_accepted(tmp_path: Path, run: int) -> None:
+    proc = launch(tmp_path, "--tokens", "40000")  # 2,500 steps of 16 tokens over both copies
+    out, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert not session_pids(proc.pid)
+    sync_log = (tmp_path / "out" / "logs" / "sync.log").read_text()
+    assert "rejected " not in sync_log, [line for line in sync_log.splitlines() if "rejected " in line][:3]
+    (versions,) = re.findall(r"run finished: \d+ tokens, fragment versions \[([\d, ]+)\]", sync_log)
+    assert all(int(v) > 0 for v in versions.split(",")), versions  # their work merged, fragment by fragment
+    assert "refused" not in out + err
+    assert out.count("done after") == 2
+
+
+@pytest.mark.slow
+def test_work_refused_is_said_on_the_launchers_output_the_learners_log_and_in_status(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc = launch(tmp_path, "--time", "60", "--set", "protocol.min_step_s=1")
+    try:
+        log = tmp_path / "out" / "logs" / "learner-0.log"
+        wait_for(lambda: log.exists() and "the synchronizer refused this learner's contribution" in log.read_text(),
+                 "learner-0 to say its work was refused", timeout_s=200)
+        port = (tmp_path / "out" / "sync.port").read_text().strip()
+        assert main(["status", f"127.0.0.1:{port}", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        (learner,) = [lr for lr in status["learners"] if lr["id"] == "learner-0"]
+        assert main(["status", f"127.0.0.1:{port}"]) == 0
+        table = capsys.readouterr().out
+    finally:
+        out, err = finish(proc)
+    assert learner["refused_steps"].get("implausible", 0) > 0, learner
+    assert "steps refused" in table
+    row = next(line for line in table.splitlines() if "learner-0" in line)
+    assert re.search(r"\b[1-9][\d,]*\b", row.split("│")[7]), row  # its refused steps, not 0
+    assert "implausible" in log.read_text() and "that work is lost" in log.read_text()
+    assert re.search(r"launch: the synchronizer refused \d+ of learner-\d's contributions, its work thrown away: "
+                     r"implausible", err), err
+    assert not session_pids(proc.pid)
