@@ -265,6 +265,11 @@ def test_a_learner_of_the_run_restarting_into_a_registry_full_of_abandoned_joins
     c = a_contribution(cores, params)
     assert isinstance(sync.handle(c, 1.0)[0], Accepted)
     sync.handle(Tick(), 100.0)  # l0's process died: its lease ran out
+    for i in range(8):  # joins abandoned before their state arrived: more dead records than the registry keeps
+        gone = sync.handle(Join(f"gone-{i}", "g"), 100.5 + i / 10)[0]
+        sync.handle(StateDelivered(f"gone-{i}", gone.state.session, False), 100.5 + i / 10)
+        sync.handle(Tick(), 100.5 + i / 10)
+    assert "l0" in {s.learner_id for s in sync.status(101.5).learners}  # strangers are forgotten first
     sessions = []
     for i, t in enumerate((101.0, 102.0, 103.0)):
         admitted = sync.handle(Join(f"flood-{i}", f"f{i}"), t)[0]

@@ -289,14 +289,15 @@ class Registry:
         rec.admitting_until_s = None
 
     def forget(self, now: float, also: Callable[[str], None]) -> tuple[str, ...]:
-        """Learners dead for ``forget_after_s`` (or the oldest dead, beyond twice ``max_learners``
-        records): dropped from the registry (and, by ``also``, elsewhere), their counts kept in
+        """Learners dead for ``forget_after_s`` (or, beyond twice ``max_learners`` records, the oldest
+        dead, those that never trained here first: a flood's strangers go before the run's learners, who
+        keep their place in :meth:`make_room`): dropped from the registry (and, by ``also``, elsewhere), their counts kept in
         :attr:`forgotten`."""
-        dead = sorted((rec.dead_since_s, name) for name, rec in self.records.items()
+        dead = sorted((rec.accepted > 0, rec.dead_since_s, name) for name, rec in self.records.items()
                       if not rec.alive and rec.dead_since_s is not None)
         limit = 2 * self.max_learners if self.max_learners else 0
         excess = len(self.records) - limit if limit else 0
-        names = [name for i, (since, name) in enumerate(dead)
+        names = [name for i, (_, since, name) in enumerate(dead)
                  if i < excess or (self.forget_after_s and now - since >= self.forget_after_s)]
         f = self.forgotten
         for name in names:

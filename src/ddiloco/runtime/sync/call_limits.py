@@ -73,6 +73,18 @@ def timed_out(what: str, seconds: float) -> Abort:
     return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
 
 
+async def within(work: Awaitable[None], seconds: float, what: str) -> None:
+    """``work``, or :class:`Abort` (``timed_out``) once it took ``seconds``. Its error is read even
+    when the caller was cancelled meanwhile (a client gone mid-send fails grpc's write): asyncio's
+    ``wait_for`` leaves it unread, and the log showed "Task exception was never retrieved"."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    try:
+        await asyncio.wait_for(task, seconds)
+    except asyncio.TimeoutError:
+        raise timed_out(what, seconds) from None
+
+
 class Slot:
     """One place held in a pool; released once, by its holder or by the pool (evicted)."""
 

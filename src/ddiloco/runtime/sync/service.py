@@ -46,7 +46,7 @@ from ddiloco.runtime.auth import REASON_HEADER, Authenticator
 from ddiloco.runtime.layout import ModelLayout, reference_layout
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.boundary import Abort, Boundary
-from ddiloco.runtime.sync.call_limits import CallLimits, timed_out
+from ddiloco.runtime.sync.call_limits import CallLimits, within
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_memory_plan
@@ -238,12 +238,9 @@ class SyncService(ServiceRecords):
                 None if part is None else lambda value: self.parts.value(value, part))
 
         delivered = False
-        deadline = self.calls.transfer_deadline_s(self.core.state_bytes)
         try:
-            await asyncio.wait_for(send(), deadline)
+            await within(send(), self.calls.transfer_deadline_s(self.core.state_bytes), "the global state's transfer")
             delivered = True
-        except asyncio.TimeoutError:
-            raise timed_out("the global state's transfer", deadline) from None
         finally:  # also when the client went away (the task is cancelled): never await here
             self._spawn(self._host.handle(StateDelivered(learner, session, delivered)))
 
@@ -324,13 +321,10 @@ class SyncService(ServiceRecords):
                     return
                 self.streams.open_for(req.learner_id, session, part)
             async with self.calls.transfers.hold():
-                deadline = self.calls.deadline_s(self.core.state_bytes)
                 cut = None if part is None else lambda value: self.parts.value(value, part)
-                try:
-                    await asyncio.wait_for(self.copies.send(self.core.owned, lambda chunk: self.calls.write(
-                        context, chunk.SerializeToString(), "the state fetch"), cut), deadline)
-                except asyncio.TimeoutError:
-                    raise timed_out("the state fetch", deadline) from None
+                await within(self.copies.send(self.core.owned, lambda chunk: self.calls.write(
+                    context, chunk.SerializeToString(), "the state fetch"), cut),
+                    self.calls.deadline_s(self.core.state_bytes), "the state fetch")
 
         await self._guarded(context, work)
 
