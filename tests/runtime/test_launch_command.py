@@ -133,6 +133,9 @@ def test_sigterm_stops_the_learners_then_the_synchronizer_and_leaves_no_process(
     assert proc.returncode == 130, err
     assert "launch: SIGTERM: stopping the learners, then the synchronizer" in err and "Traceback" not in err
     assert not session_pids(proc.pid)
+    # Issue 57: how to go on, in the terms of the command typed (not `ddiloco sync --state-dir ... --resume`)
+    assert f"ddiloco launch --resume --out {tmp_path / 'out'}" in out and "ddiloco export" in out, out
+    assert not port_file.exists()  # the port of a synchronizer that is gone
     sync_log = (tmp_path / "out" / "logs" / "sync.log").read_text()
     assert "final checkpoint written" in sync_log  # stopped in order: its state is whole
     assert main(["export", str(tmp_path / "out" / "sync-state"), str(tmp_path / "m.safetensors"),
@@ -165,7 +168,7 @@ def test_a_script_that_exits_at_once_is_one_line_exit_2_and_leaves_no_process(tm
     assert len(errors) == 1 and "exited with code 3 before it joined the run" in errors[0], err
     assert "no runtime here" in errors[0] and "Traceback" not in err
     assert not session_pids(proc.pid)
-    assert not (tmp_path / "out" / "sync-state").exists()  # no run was made: a new launch starts afresh
+    assert not (tmp_path / "out").exists()  # no run, no logs, no sync.port: a new launch starts afresh (issue 57)
 
 
 def test_from_env_outside_launch_says_what_to_do_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

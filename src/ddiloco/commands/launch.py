@@ -80,25 +80,46 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.auth import load_token
 
         token = load_token(args.token_file)
-    from ddiloco.runtime.launch.supervise import STATE_DIR, Launch
+    from ddiloco.runtime.launch.supervise import STATE_DIR, STOPPED, Launch
 
+    out = Path(args.out)
+    _check_resume(out, out / STATE_DIR, args.resume)
     if args.http_port == 0:  # a free one now, so that the launcher can say where
         from ddiloco.runtime.launch.local_run import free_port
 
         args.http_port = free_port()
-    out = Path(args.out)
     with Launch(out, command, args.learners, _sync_args(args, out / STATE_DIR), token=token,
                 max_restarts=args.max_restarts, http_port=args.http_port) as launch:
         code = launch.run()
+    export = (f"ddiloco export {shlex.quote(str(out / STATE_DIR))} OUT.safetensors"
+              + (f" --init {shlex.quote(args.init)}" if args.init else ""))
     if code == 0:
         from ddiloco.outputs.reporting import MODEL_FILE
         from ddiloco.runtime.global_model import export_run
 
         export_run([out / STATE_DIR], out / MODEL_FILE, Path(args.init) if args.init else None)
         print(f"the run finished; wrote its global model to {out / MODEL_FILE} (load it with "
-              "model.load_state_dict(safetensors.torch.load_file(...)); or: ddiloco export "
-              f"{out / STATE_DIR} OUT.safetensors" + (f" --init {shlex.quote(args.init)}" if args.init else "") + ")")
+              f"model.load_state_dict(safetensors.torch.load_file(...)); or: {export})")
+    elif code == STOPPED:
+        print(f"the run stopped; its state is in {out / STATE_DIR}: continue it with the same command plus "
+              f"--resume (ddiloco launch --resume --out {shlex.quote(str(out))} ...); its model so far: {export}")
     return code
+
+
+def _check_resume(out: Path, state_dir: Path, resume: bool) -> None:
+    """Refuse, in ``ddiloco launch``'s own terms, a new run where one is already kept, or ``--resume``
+    where there is none (``ddiloco sync`` would refuse both, naming its own ``--state-dir``)."""
+    held = False
+    if state_dir.exists():  # only then the state directory's code (torch)
+        from ddiloco.runtime.sync.state_dir import has_checkpoint
+
+        held = has_checkpoint(state_dir)
+    if held and not resume:
+        raise ConfigError(f"--out {str(out)!r} already holds a run ({state_dir}): pass --resume to continue it, "
+                          "or choose another --out")
+    if resume and not held:
+        raise ConfigError(f"--resume: --out {str(out)!r} holds no run to continue (nothing in {state_dir}): "
+                          "start without --resume for a new run")
 
 
 def _sync_args(args: argparse.Namespace, state_dir: Path) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -18,6 +19,7 @@ import torch
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import Fragment, FragmentPlan, flatten, plan_fragments
 from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.runtime.launch import env
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.settings.config import Config
 from ddiloco.workload.trainer import build_model
@@ -31,6 +33,15 @@ SERVE_YOUR_MODEL = ("to train your own model, serve it: save_initial_state(model
                     "ddiloco sync --init init.safetensors; with ddiloco learner, start both with the same model options")
 """The way out of a :class:`LayoutMismatch`: a ``LearnerRuntime`` against ``ddiloco sync --preset tiny``
 raised one whose hint never said that the synchronizer serves the reference model unless given ``--init``."""
+SERVE_UNDER_LAUNCH = ("to train your own model, serve it: save_initial_state(model, 'init.safetensors') once, then "
+                      "ddiloco launch --init init.safetensors --learners M ... -- python SCRIPT ...")
+"""The same, for a copy of a script that ``ddiloco launch`` started (issue 57: the hint named ``ddiloco
+sync``, a command its user never typed)."""
+
+
+def serve_your_model() -> str:
+    """The way out of a :class:`LayoutMismatch`, in the terms of the command that started this learner."""
+    return SERVE_UNDER_LAUNCH if os.environ.get(env.CONNECT) else SERVE_YOUR_MODEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +166,11 @@ def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> 
         for p in f.params:
             if p.name not in params:
                 raise LayoutMismatch(f"the synchronizer serves parameter {p.name!r}, which this model lacks: "
-                                     f"{SERVE_YOUR_MODEL}")
+                                     f"{serve_your_model()}")
             shape = tuple(params[p.name].shape)
             if shape != tuple(p.shape):
                 raise LayoutMismatch(f"parameter {p.name!r} has shape {shape} here, {tuple(p.shape)} at the "
-                                     f"synchronizer: {SERVE_YOUR_MODEL}")
+                                     f"synchronizer: {serve_your_model()}")
             names.append(p.name)
             served.add(p.name)
         fragments.append(Fragment(index=f.index, param_names=tuple(names), numel=f.numel, offset=f.offset,
@@ -167,5 +178,5 @@ def plan_from_layout(header: pb.JoinHeader, params: dict[str, torch.Tensor]) -> 
     extra = sorted(set(params) - served)
     if extra:
         raise LayoutMismatch(f"parameters {extra[:3]} are not served by the synchronizer (another model?): "
-                             f"{SERVE_YOUR_MODEL}")
+                             f"{serve_your_model()}")
     return FragmentPlan(fragments=tuple(fragments), period=header.period)
