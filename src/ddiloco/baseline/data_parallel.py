@@ -29,7 +29,7 @@ from ddiloco.runtime.launch.local_run import (
     prepare_files,
 )
 from ddiloco.runtime.launch.placement import placed
-from ddiloco.runtime.launch.processes import Processes, StopSignals
+from ddiloco.runtime.launch.processes import Processes, StopSignals, interruption
 from ddiloco.runtime.launch.run_log import RunTimeline
 from ddiloco.runtime.launch.topology import Topology
 from ddiloco.settings.config import Config
@@ -97,7 +97,7 @@ def run_data_parallel(config: Config, out: Path, progress: ProgressFn | None = N
                         weights_sha256=result["weights_sha256"], fragment_versions=[result["steps"]],
                         steps_per_learner=list(steps.values()), own_steps_per_learner=list(steps.values()),
                         comm_wait_s=result["comm_wait_s"], links=timeline.link_totals(),
-                        stopped=stop.requested.name if stop.requested else None,
+                        **interruption(stop, _fraction(config, timeline, started)),
                         # A rank that dies ends a data-parallel run with an error: a summary had none.
                         events=timeline.events(merges=result["steps"], rejoins=0, failures=0,
                                                end_s=rows[-1]["virtual_time_s"] if rows else 0.0),

@@ -80,15 +80,16 @@ def add_cluster_options(parser: argparse.ArgumentParser, *, with_mode: bool = Tr
     add_device_option(parser)
 
 
-def config_from_args(args: argparse.Namespace, *, main_job: bool = False) -> Config:
+def config_from_args(args: argparse.Namespace, *, main_job: bool = False, processes: bool = False) -> Config:
     """The run's configuration; ``main_job`` (``ddiloco run`` on the virtual cluster) adds the
     preset's failures and slow learner (:data:`ddiloco.settings.config_sources.MAIN_JOB`) beneath the file,
-    the overrides and the flags."""
+    the overrides and the flags; ``processes`` (``--runtime processes``) a training time where no budget is given."""
     from ddiloco.settings.config_sources import build_config
 
     return build_config(
         preset=args.preset,
         main_job=main_job,
+        processes=processes,
         config_file=args.config,
         overrides=tuple(args.overrides),
         run__mode=getattr(args, "mode", None),

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         flag = f"--mtbf {args.mtbf:g}" if args.mtbf else f"--downtime {args.downtime:g}"
         raise ConfigError(f"{flag}: --runtime processes takes no simulated failure trace; inject kill -9 (and "
                           "SIGSTOP, cut links, synchronizer crashes) into real processes with `ddiloco chaos`")
-    config = config_from_args(args, main_job=virtual)  # real processes are not given a failure trace
+    config = config_from_args(args, main_job=virtual, processes=not virtual)  # real processes: no failure trace
     if virtual and args.hosts != Hosts.LOCAL:
         raise ConfigError("--hosts netns needs --runtime processes (the virtual cluster has its own links)")
     topology = topology_from_args(args, config.run.learners)
@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.launch.launcher import run_processes  # grpc only when asked for
         from ddiloco.runtime.launch.local_run import state_dirs
 
+        if config.run.time_s and not config.run.tokens:
+            console.print(f"training for {config.run.time_s:g} s of wall time from the first learner's join "
+                          "(--time or --tokens to choose), after the processes' start-up", highlight=False)
         with progress_bar(label) as progress:
             summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
         write_run(out, config, summary, rows)
@@ -85,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     print_report([summary], f"ddiloco run ({args.preset} preset, seed {config.run.seed})",
                  what_happened(summary, slow_factor=config.cluster.slow_factor))
     console.print(f"wrote {out}/summary.json, metrics.jsonl, config.toml, plot.png")
-    if summary.get("stopped"):
-        console.print(f"ddiloco: interrupted by {summary['stopped']}: stopped cleanly (final checkpoint and files "
+    if summary.get("interrupted"):
+        console.print(f"ddiloco: interrupted by {summary['signal']}: stopped cleanly (final checkpoint and files "
                       "written)", highlight=False)
         return 130
     return 0

@@ -33,6 +33,7 @@ from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
     NETNS_HTTP_PORT,
     POLL_S,
+    START_TIMEOUT_S,
     GlobalEvaluator,
     RunFiles,
     announce,
@@ -46,7 +47,7 @@ from ddiloco.runtime.launch.local_run import (
 )
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement, placed
-from ddiloco.runtime.launch.processes import Processes, StopSignals
+from ddiloco.runtime.launch.processes import Processes, StopSignals, interruption
 from ddiloco.runtime.launch.run_log import RunTimeline
 from ddiloco.runtime.launch.topology import Topology
 from ddiloco.runtime.sharded import ShardedClient
@@ -91,6 +92,8 @@ def run_processes(
         finally:
             procs.close()
             timeline.close()
+            for port_file in files.port_files:  # the ports of synchronizers that are gone
+                port_file.unlink(missing_ok=True)
 
 
 def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, timeline: RunTimeline,
@@ -109,7 +112,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
             _start_learners(names, timeline, procs, place, addresses, threads, device, min_step_s)
 
         late = _LateLearners(timeline.learners, config.cluster.arrivals_s(len(timeline.learners)), start)
-        evaluations.evaluate(client.status_dict())
+        evaluations.evaluate(_first_status(files, procs, client))
         _watch(files, procs, timeline, client, stop, evaluations, timeout_s, late)
         _stop_learners(procs, timeline, stop)
         status = client.status_dict()
@@ -135,7 +138,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         steps_per_learner=[by_id.get(name, {}).get("tokens", 0) // tokens_per_step for name in timeline.learners],
         own_steps_per_learner=list(timeline.steps().values()),
         links=timeline.link_totals(),
-        stopped=stop.requested.name if stop.requested else None,
+        **interruption(stop, evaluations.fraction(status)),
         events=timeline.events(merges=sum(status["quorum"]["rounds_closed"].values()),
                                rejoins=sum(max(0, lr["registrations"] - 1) for lr in status["learners"]),
                                failures=sum(1 for n in timeline.learners if procs.died(n)),
@@ -255,6 +258,22 @@ def _watch(files: RunFiles, procs: Processes, timeline: RunTimeline, client: Sha
                                + (f"; {bad}:\n{procs.tail(bad)}" if bad else ""))
         evaluations.at_next_point(status)
         time.sleep(POLL_S)
+
+
+def _first_status(files: RunFiles, procs: Processes, client: ShardedClient) -> dict[str, Any]:
+    """The synchronizers' status once they answer: bound to its port, a synchronizer on a loaded host
+    may still take seconds to answer its first call (issue 57: the run ended in a traceback, "connection
+    attempt timed out before receiving SETTINGS frame", at a load average of 12 on 2 cores)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return client.status_dict()
+        except (Unreachable, CallRefused) as err:
+            dead = next((name for name in files.sync_names if not procs.running(name)), None)
+            if dead is not None or time.monotonic() > deadline:
+                raise DdilocoError(f"the synchronizer did not answer within {START_TIMEOUT_S:.0f}s: {err}"
+                                   + (f"\n{procs.tail(dead)}" if dead else "")) from None
+            time.sleep(POLL_S)
 
 
 def _stop_learners(procs: Processes, timeline: RunTimeline, stop: StopSignals) -> None:

@@ -141,3 +141,13 @@ class StopSignals:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum)
+
+
+def interruption(stop: StopSignals, done: float) -> dict[str, Any]:
+    """What a summary says of a run a signal stopped: ``"interrupted": true`` and ``done`` (the share of
+    the budget), as the virtual cluster's summary says it, and which ``signal`` it was (a run that
+    finished: nothing). A run of real processes wrote ``"stopped": "SIGINT"`` instead: two names for
+    one fact (issue 57)."""
+    if stop.requested is None:
+        return {}
+    return {"interrupted": True, "done": round(done, 4), "signal": stop.requested.name}
