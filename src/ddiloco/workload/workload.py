@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.config import Config
 from ddiloco.workload.corpus import BatchSampler, Corpus, eval_batches, load_corpus, split_corpus
 from ddiloco.workload.evaluate import evaluate
@@ -51,6 +53,26 @@ class Workload:
         model = ByteTransformer(self.config.model)
         model.load_state_dict(self.initial_state)
         return model.to(self.device)
+
+    def load_model(self, path: Path) -> ByteTransformer:
+        """The reference model with the weights of a run's model file (``ddiloco eval``); ConfigError in one
+        line when the file is not one, or holds another model (another preset or configuration)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"{str(path)!r} is not a model file (safetensors): {err}") from None
+        model = self.new_model()
+        try:
+            model.load_state_dict(tensors)
+        except RuntimeError as err:  # missing, unexpected or mis-shaped parameters
+            shapes = ", ".join(line.strip() for line in str(err).splitlines()[1:3])
+            raise ConfigError(f"{str(path)!r} holds another model than this configuration's reference model "
+                              f"({shapes}): pass the run's --config or --preset; a model of your own (--init) "
+                              "is yours to evaluate") from None
+        return model
 
     def new_trainer(self, model: torch.nn.Module) -> InnerTrainer:
         t = self.config.train
