@@ -5,15 +5,18 @@ command the user typed and its options, and a refused launch leaves nothing it m
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from test_own_model_layout import TiedLM, tiny_config
 
 from ddiloco.cli import main
+from ddiloco.commands.launch import _say_changes
 from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import SERVE_UNDER_LAUNCH, LayoutMismatch
 from ddiloco.runtime.learner.runtime import LearnerRuntime
+from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions
 from runtime_helpers import InProcessSync
 
@@ -65,3 +68,19 @@ def test_a_launched_copy_whose_model_is_not_served_is_told_about_launchs_init(mo
         sync.close()
     assert str(refused.value).endswith(SERVE_UNDER_LAUNCH) and "ddiloco launch --init" in SERVE_UNDER_LAUNCH
     assert "ddiloco sync" not in str(refused.value)
+
+
+def test_resume_with_another_number_of_learners_says_what_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 57, item 9: ``--resume --learners 3`` on a run of 2 learners was accepted silently."""
+    state = tmp_path / "out" / "sync-state"
+    a_run_kept_in(state)  # a run of tiny_config()'s learners
+    learners = tiny_config().run.learners
+    _say_changes(state, learners + 1, None, None)  # ddiloco launch says it on its own output (not the sync's log)
+    assert f"launch: resuming the run in {state} with --learners {learners + 1} (the run had {learners})" in \
+        capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="ddiloco.sync"):
+        resumed = InProcessSync(replace(tiny_config(), run=replace(tiny_config().run, learners=learners + 1)),
+                                ServiceOptions(state_dir=state, resume=Resume.REQUIRED))
+        resumed.close()
+    assert f"resuming the run with --learners {learners + 1} (the run had {learners})" in caplog.text

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_resume(out, out / STATE_DIR, args.resume)
+    if args.resume:
+        _say_changes(out / STATE_DIR, args.learners, args.tokens, args.time)
     if args.http_port == 0:  # a free one now, so that the launcher can say where
         from ddiloco.runtime.launch.local_run import free_port
 
@@ -120,6 +122,21 @@ def _check_resume(out: Path, state_dir: Path, resume: bool) -> None:
     if resume and not held:
         raise ConfigError(f"--resume: --out {str(out)!r} holds no run to continue (nothing in {state_dir}): "
                           "start without --resume for a new run")
+
+
+def _say_changes(state_dir: Path, learners: int, tokens: int | None, time_s: float | None) -> None:
+    """What ``--resume`` changes of the run it continues, on the launcher's output (the synchronizer
+    says it in its own log, which a launch does not show): a new number of learners was accepted silently."""
+    from ddiloco.runtime.launch.local_run import announce
+    from ddiloco.runtime.sync.resume import changed_on_resume
+    from ddiloco.runtime.sync.state_dir import load_latest
+
+    saved = (load_latest(state_dir) or {}).get("service", {}).get("config", {})
+    now = {"run": {"learners": learners, **({"tokens": tokens} if tokens is not None else {}),
+                   **({"time_s": time_s} if time_s is not None else {})}}
+    changed = changed_on_resume(saved, now)
+    if changed:
+        announce(f"launch: resuming the run in {state_dir} with {', '.join(changed)}")
 
 
 def _sync_args(args: argparse.Namespace, state_dir: Path) -> list[str]:

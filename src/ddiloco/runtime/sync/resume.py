@@ -4,6 +4,12 @@ checks its command line, and refuses a bad one in one line, without importing to
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any
+
+RESUMED_KEYS = (("run", "learners", "--learners"), ("run", "tokens", "--tokens"), ("run", "time_s", "--time"))
+"""What a resumed run may change of the run it continues, each with the option that changes it: said, not
+refused (a run continues with more or fewer learners, or a longer budget, by design)."""
 
 
 class Resume(enum.Enum):
@@ -21,3 +27,12 @@ class Resume(enum.Enum):
     """Continue the run in the directory; none there is an error (``--resume``)."""
     IF_PRESENT = "if present"
     """Continue the run in the directory if it holds one, else start one (``--resume-if-present``)."""
+
+
+def changed_on_resume(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What the command line changes of the run it resumes (``saved``, ``now``: configurations as dicts),
+    one phrase each: ``--resume --learners 3`` on a run of 2 learners was accepted silently (issue 57)."""
+    return [f"{option} {now[section][key]} (the run had {saved[section][key]})"
+            for section, key, option in RESUMED_KEYS
+            if key in saved.get(section, {}) and key in now.get(section, {})
+            and saved[section][key] != now[section][key]]

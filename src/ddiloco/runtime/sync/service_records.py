@@ -30,6 +30,7 @@ from ddiloco.runtime.sync.boundary import Boundary
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
+from ddiloco.runtime.sync.resume import changed_on_resume
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.settings.config import Config
 
@@ -61,6 +62,9 @@ class ServiceRecords:
         """Restore the core and the service's counters from a checkpoint (before serving)."""
         self.core.load_state_dict(saved["core"])
         service = saved["service"]
+        changed = changed_on_resume(service.get("config", {}), self.config.to_dict())
+        if changed:
+            log.warning("resuming the run with %s", ", ".join(changed))
         self.boundary.known = {rec.learner_id for rec in self.core.status().learners}
         self.boundary.rejections = collections.Counter({k: int(v) for k, v in service["wire_rejections"].items()})
         self.boundary.learner_rejected = collections.Counter(
