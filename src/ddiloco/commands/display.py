@@ -9,6 +9,7 @@ column per run) rather than cut: no value is ever truncated.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -182,9 +183,10 @@ def _width(renderable: RenderableType) -> int:
 
 
 def report_console() -> Console:
-    """stdout: the terminal's width, or :data:`PIPED_WIDTH` when piped or logged."""
+    """stdout: the terminal's width, else ``$COLUMNS`` where set (rich reads it), else :data:`PIPED_WIDTH`
+    when piped or logged (issue 57: piped with ``COLUMNS=120``, the report was 171 columns wide)."""
     out = Console()
-    return out if out.is_terminal else Console(width=PIPED_WIDTH)
+    return out if out.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=PIPED_WIDTH)
 
 
 @contextlib.contextmanager
