@@ -68,6 +68,15 @@ def test_bad_input_before_a_model_is_built_is_one_line_without_torch(argv: list[
     assert len(err.splitlines()) == 1 and err.startswith("ddiloco: error: ") and error in err, err
 
 
+def test_export_of_an_empty_directory_is_one_line_without_torch(tmp_path) -> None:
+    """Issue 57: the error cost 1.4 s of CPU, the import of torch before the directory was looked at."""
+    (tmp_path / "empty").mkdir()
+    for argv in (["export", str(tmp_path / "empty"), str(tmp_path / "m.safetensors")], ["eval", "nope.safetensors"]):
+        code, heavy, _, err = probe(*argv)
+        assert code == 2 and heavy == [], (argv, heavy)
+        assert len(err.splitlines()) == 1 and ("holds no run" in err or "no such file" in err), err
+
+
 def test_status_of_an_unreachable_synchronizer_is_one_line_without_torch() -> None:
     port = free_port()
     code, heavy, _, err = probe("status", f"127.0.0.1:{port}", "--timeout", "1")

@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     hf = Path(args.hf) if args.hf else None
     if hf is not None and hf.exists() and any(hf.iterdir()) and not args.force:
         raise ConfigError(f"--hf {args.hf!r} exists and is not empty: pass --force to write into it")
+    from ddiloco.runtime.sync.resume import holds_no_run, surely_empty
+
+    if empty := next((path for path in sources if surely_empty(path)), None):
+        raise ConfigError(holds_no_run(empty))  # said before torch is imported: a second of CPU
     from ddiloco.runtime import global_model, model_file
 
     if out is not None:

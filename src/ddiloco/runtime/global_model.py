@@ -35,6 +35,7 @@ from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
 from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters, save_state_dict
 from ddiloco.runtime.sync.checkpoint_writer import restore_state
+from ddiloco.runtime.sync.resume import holds_no_run
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
 from ddiloco.settings.config import Config
@@ -99,8 +100,7 @@ def from_state_dirs(paths: Sequence[Path], init: Path | None) -> tuple[ServedMod
 def _latest(path: Path) -> dict[str, Any]:
     """The latest checkpoint in ``path`` (its fragments not read yet): what every export starts from."""
     if not path.is_dir() or not has_checkpoint(path):
-        raise ConfigError(f"{str(path)!r} holds no run (no checkpoint, no round log): give the --state-dir of "
-                          "`ddiloco sync`, or runs/<mode>/sync-state of a --runtime processes run")
+        raise ConfigError(holds_no_run(path))
     saved = load_latest(path)
     if saved is None:
         raise ConfigError(f"{str(path)!r} holds a round log but no checkpoint (the synchronizer died before its "
