@@ -20,7 +20,7 @@ def test_every_kind_is_injected_somewhere_and_the_two_tools_share_the_crashes():
 
 @pytest.mark.parametrize("kind", SIMULATED, ids=str)
 def test_each_kind_the_simulator_offers_is_injected_by_its_seeds(kind):
-    report = run_simtest(6, kinds=(kind,), stop_at_first=True)
+    report = run_simtest(8, kinds=(kind,), stop_at_first=True)
     assert report.violations == [] and report.liveness_failures == []
     faults = report.faults()
     assert faults[kind] > 0, faults

@@ -105,7 +105,8 @@ def test_simtest_json_has_the_documented_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"seeds", "violations", "faults", "liveness_failures"} <= set(out)
     assert out["seeds"] == 3 and out["violations"] == [] and out["liveness_failures"] == []
-    assert set(out["faults"]) == {"loss", "duplicate", "reorder", "partition", "freeze", "learner_crash", "sync_crash"}
+    assert set(out["faults"]) == {"loss", "duplicate", "reorder", "partition", "freeze", "learner_crash", "sync_crash",
+                                 "join_flood"}
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -173,6 +173,13 @@ class FaultConfig:
     """Per virtual second: probability that the synchronizer crashes (it restarts from its last checkpoint)."""
     sync_downtime_s: float = 10.0
     """Mean time the synchronizer stays down after a crash."""
+    join_flood: float = 0.0
+    """Per virtual second: probability that a flood of abandoned joins starts (each synchronizer shard its own)."""
+    join_flood_s: float = 20.0
+    """Mean length of a flood."""
+    join_flood_per_s: float = 20.0
+    """Joins a second during a flood, each under a new id; every other one is abandoned once its state
+    arrived (its lease runs, and it is never heard from), the others before."""
 
     def validate(self) -> None:
         for f in fields(self):

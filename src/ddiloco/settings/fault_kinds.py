@@ -47,6 +47,9 @@ class FaultKind(enum.StrEnum):
     """A learner's connections reset (RST), new ones too, for a while."""
     PARTITION = "partition"
     """Nothing passes either way on a learner's link for a while."""
+    JOIN_FLOOD = "join_flood"
+    """A member holding the run's token registers under new ids by the dozen each second, and abandons
+    every join: some before the state arrived, the others once it did (their leases then run)."""
 
     @property
     def injectors(self) -> frozenset[Injector]:
@@ -78,6 +81,7 @@ _INJECTORS: dict[FaultKind, frozenset[Injector]] = {
     FaultKind.LATENCY: frozenset({Injector.REAL_LINK}),
     FaultKind.BANDWIDTH: frozenset({Injector.REAL_LINK}),
     FaultKind.RESET: frozenset({Injector.REAL_LINK}),
+    FaultKind.JOIN_FLOOD: frozenset({Injector.VIRTUAL_PROCESS}),
     FaultKind.PARTITION: frozenset({Injector.VIRTUAL_LINK, Injector.REAL_LINK}),
 }
 

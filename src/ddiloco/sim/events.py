@@ -140,8 +140,17 @@ class SyncRestart:
     shard: int
 
 
+@dataclass(frozen=True, slots=True)
+class FloodJoin:
+    """One join of the adversary's flood against a synchronizer shard; the next follows until ``until_s``."""
+
+    shard: int
+    number: int
+    until_s: float
+
+
 SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | SyncTick | StateArrives
-             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart)
+             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart | FloodJoin)
 
 
 @dataclass(order=True, slots=True)

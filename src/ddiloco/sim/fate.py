@@ -1,5 +1,6 @@
 """The virtual cluster's failures: the seeded trace's crashes and restarts, and the adversary's
-timed faults (freezes, partitions, synchronizer crashes), as events on the cluster's clock.
+timed faults (freezes, partitions, synchronizer crashes, floods of abandoned joins), as events on
+the cluster's clock.
 
 What a fault does to a process or a link is here; what the protocol makes of it is the
 cores' (a crashed learner's boot ends, a frozen one's events wait for its thaw, a
@@ -12,11 +13,13 @@ from collections import Counter
 from typing import Callable
 
 from ddiloco.core.learner_side.learner_core import Learner
+from ddiloco.core.shared.messages import Join
 from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.sim.adversary import Window
 from ddiloco.sim.events import (
     Arrive,
     Crash,
+    FloodJoin,
     Freeze,
     Partition,
     PartitionEnd,
@@ -40,6 +43,8 @@ def window_event(w: Window) -> SimEvent:
         return Partition(w.target, w.end_s)
     if w.kind is FaultKind.FREEZE:
         return Freeze(w.target, w.end_s)
+    if w.kind is FaultKind.JOIN_FLOOD:
+        return FloodJoin(w.target, 0, w.end_s)
     return SyncCrash(w.target, w.end_s)
 
 
@@ -48,7 +53,7 @@ class Fate:
 
     def __init__(self, host: NodeHost, *, learners: list[LearnerNode], syncs: list[SyncNode], network: Network,
                  trace: FailureTrace, timeline: Timeline, new_core: Callable[[str, object, int], Learner],
-                 attack_until_s: float) -> None:
+                 attack_until_s: float, flood_per_s: float) -> None:
         self.host = host
         self.learners = learners
         self.syncs = syncs
@@ -57,6 +62,9 @@ class Fate:
         self.timeline = timeline
         self.new_core = new_core
         self.attack_until_s = attack_until_s
+        self.flood_per_s = flood_per_s
+        self.flood_joins = 0
+        """Joins of every flood so far: each under an id never used before."""
         self.injected: Counter[FaultKind] = Counter()
 
     def befall(self, event: SimEvent) -> None:
@@ -108,6 +116,14 @@ class Fate:
                 host.queue.at(event.until_s, SyncRestart(event.shard))
         elif isinstance(event, SyncRestart):
             self.syncs[event.shard].restart(host)
+        elif isinstance(event, FloodJoin):
+            self.injected[FaultKind.JOIN_FLOOD] += event.number == 0
+            self.flood_joins += 1
+            join = Join(f"flood-{event.shard}-{self.flood_joins}", f"flood-boot-{self.flood_joins}")
+            self.syncs[event.shard].on_stranger_join(host, join, delivered=event.number % 2 == 1)
+            after_s = now + 1.0 / self.flood_per_s
+            if after_s < event.until_s:
+                host.queue.at(after_s, FloodJoin(event.shard, event.number + 1, event.until_s))
 
     def schedule_failure(self, m: int) -> None:
         """Learner ``m``'s next crash from the trace, if it falls inside the attack window."""

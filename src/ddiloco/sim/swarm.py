@@ -125,13 +125,16 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
     # Drawn last, so every earlier draw of a seed is what it was before this key existed.
     sections["protocol"]["staleness_reach"] = float(rng.choice([1.0, 4.0]))
     sections["protocol"]["staleness_leases"] = float(rng.choice([0.0, 1.0, 4.0]))
+    sections["faults"]["join_flood"] = float(rng.uniform(0.003, 0.012)) if on(FaultKind.JOIN_FLOOD) else 0.0
+    sections["faults"]["join_flood_s"] = float(rng.uniform(5.0, 40.0))
+    sections["faults"]["join_flood_per_s"] = float(rng.uniform(2.0, 30.0))
     config = Config()
     for section, values in sections.items():
         config = apply_section(config, section, values, origin=f"simtest seed {seed}")
     for assignment in overrides:
         config = apply_override(config, assignment)
     longest_fault_s = 1.5 * max(config.faults.partition_s, config.faults.freeze_s, config.faults.downtime_s,
-                                config.faults.sync_downtime_s)
+                                config.faults.sync_downtime_s, config.faults.join_flood_s if config.faults.join_flood else 0.0)
     time_s = safety_s + longest_fault_s + 2 * liveness_bound_s(config) + 30.0
     config = apply_section(config, "run", {"time_s": time_s, "tokens": 0}, origin="simtest")
     return config.validate(), safety_s

@@ -31,7 +31,7 @@ from ddiloco.core.shared.actions import (
     Tick,
 )
 from ddiloco.core.shared.deadlines import state_bytes_of
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Request, StopNotice
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Join, Request, StopNotice
 from ddiloco.core.sync_side.replay import ReplayLog, replay_budget
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick
@@ -70,6 +70,19 @@ class SyncNode:
         if not self.up:
             return  # nobody listening: the caller's deadline will tell it
         self.execute(host, self.core.handle(request, host.queue.now), reply_to=(m, boot, call_id))
+
+    def on_stranger_join(self, host: NodeHost, join: Join, delivered: bool) -> None:
+        """A join of the adversary's flood: its reply goes nowhere, and its caller goes away once the
+        state arrived (``delivered``: its lease runs, and it is never heard from) or before."""
+        if not self.up:
+            return
+        now = host.queue.now
+        actions = self.core.handle(join, now)
+        if isinstance(actions[0], Admitted):
+            session = actions[0].state.session
+            assert session is not None
+            actions += self.core.handle(StateDelivered(join.learner_id, session, delivered), now)
+        self.execute(host, actions[1:])
 
     def on_delivered(self, host: NodeHost, incarnation: int, m: int, boot: int, admitted: Admitted,
                      arrived: bool) -> None:

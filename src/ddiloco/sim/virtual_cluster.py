@@ -133,7 +133,7 @@ class VirtualCluster:
         self._call_ids = itertools.count()
         self.fate = Fate(self, learners=self.learners, syncs=self.syncs, network=self.network,
                          trace=recorder.trace, timeline=self.timeline, new_core=self.new_core,
-                         attack_until_s=self.attack_until_s)
+                         attack_until_s=self.attack_until_s, flood_per_s=f.join_flood_per_s)
 
     def _new_node(self, m: int) -> LearnerNode:
         model = self.workload.new_model()
@@ -249,7 +249,9 @@ class VirtualCluster:
         return arrivals[0] if arrivals else None
 
     def push_to(self, learner: str, fragment: int, payload_bytes: int, message: Any) -> float | None:
-        node = self._by_name[learner]
+        node = self._by_name.get(learner)
+        if node is None:  # a registration of the adversary's flood: nobody reads its stream
+            return None
         size = payload_bytes + HEADER_BYTES  # the real synchronizer cuts a stream whose message
         if size / self.link.bytes_per_s > deadlines.stream_deadline_s(size, self.protocol):  # cannot leave in time
             return None

@@ -268,6 +268,13 @@ class Registry:
     def alive(self) -> list[str]:
         return sorted(name for name, rec in self.records.items() if rec.alive)
 
+    def counted(self) -> list[str]:
+        """The live learners a round waits for and the quorum counts: every live one but the idle
+        registrations (no run's learner, and never heard from since their join: a flood's). Counted,
+        a flood's registrations raised the quorum above the learners that train and kept every round
+        from closing early with all of them in (issue 53)."""
+        return sorted(name for name, rec in self.records.items() if rec.alive and not self._idle(rec))
+
     def alive_count(self) -> int:
         return sum(1 for rec in self.records.values() if rec.alive)
 

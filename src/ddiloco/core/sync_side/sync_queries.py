@@ -50,12 +50,16 @@ class SyncQueries:
     def alive(self) -> list[str]:
         return self._registry.alive()
 
+    def counted(self) -> list[str]:
+        """The live learners rounds wait for (``Registry.counted``)."""
+        return self._registry.counted()
+
     def pending_tokens(self) -> int:
         return sum(f.round.tokens for f in self._fragments.values())
 
     def effective_quorum(self) -> int:
         """The number of fresh contributions a round needs right now (K, or fewer live learners)."""
-        return effective_quorum(self.config.quorum, len(self.alive()), strict=self.config.strict_quorum)
+        return effective_quorum(self.config.quorum, len(self.counted()), strict=self.config.strict_quorum)
 
     def grace_length_s(self) -> float:
         """The grace window a round reaching its quorum now would get."""

@@ -262,7 +262,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         actions += [LearnersForgotten(forgotten)] if forgotten else []
         for index, frag in self._fragments.items():
             if frag.round.phase is RoundPhase.GRACE and frag.round.deadline_s <= now:
-                move = frag.round.grace_ended(set(self.alive()), frag.version)
+                move = frag.round.grace_ended(set(self.counted()), frag.version)
                 if move is not RoundMove.WAIT:
                     reason = CloseReason.GRACE if move is RoundMove.QUORUM else CloseReason.ALL_LIVE
                     actions += self._close(index, now, reason)
@@ -278,7 +278,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
             run.phase = RunPhase.STOPPING
             run.stopped_at_s = now
             actions.append(StopLearners(tuple(self.alive())))
-        if run.drain_due(now, len(self.alive())):
+        if run.drain_due(now, len(self.counted())):
             for index, frag in self._fragments.items():
                 if frag.round.pending:
                     actions += self._close(index, now, CloseReason.DRAIN)
@@ -304,7 +304,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
         if now < frag.ready_at_s and self.alive() and self._run.phase is RunPhase.RUNNING:
             return []  # too soon after the previous round: this one waits (``space_rounds``)
         frag.ready_at_s = 0.0
-        alive = set(self.alive())
+        alive = set(self.counted())
         move = rnd.move(alive, frag.version, self.effective_quorum())
         if move is RoundMove.CLOSE:
             return self._close(index, now, CloseReason.ALL_LIVE)
@@ -344,7 +344,7 @@ class Synchronizer(SyncState, SyncQueries, SliceIntake):
             opened_at_s=rnd.opened_at_s,
             closed_at_s=now,
             incarnation=self.incarnation,
-            alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.alive()),
+            alive=rnd.alive_at_quorum if in_grace and reason is not CloseReason.ALL_LIVE else len(self.counted()),
             coherence=coherence,
         )
         self._positions.merged(index, record.merged)
