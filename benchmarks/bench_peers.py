@@ -24,7 +24,6 @@ torchft is the optional extra ``pip install -e '.[peers]'``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -35,9 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_report import loss_at_tokens, metrics, plot, ratios, table, targets  # noqa: E402
-from peers_supervisor import Scenario, kill_schedule  # noqa: E402
-from peers_systems import RunSpec, System, ddiloco_dp, run  # noqa: E402
+from peers_supervisor import Scenario, System, kill_schedule  # noqa: E402
 from stamp import load_now, stamp  # noqa: E402
 
 SCENARIOS_OF: dict[System, tuple[Scenario, ...]] = {
@@ -48,9 +45,9 @@ SCENARIOS_OF: dict[System, tuple[Scenario, ...]] = {
 PRESET = "small"
 DOWNTIME_S = 3.0
 """Each killed learner stays down this long before the supervisor starts it again."""
-WARMUP_S = 20.0
-"""No kill before this many seconds: the learners' start-up (python, torch, the corpus) on a shared 2-core
-machine; a kill before the first step tests process start-up, not the protocols."""
+WARMUP_S = 5.0
+"""No kill in the first seconds of the window (time 0 is when every learner has trained a step): a learner
+killed before it ever committed anything would test process start-up, not the protocols."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,7 +97,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def missing_peer(systems: list[System]) -> str | None:
     """One line naming a peer the chosen systems need and this environment lacks, with how to install it."""
-    if any(s is not System.DDILOCO for s in systems) and importlib.util.find_spec("torchft") is None:
+    if all(s is System.DDILOCO for s in systems):
+        return None
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
         return ("bench_peers: torchft is not installed: pip install -e '.[peers]' (torchft==0.2.0); "
                 "--only ddiloco runs ddiloco's side alone")
     return None
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
+    from peers_report import metrics, plot, ratios, table, targets  # torch: only once the arguments are good
+    from peers_systems import RunSpec, ddiloco_dp, run
+
     started = stamp(__file__, argv)
     began = time.monotonic()
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-peers-"))
@@ -168,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _spread(curves: dict[str, list[list[dict[str, Any]]]]) -> dict[str, list[float]]:
     """Per system, the eval loss of each fault-free seed at the tokens every run of both systems reached."""
+    from peers_report import loss_at_tokens
+
     ends = [c[-1]["tokens"] for runs in curves.values() for c in runs if c]
     if not ends:
         return {}
@@ -178,9 +184,9 @@ def _spread(curves: dict[str, list[list[dict[str, Any]]]]) -> dict[str, list[flo
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     import peers_torchft as tf
-    from peers_systems import RunSpec as _R
+    from peers_systems import RunSpec
 
-    config = _R(system=System.DDILOCO, scenario=Scenario.FAULT_FREE, seed=args.seed, learners=args.learners,
+    config = RunSpec(system=System.DDILOCO, scenario=Scenario.FAULT_FREE, seed=args.seed, learners=args.learners,
                 time_s=args.time, preset=PRESET, out=Path(".")).config()
     return {"preset": PRESET, "model": {"d_model": config.model.d_model, "n_layers": config.model.n_layers,
                                         "seq_len": config.model.seq_len, "batch_size": config.train.batch_size},

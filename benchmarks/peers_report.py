@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from peers_supervisor import Scenario
-from peers_systems import RunRecord, System
+from peers_supervisor import Scenario, System
+from peers_systems import RunRecord
 
 
 def tokens_at(record: RunRecord, t_s: float) -> float:
@@ -67,6 +67,7 @@ def metrics(record: RunRecord) -> dict[str, Any]:
         "tokens_merged": merged * record.tokens_per_step,
         "work_lost_tokens": (trained - merged) * record.tokens_per_step,
         "commits": len(record.commit_times_s),
+        "start_to_first_step_s": record.start_to_step_s,
         "kills": record.supervised.kills,
         "restarts": record.supervised.restarts,
         "wall_s": record.wall_s,

@@ -16,9 +16,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ddiloco.runtime.launch.processes import Processes
+if TYPE_CHECKING:  # the command line parses its arguments without importing torch
+    from ddiloco.runtime.launch.processes import Processes
 
 TICK_S = 0.05
 """How often the supervisor looks at its schedule: kills land within this of their time, whatever the
@@ -32,6 +33,12 @@ class Scenario(enum.StrEnum):
     FAULT_FREE = "fault_free"
     KILLS = "kills"
     SLOW_LEARNER = "slow_learner"
+
+
+class System(enum.StrEnum):
+    DDILOCO = "ddiloco"
+    TORCHFT_DILOCO = "torchft_diloco"
+    TORCHFT_DDP = "torchft_ddp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +91,7 @@ class Supervisor:
     started it), so :meth:`close` comes after the learners have stopped.
     """
 
-    def __init__(self, procs: Processes, learners: list[str], start: Callable[[str], None], *, kills: list[Kill],
+    def __init__(self, procs: "Processes", learners: list[str], start: Callable[[str], None], *, kills: list[Kill],
                  downtime_s: float, slow: str | None) -> None:
         self.procs = procs
         self.learners = learners

@@ -14,7 +14,6 @@ last lines: :class:`PeerFailed`, never retried.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.settings.config import Config
 from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
-from peers_supervisor import Kill, Scenario, Supervised, Supervisor
+from peers_supervisor import Kill, Scenario, Supervised, Supervisor, System
 
 POLL_S = 0.25
 EVAL_EVERY_S = 2.0
@@ -51,12 +50,6 @@ quiet machine, a minute when other jobs load the cores) before the run counts as
 TORCHFT_SCRIPT = Path(__file__).resolve().parent / "peers_torchft.py"
 STOP_FILE = "stop_at"
 """Where the harness writes the stop time (epoch s) for torchft's replicas once every learner trains."""
-
-
-class System(enum.StrEnum):
-    DDILOCO = "ddiloco"
-    TORCHFT_DILOCO = "torchft_diloco"
-    TORCHFT_DDP = "torchft_ddp"
 
 
 class PeerFailed(Exception):
@@ -105,6 +98,8 @@ class RunRecord:
     steps_per_s: dict[str, float] = field(default_factory=dict)
     """Each learner's own pace: its steps over its training seconds, all incarnations together."""
     bytes_sent: float = 0.0
+    start_to_step_s: list[float | None] = field(default_factory=list)
+    """Every learner process's seconds from its start to its first step (None: killed or stopped before one)."""
     wall_s: float = 0.0
     supervised: Supervised = field(default_factory=Supervised)
     failed: str | None = None
@@ -117,6 +112,9 @@ class _Learners:
         self.out = out
         self.base: dict[str, dict[str, float]] = {n: {} for n in names}
         self.train_s: dict[str, float] = {n: 0.0 for n in names}
+        self.started: dict[str, float] = {}
+        self.start_to_step_s: list[float | None] = []
+        """Per process, seconds from its start to its first trained step (None: it never trained one)."""
 
     def progress(self, name: str) -> Path:
         return self.out / f"{name}.progress"
@@ -128,9 +126,13 @@ class _Learners:
         """Fold the previous incarnation's last progress into the learner's totals, then forget its file."""
         self._fold(name)
         self.progress(name).unlink(missing_ok=True)
+        self.started[name] = time.time()
 
     def _fold(self, name: str) -> None:
         last = read_progress(self.progress(name))
+        if name in self.started:
+            first = (last or {}).get("first_step_time")
+            self.start_to_step_s.append(round(first - self.started.pop(name), 2) if first else None)
         if last is None:
             return
         for key in ("steps", "merged", "bytes_sent"):
@@ -305,6 +307,7 @@ class _Ddiloco(_Side):
             record.batches_merged[name] = int(by_id.get(name, {}).get("data_position", 0))
         record.bytes_sent = float(status["bytes_up"])
         record.steps_per_s = self.learners.finish(self.spec.names)
+        record.start_to_step_s = self.learners.start_to_step_s
 
     def close(self) -> None:
         if hasattr(self, "client"):
@@ -379,6 +382,7 @@ class _Torchft(_Side):
             record.batches_merged[name] = int(self.learners.total(name, "merged"))
             record.bytes_sent += self.learners.total(name, "bytes_sent")
         record.steps_per_s = self.learners.finish(self.spec.names)
+        record.start_to_step_s = self.learners.start_to_step_s
 
     def close(self) -> None:
         self.procs.stop_all(self.servers, 5.0)
