@@ -1,12 +1,17 @@
-"""Where a results file under docs/results/ comes from: commit, command, date, machine, load.
+"""Where a results file under docs/results/ comes from: commit, behaviour fingerprint, command,
+date, machine, load.
 
 Every benchmark that writes a results file starts it with :func:`stamp`, taken when the
 measurement starts (a commit made while a long run was under way is not the code it ran).
-The load average is written again at the end by the benchmarks that run for minutes.
+The load average is written again at the end by the benchmarks that run for minutes. The
+fingerprint (``ddiloco fingerprint``, :mod:`ddiloco.sim.behaviour_fingerprint`) says which protocol decisions
+the figures were measured under: a later tree with the same fingerprint decides alike, so its
+figures still hold (``benchmarks/results_age.py``, ``tests/test_results_fingerprint.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,11 +25,20 @@ def stamp(script: str, argv: list[str] | None = None) -> dict:
     """``script``: the benchmark's ``__file__``; ``argv``: its arguments (default: the command line's)."""
     args = sys.argv[1:] if argv is None else argv
     return {"commit": _commit(),
+            "fingerprint": tree_fingerprint(),
             "command": " ".join(["python", f"benchmarks/{Path(script).name}", *args]),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": f"{os.cpu_count()} cores, "
                        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
             "load": load_now()}
+
+
+@functools.cache
+def tree_fingerprint() -> str:
+    """This tree's behaviour fingerprint (a few seconds, once per process)."""
+    from ddiloco.sim.behaviour_fingerprint import fingerprint
+
+    return fingerprint()[0]
 
 
 def _commit() -> str:

@@ -20,12 +20,13 @@ from types import ModuleType
 from typing import NoReturn, Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import bandwidth, chaos, compare, export, goodput, launch, learner, run, simtest, status, sync
+from ddiloco.commands import (bandwidth, chaos, compare, export, fingerprint, goodput, launch, learner, run, simtest,
+                              status, sync)
 from ddiloco.commands import eval as eval_command
 from ddiloco.core.shared.errors import DdilocoError
 
-COMMANDS: tuple[ModuleType, ...] = (run, compare, simtest, goodput, bandwidth, sync, learner, status, chaos, export,
-                                    eval_command, launch)
+COMMANDS: tuple[ModuleType, ...] = (run, compare, simtest, fingerprint, goodput, bandwidth, sync, learner, status,
+                                    chaos, export, eval_command, launch)
 """In the order ``ddiloco --help`` lists them."""
 NAMES = tuple(m.__name__.rsplit(".", 1)[1] for m in COMMANDS)
 

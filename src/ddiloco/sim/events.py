@@ -150,7 +150,8 @@ class FloodJoin:
 
 
 SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | SyncTick | StateArrives
-             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart | FloodJoin)
+             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart
+             | FloodJoin)
 
 
 @dataclass(order=True, slots=True)

@@ -133,8 +133,9 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
         config = apply_section(config, section, values, origin=f"simtest seed {seed}")
     for assignment in overrides:
         config = apply_override(config, assignment)
-    longest_fault_s = 1.5 * max(config.faults.partition_s, config.faults.freeze_s, config.faults.downtime_s,
-                                config.faults.sync_downtime_s, config.faults.join_flood_s if config.faults.join_flood else 0.0)
+    f = config.faults
+    longest_fault_s = 1.5 * max(f.partition_s, f.freeze_s, f.downtime_s, f.sync_downtime_s,
+                                f.join_flood_s if f.join_flood else 0.0)
     time_s = safety_s + longest_fault_s + 2 * liveness_bound_s(config) + 30.0
     config = apply_section(config, "run", {"time_s": time_s, "tokens": 0}, origin="simtest")
     return config.validate(), safety_s

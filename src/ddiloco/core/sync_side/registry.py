@@ -298,8 +298,8 @@ class Registry:
     def forget(self, now: float, also: Callable[[str], None]) -> tuple[str, ...]:
         """Learners dead for ``forget_after_s`` (or, beyond twice ``max_learners`` records, the oldest
         dead, those that never trained here first: a flood's strangers go before the run's learners, who
-        keep their place in :meth:`make_room`): dropped from the registry (and, by ``also``, elsewhere), their counts kept in
-        :attr:`forgotten`."""
+        keep their place in :meth:`make_room`): dropped from the registry (and, by ``also``, elsewhere),
+        their counts kept in :attr:`forgotten`."""
         dead = sorted((rec.accepted > 0, rec.dead_since_s, name) for name, rec in self.records.items()
                       if not rec.alive and rec.dead_since_s is not None)
         limit = 2 * self.max_learners if self.max_learners else 0
