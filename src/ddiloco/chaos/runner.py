@@ -94,6 +94,8 @@ class ChaosRun:
         self.sync_restarts: list[SyncRestart] = []
         self._t0: float | None = None
         self._shards: dict[str, _Shard] = {}
+        self.cluster: ChaosCluster | None = None
+        """The running processes and proxies while :meth:`run` runs (a soak reads their pids, ``chaos/soak.py``)."""
 
     def now_s(self) -> float:
         """Wall seconds since the first join."""
@@ -132,6 +134,7 @@ class ChaosRun:
             http_ports = [free_port() if place.net is None else NETNS_HTTP_PORT + i for i in range(shards)]
             cluster = ChaosCluster(Processes(files.logs), ProxyHost(), files, place, http_ports,
                                    learner_threads(self.m))
+            self.cluster = cluster
             try:
                 return self._run(cluster, stop)
             finally:
