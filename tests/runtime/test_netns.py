@@ -50,6 +50,17 @@ def overlimits(stats: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def settled(net: NetnsHosts, timeout_s: float = 30.0) -> dict:
+    """The links' counters once two readings 50 ms apart agree (the queues drained), or fail at the deadline."""
+    readings = [net.counters()]
+
+    def unchanged() -> dict | None:
+        readings.append(net.counters())
+        return readings[-1] if readings[-1] == readings[-2] else None
+
+    return wait_for(unchanged, "the links' queues to drain", timeout_s=timeout_s, poll_s=0.05)
+
+
 @pytest.mark.slow
 def test_capped_links_hold_their_rates_own_and_shared_and_leave_nothing_behind() -> None:
     topology = Topology(Link(), (Region("a", Link(2e6, 2e6), ("learner-0",)),
@@ -64,8 +75,8 @@ def test_capped_links_hold_their_rates_own_and_shared_and_leave_nothing_behind()
                    for h in ("learner-0", "learner-1")]
         for source in sources:
             assert source.wait(60) == 0
-        time.sleep(0.2)  # the last queued packets (100 ms of queue at most) reach the counters
-        after, elapsed = net.counters(), time.monotonic() - started
+        after = settled(net)  # the last queued packets (100 ms of queue at most) reach the counters
+        elapsed = time.monotonic() - started
         sink.kill()
         sink.wait()
         sent = {name: after[name]["up"] - before[name]["up"] for name in after}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-import time
 from dataclasses import replace
 
 import grpc
@@ -27,6 +26,7 @@ from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.model import ByteTransformer
 from ddiloco.workload.workload import Workload
+from runtime_helpers import wait_for
 
 TOKEN = "s3cret-token"
 
@@ -173,7 +173,6 @@ def test_learner_runtime_in_a_user_loop_advances_the_global_model(inproc_sync):
 
 
 def test_prometheus_gauges_follow_the_run(inproc_sync):
-    from runtime_helpers import wait_for
 
     """Learners alive, fragment versions and merge coherence as a scrape would read them."""
     config = tiny(**{"protocol.quorum": 2})  # every round merges both learners: its coherence is measured
@@ -280,10 +279,10 @@ def test_resume_if_present_starts_a_new_run_in_an_empty_state_dir(inproc_sync, t
 
 
 def wait_for_version(s, fragment: int, version: int) -> None:
-    """Until the synchronizer merged ``fragment`` up to ``version`` (a contribution from it is current)."""
-    deadline = time.monotonic() + 30
-    while s.service.view.versions[fragment] < version and time.monotonic() < deadline:
-        time.sleep(0.01)
+    """Until the synchronizer merged ``fragment`` up to ``version`` (a contribution from it is current);
+    fails naming what it waited for at the deadline (issue 58: it used to time out silently)."""
+    wait_for(lambda: s.service.view.versions[fragment] >= version, f"fragment {fragment} at version {version}",
+             timeout_s=30, poll_s=0.01)
 
 
 def versions_received(stream, count: int) -> list[tuple[int, int]]:
@@ -341,11 +340,8 @@ def test_sync_time_is_observed_once_a_listening_stream_has_written_the_update(in
         client.contribute(make_contribution(s.service, "learner-0", session, 0, 1, base_version=1))
         second = next(updates)
         assert (second.fragment, second.version) == (0, 2)
-        deadline = time.monotonic() + 30
-        while client.status_dict()["grace"]["sync_s"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: client.status_dict()["grace"]["sync_s"] > 0, "ξ_sync measured", timeout_s=30, poll_s=0.01)
         stream.cancel()
-        assert client.status_dict()["grace"]["sync_s"] > 0
 
 
 def test_status_command_prints_the_documented_json(inproc_sync, capsys):
@@ -445,7 +441,6 @@ def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
 def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledgers(inproc_sync):
     """Issue 12's findings 1-4 and 8 against a live service: each message is refused with its
     reason and the run goes on merging an honest learner's work."""
-    from runtime_helpers import wait_for
 
     config = tiny()
     s = inproc_sync(config, ServiceOptions(token=TOKEN))
@@ -497,7 +492,6 @@ def test_a_hostile_member_cannot_freeze_the_run_move_its_budget_or_grow_its_ledg
 def test_a_timer_that_fails_is_logged_and_stops_the_service_loudly(inproc_sync, caplog):
     """Finding 1's second half: a failure in the core host's timer used to end it without a
     log line, leaving a service that answered but never expired a lease or closed a round."""
-    from runtime_helpers import wait_for
 
     s = inproc_sync(tiny())
     host = s.service.host
@@ -521,7 +515,6 @@ def test_an_idle_synchronizer_sleeps_between_ticks(inproc_sync, monkeypatch):
 
     from ddiloco.core.shared.actions import Tick
     from ddiloco.runtime.sync import core_host
-    from runtime_helpers import wait_for
 
     monkeypatch.setattr(core_host, "TIMER_MAX_WAIT_S", 0.2)
     s = inproc_sync(tiny())

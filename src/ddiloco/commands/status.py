@@ -93,7 +93,7 @@ def print_status(s: dict) -> None:
                            f"{s.get('learners_forgotten', 0)} forgotten)")
     for col in ("id", "alive", "last seen", "accepted", "per min", "rejected", "steps refused", "joins", "tokens",
                 "data at", "step ms", "MB up", "MB down"):
-        learners.add_column(col, justify="left" if col == "id" else "right")
+        learners.add_column(col, justify="left" if col == "id" else "right", no_wrap=col == "id")  # ids whole
     for lr in s["learners"]:
         seen = f"{lr['last_seen_s_ago']:.1f}s ago" if lr["last_seen_s_ago"] >= 0 else "-"
         state = "no" if not lr["alive"] else "joining" if lr["joining"] else "starved" if lr["link_starved"] else "yes"
