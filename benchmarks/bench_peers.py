@@ -26,16 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_supervisor import Scenario, System, kill_schedule  # noqa: E402
 from stamp import load_now, stamp  # noqa: E402
+
+if TYPE_CHECKING:  # torch is imported once the arguments are good
+    from peers_systems import RunSpec
 
 SCENARIOS_OF: dict[System, tuple[Scenario, ...]] = {
     System.DDILOCO: (Scenario.FAULT_FREE, Scenario.KILLS, Scenario.SLOW_LEARNER),
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 2
     from peers_report import metrics, plot, ratios, table, targets  # torch: only once the arguments are good
-    from peers_systems import RunSpec, ddiloco_dp, run
+    from peers_systems import RunSpec, run
 
     started = stamp(__file__, argv)
     began = time.monotonic()
@@ -168,6 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed: {', '.join(failed)} (their log tails are in the JSON)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def ddiloco_dp(spec: RunSpec) -> dict[str, Any]:
+    """ddiloco's own data-parallel baseline on real processes (``ddiloco run --runtime processes --mode dp``),
+    fault-free, on the same configuration and wall budget: the reference beside torchft's DDP."""
+    cmd = [sys.executable, "-m", "ddiloco.cli", "run", "--runtime", "processes", "--mode", "dp", "--preset",
+           spec.preset, "--learners", str(spec.learners), "--seed", str(spec.seed), "--time", f"{spec.time_s:.0f}",
+           "--out", str(spec.out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.time_s + 300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired as err:
+        return {"failed": f"ddiloco run --mode dp did not finish within {spec.time_s + 300:.0f}s: {err}"}
+    summary = spec.out / "summary.json"
+    if proc.returncode != 0 or not summary.exists():
+        return {"failed": f"ddiloco run --mode dp exited {proc.returncode}:\n" + "\n".join(
+            (proc.stdout + proc.stderr).splitlines()[-15:])}
+    s = json.loads(summary.read_text())
+    return {"eval_loss": s["eval_loss"], "tokens": s["tokens"], "wall_s": s["virtual_time_s"],
+            "tokens_per_s": s["tokens"] / max(1e-9, s["virtual_time_s"]), "command": " ".join(cmd[2:])}
 
 
 def _spread(curves: dict[str, list[list[dict[str, Any]]]]) -> dict[str, list[float]]:

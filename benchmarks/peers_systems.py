@@ -14,10 +14,7 @@ last lines: :class:`PeerFailed`, never retried.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -386,24 +383,4 @@ class _Torchft(_Side):
 
     def close(self) -> None:
         self.procs.stop_all(self.servers, 5.0)
-
-
-def ddiloco_dp(spec: RunSpec) -> dict[str, Any]:
-    """ddiloco's own data-parallel baseline on real processes (``ddiloco run --runtime processes --mode dp``),
-    fault-free, on the same configuration and wall budget: the reference beside torchft's DDP."""
-    cmd = [sys.executable, "-m", "ddiloco.cli", "run", "--runtime", "processes", "--mode", "dp", "--preset",
-           spec.preset, "--learners", str(spec.learners), "--seed", str(spec.seed), "--time", f"{spec.time_s:.0f}",
-           "--out", str(spec.out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.time_s + 300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    except subprocess.TimeoutExpired as err:
-        return {"failed": f"ddiloco run --mode dp did not finish within {spec.time_s + 300:.0f}s: {err}"}
-    summary = spec.out / "summary.json"
-    if proc.returncode != 0 or not summary.exists():
-        return {"failed": f"ddiloco run --mode dp exited {proc.returncode}:\n" + "\n".join(
-            (proc.stdout + proc.stderr).splitlines()[-15:])}
-    s = json.loads(summary.read_text())
-    return {"eval_loss": s["eval_loss"], "tokens": s["tokens"], "wall_s": s["virtual_time_s"],
-            "tokens_per_s": s["tokens"] / max(1e-9, s["virtual_time_s"]), "command": " ".join(cmd[2:])}
 

@@ -29,7 +29,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,6 +38,8 @@ from ddiloco.runtime.batch_log import BatchLog, read_batch_log
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.settings.config_sources import build_config
+from ddiloco.workload.corpus import BatchSampler
+from ddiloco.workload.trainer import InnerTrainer
 from ddiloco.workload.workload import Workload
 
 MIN_REPLICAS = 1
@@ -149,7 +151,6 @@ def replica(args: argparse.Namespace) -> int:
     batches = BatchLog(out / f"{name}.batches", resumed_at)
     ledger = _Ledger(len(fragments) if kind is Kind.DILOCO else 1, resumed_at)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    net: nn.Module = model
     trainer = workload.new_trainer(model)
 
     def state_dict() -> dict[str, Any]:
@@ -171,11 +172,10 @@ def replica(args: argparse.Namespace) -> int:
     commits = open(out / f"commits-{args.index}.log", "a", buffering=1)
     progress = ProgressFile(out / f"{name}.progress")
     if kind is Kind.DDP:
-        net = DistributedDataParallel(manager, model)
-        trainer.model = net
+        trainer.model = DistributedDataParallel(manager, model)
         trainer.optimizer = OptimizerWrapper(manager, inner)
         _watch_ddp_commits(manager, ledger, commits)
-        return _train(net, trainer, sampler, batches, ledger, progress, manager, args, lambda: True,
+        return _train(trainer, sampler, batches, ledger, progress, manager, args, lambda: True,
                       lambda: _snapshot_ddp(model, out, args.index))
     outer = [torch.optim.SGD(f.parameters(), lr=config.protocol.outer_lr, momentum=config.protocol.outer_momentum,
                              nesterov=True) for f in fragments]
@@ -184,12 +184,13 @@ def replica(args: argparse.Namespace) -> int:
         for i, frag in enumerate(diloco._fragments):
             _watch_diloco_sync(frag, i, ledger, commits)
         cycle_done = lambda: diloco._local_step == 0 and manager.current_step() % len(fragments) == 0  # noqa: E731
-        return _train(net, trainer, sampler, batches, ledger, progress, manager, args, cycle_done,
+        return _train(trainer, sampler, batches, ledger, progress, manager, args, cycle_done,
                       lambda: _snapshot_diloco(diloco, names, out, args.index))
 
 
-def _train(net: nn.Module, trainer: Any, sampler: Any, batches: BatchLog, ledger: _Ledger, progress: ProgressFile,
-           manager: Any, args: argparse.Namespace, cycle_done: Any, snapshot: Any) -> int:
+def _train(trainer: InnerTrainer, sampler: BatchSampler, batches: BatchLog, ledger: _Ledger,
+           progress: ProgressFile, manager: Any, args: argparse.Namespace, cycle_done: Callable[[], bool],
+           snapshot: Callable[[], None]) -> int:
     """Train until the stop time, then to the end of an outer step (every fragment synced once: torchft has
     no flush, so work past the last sync would be lost for nothing)."""
     last_snapshot = 0.0
@@ -225,7 +226,7 @@ def _stop_time(out: Path) -> float:
         return float("inf")
 
 
-def _count_bytes(manager: Any, ledger: _Ledger) -> None:
+def _count_bytes(manager: Any, ledger: _Ledger) -> None:  # Any: torchft's Manager, imported in replica()
     """What this replica sends in each all-reduce: gloo's ring sends 2(n-1)/n of the tensor per member."""
     allreduce = manager.allreduce
 
