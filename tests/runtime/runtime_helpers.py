@@ -51,6 +51,17 @@ def stop_session(proc: subprocess.Popen, sig: signal.Signals, timeout_s: float =
             proc.wait()
 
 
+def finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[str, str]:
+    """Wait for the session leader ``proc`` to end by itself; (stdout, stderr). Whatever happens,
+    nothing of its session is left running."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def ddiloco_session(*args: str, out: Path | None = None) -> subprocess.Popen:
     """``ddiloco ARGS`` as a session leader (every process it starts shares its session id), output piped."""
     return subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *(["--out", str(out)] if out else [])],

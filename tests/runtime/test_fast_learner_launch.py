@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.cli import main
-from runtime_helpers import session_pids, wait_for
+from runtime_helpers import finish, session_pids, wait_for
 
 SCRIPT = Path(__file__).with_name("fast_steps.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -33,20 +32,11 @@ def launch(tmp_path: Path, *options: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("run", range(3))
 def test_every_contribution_of_a_1_ms_step_script_is_accepted(tmp_path: Path, run: int) -> None:
     proc = launch(tmp_path, "--tokens", "40000")  # 2,500 steps of 16 tokens over both copies
-    out, err = finish(proc)
+    out, err = finish(proc, 400)
     assert proc.returncode == 0, err
     assert not session_pids(proc.pid)
     sync_log = (tmp_path / "out" / "logs" / "sync.log").read_text()
@@ -72,7 +62,7 @@ def test_work_refused_is_said_on_the_launchers_output_the_learners_log_and_in_st
         assert main(["status", f"127.0.0.1:{port}"]) == 0
         table = capsys.readouterr().out
     finally:
-        out, err = finish(proc)
+        out, err = finish(proc, 400)
     assert learner["refused_steps"].get("implausible", 0) > 0, learner
     assert "steps refused" in table
     row = next(line for line in table.splitlines() if "learner-0" in line)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ddiloco.cli import main
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
-from runtime_helpers import session_pids, status_of, wait_for
+from runtime_helpers import finish, session_pids, status_of, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL = ("--d-model", "32", "--layers", "1")
@@ -43,15 +43,6 @@ def launch(tmp_path: Path, init: Path, budget_steps: int, *learner: str, options
          "--tokens", str(budget_steps * step_tokens), "--set", "protocol.heartbeat_s=0.3", "--out",
          str(tmp_path / "out"), *options, "--", *LEARNER, *learner],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def learner_pid(launcher: int, learner_id: str) -> int | None:

@@ -73,12 +73,21 @@ def timed_out(what: str, seconds: float) -> Abort:
     return Abort(RejectReason.TIMED_OUT, f"{what} stalled past its {seconds:.0f}s deadline")
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    """Mark a task's outcome as seen (a read's, a send's): its error or the stream's end
+    (StopAsyncIteration) is its caller's to act on through ``result()``, and when the caller no longer
+    will (it was cancelled, or it raised before), the outcome is of no use to anyone and must not be
+    logged as lost ("Task exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def within(work: Awaitable[None], seconds: float, what: str) -> None:
     """``work``, or :class:`Abort` (``timed_out``) once it took ``seconds``. Its error is read even
     when the caller was cancelled meanwhile (a client gone mid-send fails grpc's write): asyncio's
     ``wait_for`` leaves it unread, and the log showed "Task exception was never retrieved"."""
     task = asyncio.ensure_future(work)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    task.add_done_callback(_retrieved)
     try:
         await asyncio.wait_for(task, seconds)
     except asyncio.TimeoutError:
@@ -255,14 +264,6 @@ class CallLimits:
             await asyncio.wait_for(context.write(data), seconds)
         except asyncio.TimeoutError:
             raise timed_out(what, seconds) from None
-
-
-def _retrieved(task: asyncio.Future[bytes]) -> None:
-    """Mark a read's outcome as seen: the stream's end (StopAsyncIteration) or an error is the
-    caller's to act on when it reads ``result()``, and when it no longer will (it was cancelled,
-    or it raised before), the outcome is of no use to anyone and must not be logged as lost."""
-    if not task.cancelled():
-        task.exception()
 
 
 class Paced:
