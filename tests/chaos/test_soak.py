@@ -67,16 +67,25 @@ def test_proc_figures_of_this_process_and_of_a_child_and_none_for_a_process_gone
     assert read_proc(child.pid) is None
 
 
-def test_settled_state_dir_bytes_leave_out_the_newest_segment_and_a_checkpoint_being_written(tmp_path: Path):
+def test_settled_state_dir_bytes_leave_out_the_live_round_log_and_a_checkpoint_being_written(tmp_path: Path):
     (tmp_path / "CURRENT").write_text("checkpoint-000002")
     for name, size in (("checkpoint-000001", 1000), ("checkpoint-000002", 300), ("checkpoint-000003", 5000)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "fragment-00000.safetensors").write_bytes(b"x" * size)
-    (tmp_path / "rounds-00000002.log").write_bytes(b"r" * 70)   # stale: a leak if never deleted
-    (tmp_path / "rounds-00000003.log").write_bytes(b"r" * 900)  # the live segment: grows between checkpoints
+    manifest = '{"state": {"service": {"round_log_from": 3}}}'  # 45 bytes
+    (tmp_path / "checkpoint-000002" / "manifest.json").write_text(manifest)
+    (tmp_path / "rounds-00000002.log").write_bytes(b"r" * 70)   # held by checkpoint 2: a leak if never deleted
+    (tmp_path / "rounds-00000003.log").write_bytes(b"r" * 900)  # since the checkpoint, its writer killed since
+    (tmp_path / "rounds-00000004.log").write_bytes(b"r" * 400)  # the restarted writer's segment
     total, files, settled = state_dir_size(tmp_path)
-    assert files == 6 and total == 17 + 1000 + 300 + 5000 + 70 + 900
-    assert settled == 17 + 1000 + 300 + 70  # the old checkpoint and the stale segment stay counted
+    assert files == 8 and total == 17 + 1000 + 300 + 45 + 5000 + 70 + 900 + 400
+    assert settled == 17 + 1000 + 300 + 45 + 70  # the old checkpoint and the held segment stay counted
+
+
+def test_without_a_checkpoint_naming_its_segment_only_the_newest_segment_is_live(tmp_path: Path):
+    (tmp_path / "rounds-00000000.log").write_bytes(b"r" * 70)
+    (tmp_path / "rounds-00000001.log").write_bytes(b"r" * 900)
+    assert state_dir_size(tmp_path) == (970, 2, 70)
 
 
 def _sample(kills: int, rss: int, fds: int = 20, threads: int = 12, settled: int = 250_000) -> SoakSample:
@@ -85,10 +94,11 @@ def _sample(kills: int, rss: int, fds: int = 20, threads: int = 12, settled: int
                       state_dir_files=7, state_dir_settled_bytes=settled, harness_rss_kib=None, learners_alive=5)
 
 
-def test_flat_compares_the_last_sample_with_the_second():
+def test_flat_compares_the_last_sample_with_the_second_and_only_growth_breaks_it():
     samples = [_sample(100, 300_000), _sample(200, 400_000), _sample(300, 430_000)]
     assert flat(samples, "sync_rss_kib") is True  # +7.5% of the second: the first is warm-up
     assert flat(samples + [_sample(400, 441_000)], "sync_rss_kib") is False  # +10.25%
+    assert flat(samples + [_sample(400, 200_000)], "sync_rss_kib") is True  # fell by half: a restart, no leak
     assert flat(samples[:1], "sync_rss_kib") is None
 
 

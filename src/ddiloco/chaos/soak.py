@@ -15,6 +15,7 @@ evaluated on a thread of its own so that the runner's loop keeps injecting on ti
 from __future__ import annotations
 
 import enum
+import json
 import os
 import random
 import re
@@ -29,6 +30,7 @@ from ddiloco.chaos.runner import ChaosRun
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.sharded import ShardedClient
+from ddiloco.runtime.sync.state_dir import MANIFEST
 from ddiloco.settings.config import Config
 from ddiloco.settings.fault_kinds import FaultKind
 
@@ -40,7 +42,7 @@ machine: under load restarts outran the rotation and every learner was down at o
 DOWN_S = 1.0
 """How long a killed process stays down before the supervisor starts it again."""
 FLAT_TOLERANCE = 0.10
-"""A figure at the last sample may differ this much from the second sample's (the first is warm-up)."""
+"""A figure at the last sample may exceed the second sample's by this much (the first is warm-up)."""
 QUIET_S = 2.0
 """A sample waits until the synchronizer has answered this long since its last restart ..."""
 QUIET_DEADLINE_S = 30.0
@@ -116,10 +118,12 @@ def state_dir_size(path: Path) -> tuple[int, int, int]:
     """(bytes, files, settled bytes) of a synchronizer's state directory; files that vanish while it
     walks (a checkpoint replaced) are skipped.
 
-    The total is a sawtooth that says nothing of a leak: the newest round-log segment grows between
-    two checkpoints (20 rounds or 30 s), and a checkpoint being written sits beside the latest until
-    ``CURRENT`` names it. The settled bytes leave out exactly those two, so what is left can grow only
-    if something is kept that should not be: old checkpoints, old segments, a manifest that grows.
+    The total is a sawtooth that says nothing of a leak: the round log's segments since the latest
+    checkpoint grow until the next one (20 rounds or 30 s; a restarted synchronizer opens a segment
+    beside the one its predecessor left, and the next checkpoint deletes both), and a checkpoint being
+    written sits beside the latest until ``CURRENT`` names it. The settled bytes leave out exactly
+    those, so what is left can grow only if something is kept that should not be: old checkpoints,
+    segments a checkpoint already holds, a manifest that grows.
     """
     try:
         current = _CHECKPOINT.match((path / "CURRENT").read_text().strip())
@@ -127,7 +131,9 @@ def state_dir_size(path: Path) -> tuple[int, int, int]:
         current = None
     latest = int(current.group(1)) if current else -1
     segments = [int(m.group(1)) for p in _listdir(path) if (m := _SEGMENT.match(p))]
-    newest_segment = max(segments, default=-1)
+    live_from = _round_log_from(path / current.group(0)) if current else None
+    if live_from is None:  # no checkpoint names its segment: only the newest is surely live
+        live_from = max(segments, default=-1)
     total = files = settled = 0
     for root, _, names in os.walk(path):
         top = os.path.relpath(root, path).split(os.sep)[0]
@@ -140,9 +146,17 @@ def state_dir_size(path: Path) -> tuple[int, int, int]:
                 continue
             total, files = total + size, files + 1
             segment = _SEGMENT.match(name) if root == str(path) else None
-            if not in_progress and not (segment and int(segment.group(1)) == newest_segment):
+            if not in_progress and not (segment and int(segment.group(1)) >= live_from):
                 settled += size
     return total, files, settled
+
+
+def _round_log_from(checkpoint: Path) -> int | None:
+    """The first round-log segment a checkpoint still needs (its manifest's ``round_log_from``)."""
+    try:
+        return int(json.loads((checkpoint / MANIFEST).read_text())["state"]["service"]["round_log_from"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _listdir(path: Path) -> list[str]:
@@ -341,13 +355,17 @@ def _sync_slots(kills: int, sync_kills: int, sample_every: int) -> list[int]:
 # ---- the promises -------------------------------------------------------------------------------
 
 def flat(samples: list[SoakSample], key: str, tolerance: float = FLAT_TOLERANCE) -> bool | None:
-    """Whether ``key`` at the last sample is within ``tolerance`` of its value at the second sample
-    (None: fewer than two samples with a value: nothing to compare)."""
+    """Whether ``key`` at the last sample has grown no more than ``tolerance`` above its value at the
+    second sample (None: fewer than two samples with a value: nothing to compare).
+
+    Only growth breaks it: a leak grows with the kills, while a figure that fell (a synchronizer
+    restarted since, whose lazily started threads and pools are not all back yet) leaks nothing.
+    """
     values = [getattr(s, key) for s in samples if getattr(s, key) is not None]
     if len(values) < 2:
         return None
     reference = values[1] if len(values) > 2 else values[0]
-    return abs(values[-1] - reference) <= tolerance * max(abs(reference), 1)
+    return values[-1] - reference <= tolerance * max(abs(reference), 1)
 
 
 def judge(report: dict[str, Any], samples: list[SoakSample]) -> dict[Promise, bool]:
