@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
-from runtime_helpers import Procs, free_port, learner_args, status_of, sync_args, wait_for  # noqa: E402
+from ddiloco.testing import Procs, free_port, learner_args, status_of, sync_args, wait_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stamp import load_now, stamp  # noqa: E402

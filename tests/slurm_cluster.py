@@ -23,7 +23,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from runtime.runtime_helpers import free_port, wait_for
+from ddiloco.testing import free_port, wait_for
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 START_S = 60.0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.runtime_helpers import free_port, wait_for
+from ddiloco.testing import free_port, wait_for
 from slurm_cluster import SingleHostSlurm, SlurmUnavailable
 
 SBATCH = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "ddiloco.sbatch"

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from ddiloco.outputs.measures import ByteLedger, Direction
 
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import LoopMove
@@ -48,7 +49,6 @@ from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.sync_side.registry import SESSION_TAG_BITS
 from ddiloco.core.sync_side.run_state import RunLimits
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.outputs.measures import ByteLedger, Direction
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.events import (
     AtLearner,
@@ -231,7 +231,7 @@ class GrpcDriver:
         from ddiloco.runtime.client import SyncClient
         from ddiloco.runtime.layout import model_layout
         from ddiloco.runtime.sync.service import ServiceOptions
-        from runtime.runtime_helpers import InProcessSync
+        from ddiloco.testing import InProcessSync
 
         self._now = 0.0
         layout = model_layout(PROTOCOL, MODEL.named_parameters(), MODEL.embedding_param_names())

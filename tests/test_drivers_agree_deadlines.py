@@ -174,7 +174,7 @@ def in_process_sync(clock: list[float]) -> Any:
     """A gRPC synchronizer in this process, on the clock ``clock[0]``."""
     from ddiloco.runtime.layout import model_layout
     from ddiloco.runtime.sync.service import ServiceOptions
-    from runtime.runtime_helpers import InProcessSync
+    from ddiloco.testing import InProcessSync
 
     model = WalkModel()
     protocol = CONFIG.protocol.for_mode(CONFIG.run.mode, CONFIG.run.learners)

@@ -104,7 +104,7 @@ def run_runtime() -> None:
     from ddiloco.runtime.layout import model_layout
     from ddiloco.runtime.learner import LearnerRuntime
     from ddiloco.runtime.sync.service import ServiceOptions
-    from runtime.runtime_helpers import InProcessSync
+    from ddiloco.testing import InProcessSync
 
     model = WalkModel()
     protocol = CONFIG.protocol.for_mode(CONFIG.run.mode, CONFIG.run.learners)

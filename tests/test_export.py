@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddiloco.runtime.model_file import parameters
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.learner.runtime import LearnerRuntime
-from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.runtime.sync.state_dir import load_latest
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
+from ddiloco.testing import InProcessSync, train_steps, versions, wait_for
 from ddiloco.workload.workload import Workload
-from runtime.runtime_helpers import InProcessSync, train_steps, versions, wait_for
 
 CONFIG = build_config(preset="tiny", overrides=("run.learners=1",))
 

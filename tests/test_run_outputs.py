@@ -20,7 +20,7 @@ from ddiloco.commands.display import COLUMNS, compare_story, print_report, what_
 from ddiloco.commands.live_view import live_view
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import Interrupted, run_virtual
-from runtime.runtime_helpers import wait_for
+from ddiloco.testing import wait_for
 
 MAIN_JOB = build_config(preset="tiny", main_job=True)
 

@@ -115,7 +115,7 @@ def test_a_reworded_synchronizer_log_does_not_change_the_rejoin_count(monkeypatc
     from ddiloco.runtime.client import SyncClient
     from ddiloco.runtime.sharded import merge_statuses
     from ddiloco.runtime.sync.service import ServiceOptions
-    from runtime_helpers import InProcessSync
+    from ddiloco.testing import InProcessSync
 
     original = service_module.log.info
     monkeypatch.setattr(service_module.log, "info",

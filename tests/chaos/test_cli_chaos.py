@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.cli import main
-from runtime_helpers import (
+from ddiloco.testing import (
     ddiloco_session,
     netns_unavailable,
     process_state,

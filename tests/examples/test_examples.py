@@ -257,7 +257,7 @@ def test_fsdp_example_a_two_rank_sharded_learner_beside_an_unsharded_one_spends_
     sync = start_sync(init)
     common = ("learner", "--connect", f"127.0.0.1:{sync.port}", *example.model_options, *example.learner_options,
               "--threads", "1", "--log-every", "5")
-    from runtime.runtime_helpers import free_port
+    from ddiloco.testing import free_port
 
     # The unsharded learner joins first; the sharded one trains 2 ranks' batches a step, so half the steps
     # each leave the budget to be spent by both together.

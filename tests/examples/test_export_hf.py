@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddiloco.runtime.model_file import parameters
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
-from ddiloco.runtime.model_file import parameters
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
-from runtime.runtime_helpers import InProcessSync, versions, wait_for
+from ddiloco.testing import InProcessSync, versions, wait_for
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

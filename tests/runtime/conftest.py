@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from runtime_helpers import InProcessSync, Procs
+from ddiloco.testing import InProcessSync, Procs
 
 
 @pytest.fixture

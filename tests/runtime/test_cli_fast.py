@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from runtime_helpers import DEADLINE_S, free_port, status_of, sync_args, wait_for
+from ddiloco.testing import DEADLINE_S, free_port, status_of, sync_args, wait_for
 
 HEAVY = ("torch", "numba", "numpy")
 PROBE = """

@@ -16,7 +16,7 @@ import pytest
 from ddiloco.chaos.batch_counts import count_batches
 from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
+from ddiloco.testing import free_port, learner_args, status_of, sync_args, wait_for
 
 pytestmark = pytest.mark.slow
 

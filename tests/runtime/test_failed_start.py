@@ -17,7 +17,7 @@ import pytest
 from ddiloco.cli import main
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.state_dir import has_checkpoint
-from runtime_helpers import DEADLINE_S
+from ddiloco.testing import DEADLINE_S
 
 RESUME_ERROR = ("ddiloco: error: --resume: --state-dir '{}' holds no run's state (no checkpoint, no round log): start "
                 "without --resume for a new run, or pass --resume-if-present to resume only when there is one")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddiloco.cli import main
-from runtime_helpers import finish, session_pids, wait_for
+from ddiloco.testing import finish, session_pids, wait_for
 
 SCRIPT = Path(__file__).with_name("fast_steps.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

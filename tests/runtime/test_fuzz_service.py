@@ -29,7 +29,7 @@ from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.service import SERVICE_NAME, ServiceOptions
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import Honest, versions, wait_for
+from ddiloco.testing import Honest, versions, wait_for
 
 MESSAGES = 10_000
 SEED = 16

@@ -24,8 +24,8 @@ from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrame
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import train_steps
 from ddiloco.workload.workload import Workload
-from runtime_helpers import train_steps
 
 FRAMES = SendFrames("learner-7", "int4", "0123456789ab")
 HEADER = Contribution("learner-7", Session(2**64 - 3, 41), fragment=3, base_version=1234, seq=56, tokens=4096,

@@ -26,7 +26,7 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import Honest, versions, wait_for
+from ddiloco.testing import Honest, versions, wait_for
 
 TOKEN = "shared-token"
 UNHANDLED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}

@@ -13,9 +13,9 @@ import signal
 import threading
 
 import pytest
-from runtime_helpers import DEADLINE_S, Procs, free_port, join_flood, learner_args, status_of, sync_args, wait_for
 
 from ddiloco.core.shared.deadlines import stop_deadline_s
+from ddiloco.testing import DEADLINE_S, Procs, free_port, learner_args, status_of, sync_args, wait_for
 
 FLOOD_JOINS = 1500
 STOPPED = re.compile(r"final checkpoint written to \S+ at fragment versions (\[[\d, ]+\])")
@@ -69,3 +69,48 @@ def test_a_flood_of_abandoned_joins_stops_neither_the_merges_nor_a_rejoin_nor_th
         assert resumed.wait(timeout=bound_s) == 0
     finally:
         procs.kill_all()
+
+
+def join_flood(address: str, joins: int, *, at_once: int = 8, token: str | None = None,
+               started: threading.Event | None = None) -> dict[str, int]:
+    """``joins`` Join calls under distinct ids, ``at_once`` at a time, each cancelled after its first
+    reply (a member holding the run's token that abandons every join): what each call ended with,
+    counted. ``started`` is set once a tenth of them have been made."""
+    import asyncio
+    import collections
+
+    import grpc
+
+    from ddiloco.runtime.auth import client_metadata
+    from ddiloco.runtime.proto import ddiloco_pb2 as pb
+    from ddiloco.runtime.sync.service import SERVICE_NAME
+
+    ended: collections.Counter[str] = collections.Counter()
+    metadata = client_metadata(token)
+
+    async def flood() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            join = channel.unary_stream(f"/{SERVICE_NAME}/Join", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+            gate = asyncio.Semaphore(at_once)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    call = join(pb.JoinRequest(learner_id=f"flood-{i}", boot=f"f{i}").SerializeToString(),
+                                timeout=DEADLINE_S, metadata=metadata)
+                    try:
+                        async for _ in call:
+                            call.cancel()
+                            break
+                        ended["abandoned"] += 1
+                    except grpc.aio.AioRpcError as err:
+                        ended[err.details().split(":")[0]] += 1
+                    except asyncio.CancelledError:
+                        ended["abandoned"] += 1
+                    if started is not None and sum(ended.values()) >= joins // 10:
+                        started.set()
+
+            await asyncio.gather(*(one(i) for i in range(joins)))
+
+    asyncio.run(flood())
+    return dict(ended)

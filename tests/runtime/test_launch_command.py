@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ddiloco.cli import main
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
-from runtime_helpers import finish, session_pids, status_of, wait_for
+from ddiloco.testing import finish, session_pids, status_of, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL = ("--d-model", "32", "--layers", "1")

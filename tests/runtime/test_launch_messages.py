@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_own_model_layout import TiedLM, tiny_config
 
 from ddiloco.cli import main
 from ddiloco.commands.launch import _say_changes
@@ -18,7 +17,8 @@ from ddiloco.runtime.layout import SERVE_UNDER_LAUNCH, LayoutMismatch
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions
-from runtime_helpers import InProcessSync
+from ddiloco.testing import InProcessSync
+from test_own_model_layout import TiedLM, tiny_config
 
 COMMAND = ["--learners", "2", "--", "python", "train.py"]
 

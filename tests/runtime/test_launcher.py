@@ -12,15 +12,14 @@ import signal
 import subprocess
 
 import pytest
+from ddiloco.runtime.checkpoint import load_checkpoint
 
 from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.commands.display import what_happened
 from ddiloco.outputs.reporting import SUMMARY_KEYS
-from ddiloco.runtime.checkpoint import load_checkpoint
 from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.settings.config_sources import build_config
-from ddiloco.workload.workload import Workload
-from runtime_helpers import (
+from ddiloco.testing import (
     ddiloco_session,
     free_port,
     learner_args,
@@ -30,6 +29,7 @@ from runtime_helpers import (
     wait_for,
     wait_until_running,
 )
+from ddiloco.workload.workload import Workload
 
 pytestmark = pytest.mark.slow
 

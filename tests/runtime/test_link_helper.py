@@ -23,8 +23,8 @@ from ddiloco.runtime.learner import helper_process
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotError, SlotLayout
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import train_steps, wait_for
 from ddiloco.workload.workload import Workload
-from runtime_helpers import train_steps, wait_for
 
 CONFIG = build_config(preset="tiny", overrides=("run.learners=1",))
 

@@ -20,7 +20,7 @@ import pytest
 
 from ddiloco.runtime.launch.netns import MIN_BURST_BYTES, NetnsHosts, leftovers, remove_stale, tag_of
 from ddiloco.runtime.launch.topology import Link, Region, Topology
-from runtime_helpers import ddiloco_session, netns_unavailable, session_pids, wait_for
+from ddiloco.testing import ddiloco_session, netns_unavailable, session_pids, wait_for
 
 UNAVAILABLE = netns_unavailable()
 pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE or "network namespaces available")

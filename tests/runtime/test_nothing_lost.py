@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
+from ddiloco.testing import free_port, learner_args, status_of, sync_args, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from ddiloco.runtime.learner.runtime import (
 )
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import InProcessSync
+from ddiloco.testing import InProcessSync
 
 
 class TiedLM(nn.Module):

@@ -15,7 +15,7 @@ from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.messages import Contribution, Join, Leave, Progress
 from ddiloco.runtime.auth import client_metadata
 from ddiloco.runtime.client import AuthenticationError, CallRefused, SyncClient
-from runtime_helpers import free_port, learner_args, status_of, sync_args, wait_for
+from ddiloco.testing import free_port, learner_args, status_of, sync_args, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,9 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import wait_for
 from ddiloco.workload.model import ByteTransformer
 from ddiloco.workload.workload import Workload
-from runtime_helpers import wait_for
 
 TOKEN = "s3cret-token"
 
@@ -367,7 +367,7 @@ def test_status_command_prints_the_documented_json(inproc_sync, capsys):
 
 def test_status_of_a_synchronizer_that_is_not_there_is_one_line(capsys):
     from ddiloco import cli
-    from runtime_helpers import free_port
+    from ddiloco.testing import free_port
 
     assert cli.main(["status", f"127.0.0.1:{free_port()}", "--timeout", "2"]) == 2
     err = capsys.readouterr().err
@@ -379,7 +379,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
     import subprocess
 
     from ddiloco.runtime.auth import Address, server_credentials
-    from runtime_helpers import InProcessSync
+    from ddiloco.testing import InProcessSync
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
@@ -401,7 +401,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
 def test_serving_your_own_model_from_its_saved_initial_weights(tmp_path):
     from ddiloco.runtime.layout import layout_from_file
     from ddiloco.runtime.learner.runtime import save_initial_state
-    from runtime_helpers import InProcessSync
+    from ddiloco.testing import InProcessSync
 
     torch.manual_seed(0)
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime_helpers import free_port, session_pids, status_of, wait_for
-
 from ddiloco.core.shared.messages import GlobalState
 from ddiloco.runtime.client import SyncClient
+from ddiloco.testing import free_port, session_pids, status_of, wait_for
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",

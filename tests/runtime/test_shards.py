@@ -13,8 +13,8 @@ from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 from ddiloco.workload.workload import Workload
-from runtime_helpers import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
 
 
 def sharded(**extra: str) -> object:

@@ -17,7 +17,7 @@ from ddiloco.core.shared.slices import fragment_slice
 from ddiloco.runtime.client import CallRefused, SyncClient
 from ddiloco.runtime.sync.service import SyncService
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import wait_for
+from ddiloco.testing import wait_for
 
 
 def tiny() -> object:

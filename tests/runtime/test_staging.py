@@ -29,8 +29,8 @@ from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.runtime.learner.staging import HostStaging, checked_after
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import train_steps
 from ddiloco.workload.workload import Workload
-from runtime_helpers import train_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the staging path for accelerators)")
 SHAPES = [("embed", (16, 4)), ("w1", (8, 8)), ("w2", (8, 8)), ("w3", (4, 8))]

@@ -18,7 +18,7 @@ from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.status_wire import status_to_dict
 from ddiloco.runtime.sync.status_process import StatusPageProcess
 from ddiloco.settings.config_sources import build_config
-from runtime_helpers import wait_for
+from ddiloco.testing import wait_for
 from test_service import tiny
 from test_status_page import CHROMIUM, api_status, browse
 

@@ -24,7 +24,7 @@ import pytest
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.sync.status_page import StatusPage
-from runtime_helpers import DEADLINE_S, free_port, learner_args, process_state, sync_args, wait_for
+from ddiloco.testing import DEADLINE_S, free_port, learner_args, process_state, sync_args, wait_for
 
 PACE = ("--min-step-s", "0.02")
 """Pace the tiny learners so that two of them, a synchronizer and a browser share 2 cores calmly."""

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import threading
 
-from runtime_helpers import Honest, InProcessSync, versions, wait_for
-
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.sync import server
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import Honest, InProcessSync, versions, wait_for
 
 BOUND_S = 3.0
 

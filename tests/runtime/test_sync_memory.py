@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddiloco.runtime.checkpoint import CheckpointError
 from safetensors.torch import save_file
 
 from ddiloco.core.shared import kernels
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import Contribution
-from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import layout_from_file
 from ddiloco.runtime.sync.memory import check_memory, memory_plan
@@ -32,7 +32,7 @@ from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.settings.config_sources import build_config
 from ddiloco.settings.units import human_bytes, human_count
-from runtime_helpers import Honest, versions, wait_for
+from ddiloco.testing import Honest, versions, wait_for
 
 FRAGMENTS = 12
 NUMEL = 2_000_000

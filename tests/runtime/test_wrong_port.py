@@ -18,7 +18,7 @@ from ddiloco.core.learner_side.link_watch import OUTAGE_AFTER_S
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.learner.connect import probe_with_backoff
-from runtime_helpers import DEADLINE_S, free_port, learner_args, status_of, sync_args, wait_for
+from ddiloco.testing import DEADLINE_S, free_port, learner_args, status_of, sync_args, wait_for
 
 pytestmark = pytest.mark.slow
 
