@@ -9,6 +9,58 @@ The names below are imported when first asked for (PEP 562), not with the packag
 process starts from ``ddiloco.runtime.learner.helper`` once per learner, and importing the
 training side with it (the runtime, its link, torch's distributed and the model files) cost each
 helper a second or more of CPU beside its trainer.
+
+The training process:
+
+- :mod:`~ddiloco.runtime.learner.runtime`: ``LearnerRuntime``: Decoupled DiLoCo inside your own
+  training loop; ``step`` never waits for the network;
+- :mod:`~ddiloco.runtime.learner.link`: the link as the training process sees it: it writes due
+  Δs into slots, announces them, and feeds the core each outcome the helper reports;
+- :mod:`~ddiloco.runtime.learner.calls`: the calls handed to the helper, remembered until their
+  outcome or the helper's death (then reported undelivered);
+- :mod:`~ddiloco.runtime.learner.out_slots`: how a due fragment's Δ gets into its out slot, by the
+  training thread on the CPU or by an asynchronous device copy on a GPU;
+- :mod:`~ddiloco.runtime.learner.staging`: host-device copies on a side stream, so the training
+  stream never waits for Δ out or an update in;
+- :mod:`~ddiloco.runtime.learner.ranks`: what rank 0 tells the other ranks of a ``torchrun`` learner
+  after every step (stop, changed fragments, their values);
+- :mod:`~ddiloco.runtime.learner.connect`: reaching the run's synchronizer before the core takes
+  over: the probe that waits for it, every shard's client checked to be one run;
+- :mod:`~ddiloco.runtime.learner.link_lines`: the warnings the link logs about its own health
+  (starved, behind, stale, an outage);
+- :mod:`~ddiloco.runtime.learner.stats`: what a runtime did so far, one type for the unsharded and
+  the sharded runtime.
+
+The helper process and what it shares with the trainer:
+
+- :mod:`~ddiloco.runtime.learner.helper`: the process that talks to the synchronizer (gRPC,
+  compression, decoding, retries, update streams), so the trainer's interpreter is left to training;
+- :mod:`~ddiloco.runtime.learner.helper_process`: starting the helper as a fresh interpreter and
+  ending it, a failed start reported in one line;
+- :mod:`~ddiloco.runtime.learner.helper_wire`: the small control messages between trainer and
+  helper on a socket pair, and a join's state as a shared file;
+- :mod:`~ddiloco.runtime.learner.slots`: the fixed shared-memory slots (out: Δ, in: updates), each
+  guarded like a seqlock so a torn copy is never sent or applied;
+- :mod:`~ddiloco.runtime.learner.link_layout`: what the slots hold per fragment and what the helper
+  is told at start, from where Δ is compressed and updates decoded;
+- :mod:`~ddiloco.runtime.learner.repeats`: refusals said once per reason, and the jittered backoff
+  of retries (trainer and helper alike).
+
+A sharded (FSDP2) learner, every rank streaming its own slice:
+
+- :mod:`~ddiloco.runtime.learner.sharded_runtime`: the runtime when the model's parameters are
+  FSDP2 shards: a core per rank, kept identical by an exchange after every step;
+- :mod:`~ddiloco.runtime.learner.sharded_link`: one rank's own connection (its helper, its slots),
+  recording outcomes for the training thread to apply on every rank at once;
+- :mod:`~ddiloco.runtime.learner.sharded_layout`: the rank's parameters checked to be placed as the
+  slice arithmetic assumes, refused in one line otherwise;
+- :mod:`~ddiloco.runtime.learner.held_updates`: the updates a rank received and its core has not
+  applied yet, applied by all ranks up to the smallest reach.
+
+The reference application:
+
+- :mod:`~ddiloco.runtime.learner.process`: ``ddiloco learner``: the reference workload's training
+  loop around ``LearnerRuntime``, with its progress file, batch log and clean stop.
 """
 
 from __future__ import annotations
