@@ -1,6 +1,6 @@
-"""The source tree keeps the shape docs/design.md describes: one protocol core that imports no
-driver, two drivers that do not import each other, analytic models apart from the simulator,
-and no import cycle anywhere."""
+"""The source tree keeps the shape docs/design.md describes: a core in three parts, packages
+only at the root, the tables that map the tree, modules and functions of a readable size, every
+deadline defined once. The arrows between packages are import-linter's (tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -12,94 +12,15 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the ddiloco modules it imports (TYPE_CHECKING imports included: a cycle is a cycle)."""
-    modules = {}
-    for path in SRC.rglob("*.py"):
-        name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = path
-    graph = {}
-    for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddiloco"):
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                         for a in node.names}
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("ddiloco")}
-        graph[name] = {d for d in deps if d in modules and d != name}
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iteratively)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        while work:
-            v, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in stack:
-                    low[v] = min(low[v], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                component = []
-                while True:
-                    w = stack.pop()
-                    component.append(w)
-                    if w == v:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
-
-
-def test_no_module_imports_itself_through_others():
-    assert cycles(import_graph()) == []
-
-
-def test_the_core_imports_no_driver_and_the_drivers_not_each_other():
-    graph = import_graph()
-    for name, deps in graph.items():
-        if name.startswith("ddiloco.core."):
-            assert not {d for d in deps if not d.startswith("ddiloco.core.")}, name
-        if name.startswith("ddiloco.runtime."):
-            assert not {d for d in deps if d.startswith("ddiloco.sim.")}, name
-        if name.startswith("ddiloco.sim."):
-            assert not {d for d in deps if d.startswith("ddiloco.runtime.")}, name
-
-
 CORE_PARTS = ("learner_side", "sync_side", "shared")
-"""``core/`` in three parts: what the learner decides, what the synchronizer decides, what both share."""
+"""``core/`` in three parts: what the learner decides, what the synchronizer decides, what both share
+(that the two sides import neither each other nor any driver is import-linter's: tests/test_layers.py)."""
 
 
-def test_the_core_is_three_parts_and_the_two_sides_do_not_import_each_other():
-    """A learner-side rule that reached into the synchronizer's state (or the reverse) would be a
-    protocol decision made with knowledge the deciding side does not have on the wire."""
-    graph = import_graph()
-    core = sorted(n for n in graph if n.startswith("ddiloco.core."))
-    assert {n.split(".")[2] for n in core} == set(CORE_PARTS)
-    for name in core:
-        part = name.split(".")[2]
-        others = {"learner_side": ("sync_side",), "sync_side": ("learner_side",),
-                  "shared": ("learner_side", "sync_side")}[part]
-        assert not {d for d in graph[name] if d.split(".")[2:3] and d.split(".")[2] in others
-                    and d.startswith("ddiloco.core.")}, name
+def test_the_core_is_three_parts():
+    core = SRC / "ddiloco" / "core"
+    assert {p.parent.name for p in core.glob("*/__init__.py")} == set(CORE_PARTS)
+    assert sorted(p.name for p in core.glob("*.py")) == ["__init__.py"]
 
 
 def test_the_package_root_holds_the_entry_point_and_packages_only():
@@ -125,17 +46,6 @@ def test_docs_design_names_every_core_module_and_every_package():
     assert all((root / m).is_file() for m in modules), sorted(m for m in modules if not (root / m).is_file())
     tree = {p.parent.relative_to(root).as_posix() + "/" for p in root.rglob("__init__.py") if p.parent != root}
     assert packages == tree
-
-
-def test_the_analytic_models_and_the_simulator_do_not_import_each_other():
-    """``scale/`` models what no machine runs and ``sim/`` runs the protocol: a model that
-    borrowed the simulator's code (or the reverse) could no longer be checked against it."""
-    graph = import_graph()
-    for name, deps in graph.items():
-        if name.startswith("ddiloco.sim."):
-            assert not {d for d in deps if d.startswith("ddiloco.scale")}, name
-        if name.startswith("ddiloco.scale."):
-            assert not {d for d in deps if d.startswith("ddiloco.sim")}, name
 
 
 def shared_file_names() -> dict[str, set[str]]:
@@ -180,10 +90,6 @@ def test_no_module_is_over_400_lines():
     long = [f"{p.relative_to(SRC)} ({n} lines)" for p in hand_written()
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
     assert long == []
-
-
-def test_the_cycle_finder_finds_a_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 DEADLINES = SRC / "ddiloco" / "core" / "shared" / "deadlines.py"

@@ -34,12 +34,12 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ddiloco.outputs.measures import BF16_BYTES, all_reduce_bytes
-from ddiloco.runtime.checkpoint import save_checkpoint
+from ddiloco.measures.wire_bytes import BF16_BYTES, all_reduce_bytes
 from ddiloco.runtime.learner.ranks import leave_group
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.settings.config import Config
 from ddiloco.settings.config_sources import build_config
+from ddiloco.workload.checkpoint import save_checkpoint
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.workload import Workload, weights_sha256
 

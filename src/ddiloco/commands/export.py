@@ -2,7 +2,7 @@
 
 From a state directory (the latest checkpoint with the round log replayed: every round merged
 before the synchronizer stopped or died) or from a running synchronizer (``--from``: read as an
-evaluator reads it, no learner registered). The logic is :mod:`ddiloco.runtime.global_model`; torch is
+evaluator reads it, no learner registered). The logic is :mod:`ddiloco.runtime.sync.model_export`; torch is
 imported only once the arguments are checked.
 """
 
@@ -55,20 +55,21 @@ def run(args: argparse.Namespace) -> int:
 
     if empty := next((path for path in sources if surely_empty(path)), None):
         raise ConfigError(holds_no_run(empty))  # said before torch is imported: a second of CPU
-    from ddiloco.runtime import global_model, model_file
+    from ddiloco.runtime.sync import model_export
+    from ddiloco.workload import model_file
 
     if out is not None:
-        global_model.check_out(out, force=args.force)
+        model_export.check_out(out, force=args.force)
     if args.address:
         from ddiloco.runtime.auth import load_token, parse_address
 
         addresses = [str(parse_address(a, option="--from")) for a in args.address.split(",")]
         model, values = _from_synchronizer(addresses, init, load_token(args.token_file), args.tls_ca)
     else:
-        model, values = global_model.from_state_dirs(sources, init)
+        model, values = model_export.from_state_dirs(sources, init)
     tensors = model.state_dict(values)
     if hf is not None:
-        global_model.save_hf(hf, tensors, model.hf_config, args.dtype)
+        model_export.save_hf(hf, tensors, model.hf_config, args.dtype)
         print(f"wrote {hf}/ (Hugging Face: config.json, model.safetensors)")
     if out is not None:
         model_file.save_state_dict(out, tensors, args.dtype)
@@ -93,11 +94,11 @@ def _positional(args: argparse.Namespace) -> tuple[list[Path], Path | None]:
 def _from_synchronizer(addresses: list[str], init: Path | None, token: str | None,
                        tls_ca: str | None) -> tuple[Any, dict[int, Any]]:
     """Θ from the running synchronizer; an unreachable one or refused credentials in one line."""
-    from ddiloco.runtime import global_model
     from ddiloco.runtime.client import CallRefused, Unreachable
+    from ddiloco.runtime.sync import model_export
 
     try:
-        return global_model.from_synchronizer(addresses, init, token=token, tls_ca=tls_ca)
+        return model_export.from_synchronizer(addresses, init, token=token, tls_ca=tls_ca)
     except Unreachable as err:
         raise ConfigError(f"--from: no synchronizer answers at {','.join(addresses)} ({err})") from None
     except CallRefused as err:

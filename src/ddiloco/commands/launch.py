@@ -2,14 +2,14 @@
 
 What ``torchrun`` is to data parallel: one command starts ``ddiloco sync`` and M copies of
 the script after ``--``, each told the synchronizer's address, its learner id, its data shard
-and the run's token through the environment (:mod:`ddiloco.runtime.launch.env`, read by
+and the run's token through the environment (:mod:`ddiloco.runtime.script_env`, read by
 ``LearnerRuntime.from_env``). The children are the process launcher's
 (:class:`~ddiloco.runtime.launch.processes.Processes`): they die with the launcher even on
 ``kill -9``. A copy that crashes is started again under its id (it rejoins the run as itself),
 up to ``--max-restarts`` times; their output is shown after their names and kept in their
 logs. Ctrl-C or SIGTERM stops the learners (they flush and leave),
 then the synchronizer (its final checkpoint). A finished run ends with ``model.safetensors``
-(:func:`~ddiloco.runtime.global_model.export_run`). A copy that ends before it ever joined the run
+(:func:`~ddiloco.runtime.sync.model_export.export_run`). A copy that ends before it ever joined the run
 is a broken script or command line, which restarting cannot mend: the launch stops, in one
 line, exit 2. The exit code is 0 when the run finished and every copy exited 0, 130 when
 stopped by a signal, 1 otherwise. No torch here: the children import it.
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
               + (f" --init {shlex.quote(args.init)}" if args.init else ""))
     if code == 0:
         from ddiloco.outputs.reporting import MODEL_FILE
-        from ddiloco.runtime.global_model import export_run
+        from ddiloco.runtime.sync.model_export import export_run
 
         export_run([out / STATE_DIR], out / MODEL_FILE, Path(args.init) if args.init else None)
         print(f"the run finished; wrote its global model to {out / MODEL_FILE} (load it with "

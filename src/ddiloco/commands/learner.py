@@ -74,11 +74,10 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
     ``--set`` changes one value of the run it joins: it once switched to the default preset
     silently, then failed on a model shape the synchronizer did not have."""
     from ddiloco.commands.options import config_from_args
-    from ddiloco.runtime.learner import process
-    from ddiloco.settings.config_sources import apply_override, load_toml
+    from ddiloco.settings.config_sources import apply_override, config_of_sync, load_toml
 
     if args.preset is None:
-        config = process.resolve_config_of_sync(sync_config)
+        config = config_of_sync(sync_config)
         if args.config:
             config = load_toml(config, args.config)
         for assignment in args.overrides or ():

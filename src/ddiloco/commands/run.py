@@ -12,8 +12,15 @@ exit code is 130, as for an interrupted virtual run.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ddiloco.core.shared.errors import ConfigError
+from ddiloco.core.shared.errors import ConfigError, DdilocoError
+
+if TYPE_CHECKING:  # the command line starts without torch and grpc
+    from ddiloco.outputs.reporting import ProgressFn
+    from ddiloco.runtime.launch.topology import Topology
+    from ddiloco.settings.config import Config
 
 HELP = "train on the virtual cluster (default: Decoupled DiLoCo, 4 learners)"
 
@@ -72,17 +79,16 @@ def run(args: argparse.Namespace) -> int:
                           "a partial summary.json", highlight=False, soft_wrap=True)
             return 130
     else:
-        from ddiloco.runtime.launch.launcher import run_processes  # grpc only when asked for
-        from ddiloco.runtime.launch.local_run import state_dirs
+        from ddiloco.runtime.launch.local_run import state_dirs  # grpc only when asked for
 
         if config.run.time_s and not config.run.tokens:
             console.print(f"training for {config.run.time_s:g} s of wall time from the first learner's join "
                           "(--time or --tokens to choose), after the processes' start-up", highlight=False)
         with progress_bar(label) as progress:
-            summary, rows = run_processes(config, out, progress, device=str(device), topology=topology)
+            summary, rows = run_real(config, out, progress, device=str(device), topology=topology)
         write_run(out, config, summary, rows)
         if Mode(config.run.mode).uses_protocol:  # the model the final evaluation read, from the final checkpoints
-            from ddiloco.runtime.global_model import export_run
+            from ddiloco.runtime.sync.model_export import export_run
 
             export_run(state_dirs(out, config.protocol.shards), out / MODEL_FILE)
     print_report([summary], f"ddiloco run ({args.preset} preset, seed {config.run.seed})",
@@ -93,3 +99,21 @@ def run(args: argparse.Namespace) -> int:
                       "written)", highlight=False)
         return 130
     return 0
+
+
+def run_real(config: Config, out: Path, progress: ProgressFn | None = None, *, timeout_s: float | None = None,
+             device: str = "cpu", topology: Topology | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``--runtime processes``: the protocol's modes as a synchronizer and M learners
+    (:func:`~ddiloco.runtime.launch.launcher.run_processes`), ``--mode dp`` as M data-parallel ranks
+    (:func:`~ddiloco.baseline.data_parallel.run_data_parallel`); the same summary and rows either way."""
+    from ddiloco.baseline.data_parallel import run_data_parallel
+    from ddiloco.core.shared.protocol_config import Mode
+    from ddiloco.runtime.launch.launcher import run_processes
+
+    mode = Mode(config.run.mode)
+    if mode is Mode.DP:
+        return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
+    if not mode.uses_protocol:
+        raise DdilocoError(f"--runtime processes runs modes {Mode.DECOUPLED}, {Mode.DILOCO} and {Mode.DP}, not "
+                           f"{config.run.mode!r} (elastic data parallel runs on the virtual cluster)")
+    return run_processes(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)

@@ -87,7 +87,7 @@ class RunWriter:
         self._metrics.close()
         self._events.close()
         if model is not None:
-            from ddiloco.runtime.model_file import save_model
+            from ddiloco.workload.model_file import save_model
 
             save_model(self.out / MODEL_FILE, model)
         tmp = self.out / "summary.json.tmp"

@@ -19,7 +19,7 @@ import torch
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import Fragment, FragmentPlan, flatten, plan_fragments
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.runtime.launch import env
+from ddiloco.runtime import script_env
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.settings.config import Config
 from ddiloco.workload.trainer import build_model
@@ -41,7 +41,7 @@ sync``, a command its user never typed)."""
 
 def serve_your_model() -> str:
     """The way out of a :class:`LayoutMismatch`, in the terms of the command that started this learner."""
-    return SERVE_UNDER_LAUNCH if os.environ.get(env.CONNECT) else SERVE_YOUR_MODEL
+    return SERVE_UNDER_LAUNCH if os.environ.get(script_env.CONNECT) else SERVE_YOUR_MODEL
 
 
 @dataclass(frozen=True, slots=True)

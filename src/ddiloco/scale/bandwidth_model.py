@@ -292,7 +292,7 @@ def check_counted_bytes(counts: Mapping[tuple[str, int, str], int], steps_per_le
     """Compare a run's byte counters with the model, per direction ("up", "down").
 
     ``counts`` maps (learner, fragment, direction) to bytes, as ``ByteLedger.counts`` of
-    either driver (:mod:`ddiloco.outputs.measures`) does; fragment -1
+    either driver (:mod:`ddiloco.measures`) does; fragment -1
     (control traffic: registration, full-state fetches, heartbeats) is left out.
     ``steps_per_learner`` maps each learner to the inner steps it completed; ``x`` holds the
     run's parameter count, bits, ``block_size``, period H and fragments P; ``header_bytes``

@@ -96,6 +96,14 @@ def apply_section(config: Config, section: str, values: Mapping[str, Any], *, or
     return replace(config, **{section: replace(current, **changes)})
 
 
+def config_of_sync(run_config: Mapping[str, Mapping[str, Any]] | None) -> Config:
+    """The synchronizer's own configuration, from the sections its probe or its checkpoint carries."""
+    config = Config()
+    for section, values in (run_config or {}).items():
+        config = apply_section(config, section, values, origin="the synchronizer's configuration")
+    return config.validate()
+
+
 def _coerce(key: str, value: Any, hint: Any, origin: str) -> Any:
     if isinstance(hint, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))

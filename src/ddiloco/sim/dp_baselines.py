@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.outputs.measures import Direction, all_reduce_bytes
+from ddiloco.measures.wire_bytes import Direction, all_reduce_bytes
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.network import HEADER_BYTES
 from ddiloco.sim.timeline import Happening, Rollback, RunEvents, Timeline

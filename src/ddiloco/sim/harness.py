@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.measures.useful_work import Accounting
+from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.outputs.reporting import ProgressFn, RowFn
 from ddiloco.settings.config import Config
-from ddiloco.sim.accounting import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.speed import StepTimer
 from ddiloco.workload.workload import Workload

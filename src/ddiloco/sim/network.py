@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.settings.fault_kinds import FaultKind
 
 HEADER_BYTES = 64

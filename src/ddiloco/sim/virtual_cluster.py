@@ -34,7 +34,8 @@ from ddiloco.core.shared.fragments import FragmentPlan, flatten, plan_fragments,
 from ddiloco.core.shared.staleness import StalenessBound
 from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.outputs.measures import Direction, fragment_shares
+from ddiloco.measures.useful_work import fragment_shares
+from ddiloco.measures.wire_bytes import Direction
 from ddiloco.settings.fault_kinds import FaultKind
 from ddiloco.sim.adversary import plan_windows
 from ddiloco.sim.data_stream import DataStreams

@@ -17,8 +17,8 @@ from typing import Any
 from ddiloco.core.shared.codecs import Codec, fused_int4
 from ddiloco.core.shared.messages import FragmentUpdate, FragmentValue, GlobalState
 from ddiloco.core.sync_side.data_position import DataPositions
-from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.learner_record import Forgotten
+from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.run_state import RunState

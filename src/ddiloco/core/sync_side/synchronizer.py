@@ -61,10 +61,10 @@ from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
 from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
 from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, check_contribution
 from ddiloco.core.sync_side.data_position import DataPositions
+from ddiloco.core.sync_side.learner_record import LearnerRecord
 from ddiloco.core.sync_side.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.sync_side.norm_bound import NormBound
 from ddiloco.core.sync_side.outer import NesterovSGD
-from ddiloco.core.sync_side.learner_record import LearnerRecord
 from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState

@@ -8,8 +8,8 @@ synchronizer's configuration, so the model, initial weights, data shards and dat
 are the virtual cluster's; only time is real (``virtual_time_s`` holds wall seconds). Each
 synchronizer serves its status page (``--http-port``) and the launcher prints its address.
 With a topology (``--hosts netns``, :mod:`ddiloco.runtime.launch.placement`) every process runs in
-its own network namespace behind a capped link; ``--mode dp`` runs real data parallel on
-the same hosts instead (:mod:`ddiloco.baseline.data_parallel`). ``timeline.jsonl``
+its own network namespace behind a capped link (``--mode dp`` runs real data parallel on
+the same hosts instead: :mod:`ddiloco.baseline.data_parallel`, from the same pieces). ``timeline.jsonl``
 (:mod:`ddiloco.runtime.launch.run_log`) records the run once a second.
 
 SIGINT or SIGTERM stops the run cleanly: learners first (they flush), then the final model
@@ -72,16 +72,11 @@ def run_processes(
     Writes the children's logs to ``out/logs``, the synchronizer's checkpoints to
     ``out/sync-state`` (``sync-state-<i>`` per shard when ``protocol.shards`` > 1: one
     synchronizer process per shard) and ``out/timeline.jsonl``; returns (summary, metrics
-    rows) like the virtual cluster. ``--mode dp`` runs data parallel on the same hosts.
+    rows) like the virtual cluster. Data parallel's ``--mode dp`` is not the protocol's: it runs
+    in :func:`ddiloco.baseline.data_parallel.run_data_parallel`, from the same pieces.
     """
-    mode = Mode(config.run.mode)
-    if mode is Mode.DP:
-        from ddiloco.baseline.data_parallel import run_data_parallel
-
-        return run_data_parallel(config, out, progress, timeout_s=timeout_s, device=device, topology=topology)
-    if not mode.uses_protocol:
-        raise DdilocoError(f"--runtime processes runs modes {Mode.DECOUPLED}, {Mode.DILOCO} and {Mode.DP}, not "
-                           f"{config.run.mode!r} (elastic data parallel runs on the virtual cluster)")
+    if not Mode(config.run.mode).uses_protocol:
+        raise DdilocoError(f"run_processes runs modes {Mode.DECOUPLED} and {Mode.DILOCO}, not {config.run.mode!r}")
     files = prepare_files(config, out)
     learners = learner_names(config.run.learners)
     with StopSignals() as stop, placed(topology, [SYNC_HOST, *learners], out) as place:

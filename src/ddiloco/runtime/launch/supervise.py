@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddiloco.core.shared.errors import ConfigError, DdilocoError
-from ddiloco.runtime.launch import env
+from ddiloco.runtime import script_env
 from ddiloco.runtime.launch.child import EXEC
 from ddiloco.runtime.launch.local_run import LEAVE_TIMEOUT_S, POLL_S, announce, learner_names, learner_threads
 from ddiloco.runtime.launch.processes import Processes, StopSignals
@@ -51,7 +51,7 @@ class Launch:
         self.command = command
         self.names = learner_names(learners)
         self.sync_args = sync_args
-        self.token = token if token is not None else os.environ.get(env.TOKEN) or None
+        self.token = token if token is not None else os.environ.get(script_env.TOKEN) or None
         self.max_restarts = max_restarts
         self.http_port = http_port
         """The synchronizer's status page (given to it in ``sync_args``), announced at the start."""
@@ -122,9 +122,9 @@ class Launch:
         return f"127.0.0.1:{int(port_file.read_text())}"
 
     def _start_learner(self, name: str, index: int, address: str, threads: int) -> None:
-        variables = {env.CONNECT: address, env.LEARNER_ID: name, env.DATA_SHARD: str(index),
-                     env.DATA_SHARDS: str(len(self.names)), "OMP_NUM_THREADS": str(threads),
-                     **({env.TOKEN: self.token} if self.token else {})}
+        variables = {script_env.CONNECT: address, script_env.LEARNER_ID: name, script_env.DATA_SHARD: str(index),
+                     script_env.DATA_SHARDS: str(len(self.names)), "OMP_NUM_THREADS": str(threads),
+                     **({script_env.TOKEN: self.token} if self.token else {})}
         self.procs.start(name, self.command, env=variables, module=EXEC)
 
     def _supervise(self, client: SyncClient, address: str, threads: int) -> int:

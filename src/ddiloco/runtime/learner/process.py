@@ -34,7 +34,7 @@ from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.progress import ProgressFile
 from ddiloco.settings.config import Config, check_seed
-from ddiloco.settings.config_sources import apply_section
+from ddiloco.settings.config_sources import config_of_sync
 from ddiloco.workload.corpus import BatchSampler
 from ddiloco.workload.device import process_group_backend, resolve_device
 from ddiloco.workload.trainer import InnerTrainer
@@ -54,14 +54,6 @@ def describe_model(config: Config, model: torch.nn.Module | None = None) -> str:
     return f"d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, seq_len {m.seq_len}{size}"
 
 
-def resolve_config_of_sync(run_config: dict | None) -> Config:
-    """The synchronizer's own configuration, as its probe sent it."""
-    config = Config()
-    for section, values in (run_config or {}).items():
-        config = apply_section(config, section, values, origin="the synchronizer's configuration")
-    return config.validate()
-
-
 def start_runtime(args: argparse.Namespace, clients: list[SyncClient], model: torch.nn.Module, workload: Workload,
                   sync_config: dict) -> LearnerRuntime:
     """Join the run; a model the synchronizer does not serve is an error naming both sides' models."""
@@ -70,7 +62,7 @@ def start_runtime(args: argparse.Namespace, clients: list[SyncClient], model: to
                               tokens_per_step=workload.tokens_per_step)
     except LayoutMismatch as err:
         raise LayoutMismatch(f"{err}. This learner's model: {describe_model(workload.config, model)}; the "
-                             f"synchronizer's run: {describe_model(resolve_config_of_sync(sync_config))} (leave out "
+                             f"synchronizer's run: {describe_model(config_of_sync(sync_config))} (leave out "
                              "--preset to train the synchronizer's model, or give both sides the same preset)") from None
 
 

@@ -51,8 +51,8 @@ from ddiloco.core.learner_side.learner_kernels import compile_learner_kernels
 from ddiloco.core.learner_side.learner_phase import LoopMove, UpdateResult
 from ddiloco.core.shared.errors import ConfigError, DdilocoError, ParameterError
 from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.runtime import script_env
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.launch import env
 from ddiloco.runtime.layout import LayoutMismatch, plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, on_loopback, one_run, probe_with_backoff
 from ddiloco.runtime.learner.link import Inbox, LearnerLink
@@ -74,7 +74,7 @@ def save_initial_state(model: nn.Module, path: str | Path, embedding_names: list
     if embedding_names is None:
         embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         embedding_names = [n for n, p in model.named_parameters() if id(p) in embedding_ids]
-    from ddiloco.runtime.model_file import tied_names
+    from ddiloco.workload.model_file import tied_names
 
     tensors = {n: p.detach().to(torch.float32).contiguous().clone() for n, p in model.named_parameters()}
     # safetensors stores tensors by sorted name; the model's own order is kept beside them, because
@@ -165,16 +165,16 @@ class LearnerRuntime:
     @classmethod
     def from_env(cls, model: nn.Module, **options: Any) -> "LearnerRuntime":
         """The learner ``ddiloco launch`` started this process as: the synchronizer's address, this
-        learner's id and the run's token from the environment (:mod:`ddiloco.runtime.launch.env`);
+        learner's id and the run's token from the environment (:mod:`ddiloco.runtime.script_env`);
         ``options`` as for the constructor. The data shard is ``$DDILOCO_DATA_SHARD`` of
         ``$DDILOCO_DATA_SHARDS``, for the script's own loader."""
-        missing = [name for name in (env.CONNECT, env.LEARNER_ID) if not os.environ.get(name)]
+        missing = [name for name in (script_env.CONNECT, script_env.LEARNER_ID) if not os.environ.get(name)]
         if missing:
             raise ConfigError(f"LearnerRuntime.from_env: ${' and $'.join(missing)} not set: start this script with "
                               "`ddiloco launch --learners M -- python SCRIPT ...`, or give LearnerRuntime the address "
                               "and id itself")
-        options.setdefault("token", os.environ.get(env.TOKEN) or None)
-        return cls(model, os.environ.get(env.CONNECT), os.environ.get(env.LEARNER_ID, ""), **options)
+        options.setdefault("token", os.environ.get(script_env.TOKEN) or None)
+        return cls(model, os.environ.get(script_env.CONNECT), os.environ.get(script_env.LEARNER_ID, ""), **options)
 
     # ---- setup -----------------------------------------------------------------------------
 
@@ -336,7 +336,7 @@ class LearnerRuntime:
         """Write the global model as this learner last received it (its anchors: every update merged
         so far, not its own training since) as the model's ``state_dict`` in a safetensors file,
         loadable with ``model.load_state_dict(safetensors.torch.load_file(path))``. Rank 0 writes."""
-        from ddiloco.runtime.model_file import full_state_dict, parameters, save_state_dict
+        from ddiloco.workload.model_file import full_state_dict, parameters, save_state_dict
 
         if self.core is None or self.plan is None:
             return

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError, Message
 
 from ddiloco.core.shared.actions import Refused
 from ddiloco.core.shared.messages import Contribution, RejectReason, check_id
-from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import PROTOCOL_HEADER, PROTOCOL_VERSION, REASON_HEADER, Authenticator, Identity
 from ddiloco.runtime.proto import ddiloco_pb2 as pb

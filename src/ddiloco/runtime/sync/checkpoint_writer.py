@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.metrics import ServiceMetrics
 from ddiloco.runtime.sync.round_log import LoggedRound, RoundLog, read_rounds
 from ddiloco.runtime.sync.shutdown import StopDeadline
 from ddiloco.runtime.sync.state_dir import StateDir, current_checkpoint, load_latest
+from ddiloco.workload.checkpoint import CheckpointError
 
 log = logging.getLogger("ddiloco.sync")
 

@@ -1,5 +1,5 @@
 """What the synchronizer service measures: goodput, Prometheus counters (bytes on the wire:
-:class:`ddiloco.outputs.measures.ByteLedger`, as the virtual cluster counts them).
+:class:`ddiloco.measures.wire_bytes.ByteLedger`, as the virtual cluster counts them).
 
 These are observations of a real run, kept outside the protocol core: the core decides,
 the service counts. Everything here is plain bookkeeping with bounded memory.
@@ -18,7 +18,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.exposition import MetricsHandler
 
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.outputs.measures import covered_s
+from ddiloco.measures.useful_work import covered_s
 from ddiloco.runtime.auth import Address, http_authorized
 
 

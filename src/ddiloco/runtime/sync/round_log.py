@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
+from ddiloco.workload.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 
 log = logging.getLogger("ddiloco.sync")
 

@@ -40,7 +40,8 @@ from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.core.sync_side.replay import replay_budget
 from ddiloco.core.sync_side.sync_status import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.outputs.measures import ByteLedger, fragment_shares
+from ddiloco.measures.useful_work import fragment_shares
+from ddiloco.measures.wire_bytes import ByteLedger
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import REASON_HEADER, Authenticator
 from ddiloco.runtime.layout import ModelLayout, reference_layout
@@ -53,8 +54,8 @@ from ddiloco.runtime.sync.memory import available_bytes, check_memory, shard_mem
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service_records import ServiceRecords
-from ddiloco.runtime.sync.slice_parts import Part, SliceParts, part_of
 from ddiloco.runtime.sync.shutdown import StopDeadline
+from ddiloco.runtime.sync.slice_parts import Part, SliceParts, part_of
 from ddiloco.runtime.sync.state_copies import SharedCopies
 from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.runtime.sync.status_reply import status_reply

@@ -25,7 +25,7 @@ from ddiloco.core.shared.messages import FragmentUpdate, Leave
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.sync_status import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.outputs.measures import ByteLedger
+from ddiloco.measures.wire_bytes import ByteLedger
 from ddiloco.runtime.sync.boundary import Boundary
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.core_host import SyncHost

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from ddiloco.core.shared.errors import ConfigError
-from ddiloco.runtime.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.round_log import holds_rounds
+from ddiloco.workload.checkpoint import CheckpointError, fsync_dir, sync_and_uncache
 
 FORMAT = "ddiloco-sync-checkpoint-2"
 CURRENT = "CURRENT"

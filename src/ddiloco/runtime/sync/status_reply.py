@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.sync_status import SyncStatus
-from ddiloco.outputs.measures import ByteLedger, Direction
+from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.layout import ModelLayout
 from ddiloco.runtime.proto import ddiloco_pb2 as pb

@@ -1,7 +1,7 @@
 """A model's weights as a plain safetensors file: the tensors of its ``state_dict``, each in memory
 of its own (a safetensors file holds no shared tensors), written atomically.
 
-Shared by ``ddiloco export`` (:mod:`ddiloco.runtime.global_model`), ``LearnerRuntime.export`` and the
+Shared by ``ddiloco export`` (:mod:`ddiloco.runtime.sync.model_export`), ``LearnerRuntime.export`` and the
 end of a virtual run; it imports nothing of the runtime, so each of them may import it.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddiloco.core.shared.fragments import FragmentPlan
-from ddiloco.runtime.checkpoint import CheckpointError
+from ddiloco.workload.checkpoint import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

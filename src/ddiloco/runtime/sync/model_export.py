@@ -31,14 +31,15 @@ from torch import nn
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import FragmentUpdate
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.layout import ModelLayout, layout_from_file, plan_from_layout, reference_layout
-from ddiloco.runtime.model_file import DTYPES, full_state_dict, parameters, save_state_dict
 from ddiloco.runtime.sync.checkpoint_writer import restore_state
 from ddiloco.runtime.sync.resume import holds_no_run
 from ddiloco.runtime.sync.round_log import LoggedRound
 from ddiloco.runtime.sync.state_dir import has_checkpoint, load_latest
 from ddiloco.settings.config import Config
+from ddiloco.settings.config_sources import config_of_sync
+from ddiloco.workload.checkpoint import CheckpointError
+from ddiloco.workload.model_file import DTYPES, full_state_dict, parameters, save_state_dict
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,9 @@ def _latest(path: Path) -> dict[str, Any]:
 
 def _config_of(path: Path, saved: dict[str, Any]) -> Config:
     """The run's configuration, which its checkpoints carry."""
-    from ddiloco.runtime.learner.process import resolve_config_of_sync
 
     try:
-        return resolve_config_of_sync(saved["service"]["config"])
+        return config_of_sync(saved["service"]["config"])
     except (KeyError, TypeError):
         raise CheckpointError(f"the checkpoint in {str(path)!r} does not carry its run's configuration") from None
 
@@ -156,13 +156,12 @@ def from_synchronizer(addresses: Sequence[str], init: Path | None, *, token: str
                       tls_ca: str | None = None) -> tuple[ServedModel, dict[int, torch.Tensor]]:
     """Θ as the running synchronizer (every shard of it) holds it now, without registering a learner."""
     from ddiloco.runtime.client import SyncClient
-    from ddiloco.runtime.learner.process import resolve_config_of_sync
     from ddiloco.runtime.sharded import ShardedClient
 
     clients = [SyncClient(a, token=token, tls_ca=tls_ca) for a in addresses]
     with ShardedClient(list(addresses), clients=clients) as sharded:
         probe = clients[0].probe("ddiloco-export")
-        config = resolve_config_of_sync(probe.run_config)
+        config = config_of_sync(probe.run_config)
         model = served_model(config, init)
         if model.layout.sha256(config.protocol.for_mode(config.run.mode, config.run.learners)) != \
                 probe.header.layout_sha256:
