@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 EXPERIMENTS: dict[str, list[tuple[str, tuple[str, ...], dict[str, Any]]]] = {
     "mixed hardware (half the learners 18% slower, jitter 0.1), 400 virtual s": [

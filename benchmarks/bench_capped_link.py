@@ -57,14 +57,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runtime import MODELS  # noqa: E402
-from stamp import stamp  # noqa: E402
+from bench_runtime import MODELS
+from stamp import stamp
 
-from ddiloco.core.shared.errors import ConfigError  # noqa: E402
-from ddiloco.runtime.launch.netns import NS_PREFIX, check_available, tag_of  # noqa: E402
-from ddiloco.runtime.launch.topology import format_rate, parse_rate  # noqa: E402
-from ddiloco.runtime.layout import reference_layout  # noqa: E402
+from ddiloco.core.shared.errors import ConfigError
+from ddiloco.runtime.launch.netns import NS_PREFIX, check_available, tag_of
+from ddiloco.runtime.launch.topology import format_rate, parse_rate
+from ddiloco.runtime.layout import reference_layout
 from ddiloco.settings.config_sources import build_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
+from stamp import stamp
 
 LEASE_S = 3.0
 MIN_STEP_S = 0.2

@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 CODECS = ("fp32", "bf16", "int4")
 TOKENS = 4 * 400 * 16 * 64  # as bench_ablations' codec rows

@@ -32,10 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from stamp import load_now, stamp
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 HERE = Path(__file__).resolve()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}

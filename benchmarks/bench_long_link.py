@@ -45,15 +45,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from stamp import load_now, stamp
 
 from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.sim.harness import Recorder
 from ddiloco.sim.virtual_cluster import VirtualCluster
 from ddiloco.workload.corpus import load_corpus
 from ddiloco.workload.workload import Workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 FAR = "learner-3"
 SHARDS = 4

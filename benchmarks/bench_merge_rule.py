@@ -24,12 +24,10 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from stamp import load_now, stamp
 
 from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.sim.experiment import run_virtual
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 RULES = ("rda", "mean")
 

@@ -20,22 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.outputs.run_plot import plot_runs
 from ddiloco.settings.config import MODES, Config
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
 from ddiloco.workload.workload import Workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 FAILURES = dict(faults__mtbf_s=150.0, faults__downtime_s=12.0, run__time_s=600.0)
 

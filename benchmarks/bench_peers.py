@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_supervisor import Scenario, System, kill_schedule  # noqa: E402
-from stamp import load_now, stamp  # noqa: E402
+from peers_supervisor import Scenario, System, kill_schedule
+from stamp import load_now, stamp
 
 if TYPE_CHECKING:  # torch is imported once the arguments are good
     from peers_systems import RunSpec

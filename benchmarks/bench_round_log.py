@@ -17,23 +17,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from stamp import stamp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
-
-from ddiloco.core.shared.codecs import get_codec  # noqa: E402
-from ddiloco.core.shared.kernels import compile_kernels  # noqa: E402
-from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator  # noqa: E402
-from ddiloco.core.sync_side.merge import merge_rule  # noqa: E402
-from ddiloco.core.sync_side.outer import NesterovSGD  # noqa: E402
-from ddiloco.core.sync_side.rounds import GlobalFragment  # noqa: E402
-from ddiloco.runtime.sync.round_log import RoundLog  # noqa: E402
+from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.kernels import compile_kernels
+from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
+from ddiloco.core.sync_side.merge import merge_rule
+from ddiloco.core.sync_side.outer import NesterovSGD
+from ddiloco.core.sync_side.rounds import GlobalFragment
+from ddiloco.runtime.sync.round_log import RoundLog
 
 INT4 = get_codec("int4")
 OUTER = NesterovSGD(lr=0.4, momentum=0.9)

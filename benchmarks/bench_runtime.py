@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.commands.options import add_device_option
 from ddiloco.core.shared.actions import RoundClosed
@@ -54,9 +55,6 @@ from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 SMALL = ("model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.seq_len=64", "train.batch_size=8",
          "run.learners=1", "protocol.fragments=4", "protocol.period=8")

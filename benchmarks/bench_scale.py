@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.commands.options import add_device_option
 from ddiloco.core.shared.errors import ConfigError
@@ -45,9 +46,6 @@ from ddiloco.workload.device import resolve_device
 from ddiloco.workload.model import VOCAB_SIZE
 from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 LEARNERS = 4
 MODES = ("dp", "decoupled", "diloco")

@@ -35,13 +35,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from stamp import load_now, stamp
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.config_sources import PRESETS, build_config
 from ddiloco.sim.experiment import run_virtual
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 SETTINGS = ((2, 0.25), (4, 0.25), (4, 0.5))
 """(learners that join, when, as a share of the base run's duration)."""

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
+from stamp import load_now, stamp
 
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
 
 GRID = (
     "run.mode=dp",

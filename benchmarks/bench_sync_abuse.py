@@ -30,12 +30,10 @@ import time
 from pathlib import Path
 
 import grpc
+from stamp import stamp
 
 from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
 
 PACE = ("--min-step-s", "0.05")
 """Honest learners pace their steps, so the measurement is the synchronizer's, not the cores' contention."""

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from stamp import stamp
 
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.messages import Contribution, Join, Session
@@ -53,9 +54,6 @@ from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.launch.local_run import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import stamp  # noqa: E402
 
 M = 8
 P = 24

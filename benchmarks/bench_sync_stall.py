@@ -17,25 +17,20 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import grpc
+from stamp import load_now, stamp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
-from ddiloco.testing import Procs, free_port, learner_args, status_of, sync_args, wait_for  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stamp import load_now, stamp  # noqa: E402
-
-from ddiloco.core.shared.messages import Heartbeat, Join, Progress, Session  # noqa: E402
-from ddiloco.core.sync_side.refusals import honest_learner_steps  # noqa: E402
-from ddiloco.runtime import wire  # noqa: E402
-from ddiloco.runtime.client import SyncClient  # noqa: E402
-from ddiloco.runtime.proto import ddiloco_pb2 as pb  # noqa: E402
+from ddiloco.core.shared.messages import Heartbeat, Join, Progress, Session
+from ddiloco.core.sync_side.refusals import honest_learner_steps
+from ddiloco.runtime import wire
+from ddiloco.runtime.client import SyncClient
+from ddiloco.runtime.proto import ddiloco_pb2 as pb
+from ddiloco.testing import Procs, free_port, learner_args, status_of, sync_args, wait_for
 
 STALL_S = 30.0
 STREAMS = 100

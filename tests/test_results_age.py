@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from sim.bench_loader import load_benchmark
-
-age = load_benchmark("results_age")
+import results_age as age
 
 
 def test_a_file_names_its_stamps_commit_and_its_rows_commits_once_each():

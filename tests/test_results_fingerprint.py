@@ -4,11 +4,9 @@ behaviour fingerprint, ``ddiloco fingerprint``); docs may cite older results as 
 from __future__ import annotations
 
 import pytest
-from sim.bench_loader import load_benchmark
+import results_age as age
 
 from ddiloco.sim.behaviour_fingerprint import fingerprint
-
-age = load_benchmark("results_age")
 
 
 def test_a_file_names_its_fingerprint_and_is_current_only_under_the_trees():

@@ -60,9 +60,7 @@ CASES = {
 
 
 def example_module(script: str) -> ModuleType:
-    """Import an example as the test's own module (its directory holds byte_text.py)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
+    """Import an example as the test's own module (``examples/`` is on pytest's ``pythonpath``)."""
     return importlib.import_module(Path(script).stem)
 
 

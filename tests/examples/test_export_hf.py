@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_an_hf_run_exports_a_folder_from_pretrained_loads_with_the_synchronizers_theta(tmp_path: Path) -> None:
-    sys.path.insert(0, str(EXAMPLES))
-    import hf_causal_lm
+    import hf_causal_lm  # examples/ is on pytest's pythonpath; it needs transformers
 
     args = hf_causal_lm.build_parser().parse_args(["init", "unused", "--d-model", "32", "--layers", "2",
                                                    "--heads", "2", "--seq-len", "16"])

@@ -3,25 +3,10 @@ file's successive contents, the ratios, the two command lines, and the one line 
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
+import bench_capped_link as bench
 import pytest
-
-
-def _load():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_capped_link.py"
-    spec = importlib.util.spec_from_file_location("bench_capped_link", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
 
 
 def samples(first: float = 100.0, seconds: float = 10.0, rate: float = 10.0, ms_in_step: float = 2.0) -> list[dict]:

@@ -10,11 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_scale
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "sim"))
-from bench_loader import load_benchmark  # noqa: E402
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess:
@@ -40,7 +39,7 @@ def test_the_dry_run_lists_every_step_and_seeds_a_table_the_next_point_runs_from
     table_path = out / "scale" / "table.json"
     runs = json.loads(table_path.read_text())["runs"]
     assert any(r["mode"] == "dp" and r["size"] == "3m" for r in runs)  # from the table b882afc continued
-    bench = load_benchmark("bench_scale")
+    bench = bench_scale
     plan = bench.PLANS["gpu"]
     size = next(s for s in plan.sizes if s.name == "8m")
     (lr,) = bench._lrs_for(size, "decoupled", "base", plan.lrs, plan, bench.Table(table_path), False)
@@ -49,7 +48,7 @@ def test_the_dry_run_lists_every_step_and_seeds_a_table_the_next_point_runs_from
 
 def test_the_seed_alone_would_have_failed(tmp_path):
     """The table the last session's command copied, on its own, holds no gap at a gridded size."""
-    bench = load_benchmark("bench_scale")
+    bench = bench_scale
     plan = bench.PLANS["gpu"]
     size = next(s for s in plan.sizes if s.name == "8m")
     with pytest.raises(Exception, match="reuses the best lr of a gridded size"):

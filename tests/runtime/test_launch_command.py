@@ -74,8 +74,7 @@ def test_launch_runs_the_own_loop_example_to_the_end_and_its_model_exports(tmp_p
         assert f"learner-{i}: learner-{i} done after" in out  # and its output is shown, after its name
     model_file = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "out" / "sync-state"), str(model_file), "--init", str(init)]) == 0
-    sys.path.insert(0, str(EXAMPLES))
-    from own_loop import ByteGRU
+    from own_loop import ByteGRU  # examples/ is on pytest's pythonpath
 
     ByteGRU(32, 1).load_state_dict(load_file(model_file))  # strict: the tied head is in the file
     written = load_file(tmp_path / "out" / "model.safetensors")  # what the launch wrote at the end: the same

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import bench_scale as bench
 import pytest
-from bench_loader import load_benchmark
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_warm_started
 
-bench = load_benchmark("bench_scale")
 ARGS = ["--preset", "test", "--device", "cpu", "--sizes", "7k"]
 
 

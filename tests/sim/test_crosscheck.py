@@ -6,17 +6,15 @@ docs/goodput.md and docs/bandwidth.md and these tests come from one code path.
 
 from __future__ import annotations
 
+import bench_crosscheck as bench
 import numpy as np
 import pytest
-from bench_loader import load_benchmark
 
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.scale.bandwidth_model import BandwidthInputs, check_counted_bytes, learner_bytes_per_step
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.network import HEADER_BYTES
-
-bench = load_benchmark("bench_crosscheck")
 
 # ~85 % regime of the benchmark on M = 4 learners: 22 failures expected in 240 virtual seconds.
 LEARNERS, MTBF_S, DOWNTIME_S, TIME_S = 4, 40.0, 3.0, 240.0
