@@ -3,7 +3,7 @@
 1. Goodput. ``scale.small_cluster.predict_small_cluster`` predicts the long-run goodput of M learners
    that crash whole (exponential up times, mean ``mtbf_s``), stay down ``downtime_s`` and
    rejoin. The virtual cluster runs the same failure model with real learners on the
-   ``tiny`` preset and measures goodput from what was merged (``sim/accounting.py``). For each
+   ``tiny`` preset and measures goodput from what was merged (``measures/useful_work.py``). For each
    configuration the table gives the prediction, the mean and spread of the measurement over
    seeds, their difference in points and whether it lies within two standard errors. A
    second table applies the model's rule (a crash loses the step in flight and each

@@ -1,6 +1,6 @@
 """Decoupled DiLoCo against data parallel on real capped links, with the bandwidth model beside them.
 
-Every point is a real run (``run_processes`` with ``--hosts netns``): the synchronizer and
+Every point is a real run (``run_real`` with ``--hosts netns``): the synchronizer and
 each learner (or each data-parallel rank) in its own network namespace, every learner's link
 capped both ways with ``tc``, the same workload and seed in both modes. Per link rate and
 mode, from ``timeline.jsonl`` over a window that starts ``--warmup`` seconds after every
@@ -52,7 +52,7 @@ from typing import Any
 
 from stamp import stamp
 
-from ddiloco.runtime.launch.launcher import run_processes
+from ddiloco.commands.run import run_real
 from ddiloco.runtime.launch.run_log import read_timeline
 from ddiloco.runtime.launch.topology import format_rate, parse_rate, uniform
 from ddiloco.runtime.layout import reference_layout
@@ -84,7 +84,7 @@ def measure(base: Config, mode: str, rate_text: str, warmup_s: float, window_s: 
     stamped = stamp(__file__)
     load = os.getloadavg()[0]
     started = time.monotonic()
-    summary, _ = run_processes(config, out, topology=uniform(learners, rate), timeout_s=config.run.time_s + 600)
+    summary, _ = run_real(config, out, topology=uniform(learners, rate), timeout_s=config.run.time_s + 600)
     tokens_per_step = config.train.batch_size * config.model.seq_len
     per_contribution = config.protocol.period / config.protocol.fragments * tokens_per_step
     point = {"mode": mode, "rate": rate_text, "rate_bps": rate, "commit": stamped["commit"], "date": stamped["date"],
