@@ -63,6 +63,16 @@ def test_no_two_modules_share_a_file_name():
     assert shared_file_names() == {}
 
 
+def test_no_two_classes_share_a_name():
+    """The same reason: ``Link`` of the capped topology and ``Link`` of the virtual network read as one."""
+    found = defaultdict(set)
+    for path in hand_written():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found[node.name].add(path.relative_to(SRC).as_posix())
+    assert {name: where for name, where in found.items() if len(where) > 1} == {}
+
+
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
 GENERATED = SRC / "ddiloco" / "runtime" / "proto"

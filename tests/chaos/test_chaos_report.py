@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRestart
+from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, Sample, ShardCounts, SyncRecovery
 from ddiloco.chaos.report import build_report, plot_timeline, rejections, rejoins_by_learner, write_events
 from ddiloco.chaos.schedule import Fault
 from ddiloco.settings.config_sources import build_config
@@ -25,7 +25,7 @@ def sample(t: float, instance: str, versions: tuple[int, ...], *, alive: tuple[b
 
 
 def outcome(tmp_path: Path, samples: list[Sample], records: list[FaultRecord],
-            restarts: list[SyncRestart]) -> ChaosOutcome:
+            restarts: list[SyncRecovery]) -> ChaosOutcome:
     return ChaosOutcome(completed=True, failure="", records=records, samples=samples, sync_restarts=restarts,
                         final_status={"goodput": 0.8, "model_uptime": 0.9, "tokens": 5000,
                                       "fragments": [{"version": 9}, {"version": 8}]},
@@ -36,7 +36,7 @@ def test_a_run_within_its_bound_has_no_violation_and_counts_across_incarnations(
     config = build_config(preset="tiny", overrides=("run.learners=2", "protocol.lease_s=3"))
     kill = FaultRecord(Fault(at_s=2, kind=FaultKind.SYNC_CRASH, target="sync", duration_s=1), started_s=2.0,
                        ended_s=3.0)
-    restart = SyncRestart(target="sync", killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200,
+    restart = SyncRecovery(target="sync", killed_at_s=2.0, versions_at_kill=(5, 5), tokens_at_kill=200,
                           answering_at_s=6.0, versions_resumed=(3, 4), tokens_resumed=150, first_merge_after_s=1.5)
     samples = [sample(0, "a", (0, 0)),
                sample(1, "a", (5, 5), pause=0.4, rejected={"stale": 2}, refused_steps={"stale": 60}),
@@ -161,7 +161,7 @@ def test_rejoins_and_rejections_count_every_shard_each_across_its_own_restarts(t
     assert rejoins_by_learner(samples) == {"learner-0": 2, "learner-1": 2, "learner-2": 3}
     # shard 1: stale 3 lost 2 to the first crash (its checkpoint held 1), unknown_learner 6; shard 0: stale 2.
     assert rejections(samples) == {"stale": 2 + 1 + 2, "unknown_learner": 6}
-    kills = [SyncRestart(target="sync-1", killed_at_s=t, versions_at_kill=(1,), tokens_at_kill=0, answering_at_s=t + 1)
+    kills = [SyncRecovery(target="sync-1", killed_at_s=t, versions_at_kill=(1,), tokens_at_kill=0, answering_at_s=t + 1)
              for t in (2.0, 7.0)]
     crash = FaultRecord(Fault(at_s=3, kind=FaultKind.LEARNER_CRASH, target="learner-2", duration_s=1),
                         started_s=3.0, ended_s=4.0)

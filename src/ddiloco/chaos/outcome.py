@@ -87,7 +87,7 @@ class LiveState:
 
 
 @dataclass
-class SyncRestart:
+class SyncRecovery:
     """One kill -9 of the synchronizer (or of one of its shards), and what the restarted one resumed
     from (times after the first join)."""
 
@@ -126,7 +126,7 @@ class ChaosOutcome:
     failure: str
     records: list[FaultRecord]
     samples: list[Sample]
-    sync_restarts: list[SyncRestart]
+    sync_restarts: list[SyncRecovery]
     final_status: dict[str, Any]
     eval_loss: float | None
     wall_s: float

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddiloco.chaos.cluster import BATCH_LOGS, ChaosCluster
-from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRestart
+from ddiloco.chaos.outcome import ChaosOutcome, FaultRecord, LiveState, Sample, SyncRecovery
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.core.sync_side.run_state import RunPhase
@@ -62,10 +62,10 @@ class _Shard:
     status: dict[str, Any] | None = None
     killed: str | None = None
     """The killed incarnation's id, while it is down or restarting."""
-    restart: SyncRestart | None = None
+    restart: SyncRecovery | None = None
     restart_at: tuple[float, FaultRecord] | None = None
     """Killed: (restart it at, the fault)."""
-    awaiting: SyncRestart | None = None
+    awaiting: SyncRecovery | None = None
     """Restarted, no merge seen yet."""
 
     @property
@@ -91,7 +91,7 @@ class ChaosRun:
         self.records = [FaultRecord(f) for f in faults]
         self.m = config.run.learners
         self.samples: list[Sample] = []
-        self.sync_restarts: list[SyncRestart] = []
+        self.sync_restarts: list[SyncRecovery] = []
         self._t0: float | None = None
         self._shards: dict[str, _Shard] = {}
         self.cluster: ChaosCluster | None = None
@@ -344,7 +344,7 @@ class ChaosRun:
                 return
             assert shard.status is not None
             shard.killed = shard.status["instance_id"]
-            shard.restart = SyncRestart(f.target, self.now_s(), shard.versions, shard.status["tokens"])
+            shard.restart = SyncRecovery(f.target, self.now_s(), shard.versions, shard.status["tokens"])
             self.sync_restarts.append(shard.restart)
             shard.awaiting = None
             shard.restart_at = (self.now_s() + f.duration_s, record)

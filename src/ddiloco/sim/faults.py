@@ -13,7 +13,7 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
-class Outage:
+class CrashWindow:
     learner: int
     down_s: float
     up_s: float
@@ -23,27 +23,27 @@ class FailureTrace:
     """Per-learner outages: exponential times between failures, downtime uniform in [0.5, 1.5]·mean."""
 
     def __init__(self, *, learners: int, mtbf_s: float, downtime_s: float, horizon_s: float, seed: int) -> None:
-        self.outages: list[list[Outage]] = []
+        self.outages: list[list[CrashWindow]] = []
         streams = np.random.SeedSequence([seed, 0xFA11]).spawn(learners)
         for m, stream in enumerate(streams):
             rng = np.random.default_rng(stream)
-            outages: list[Outage] = []
+            outages: list[CrashWindow] = []
             t = 0.0
             while mtbf_s > 0:
                 t += float(rng.exponential(mtbf_s))
                 if t >= horizon_s:
                     break
                 up = t + downtime_s * float(rng.uniform(0.5, 1.5))
-                outages.append(Outage(m, t, up))
+                outages.append(CrashWindow(m, t, up))
                 t = up
             self.outages.append(outages)
         self._downs = [[o.down_s for o in outs] for outs in self.outages]
 
-    def all(self) -> list[Outage]:
+    def all(self) -> list[CrashWindow]:
         """Every outage, in time order."""
         return sorted((o for outs in self.outages for o in outs), key=lambda o: (o.down_s, o.learner))
 
-    def outage_at(self, learner: int, t: float) -> Outage | None:
+    def outage_at(self, learner: int, t: float) -> CrashWindow | None:
         """The outage covering time ``t`` for ``learner``, if any."""
         i = bisect.bisect_right(self._downs[learner], t) - 1
         if i >= 0 and self.outages[learner][i].up_s > t:

@@ -22,7 +22,7 @@ HEADER_BYTES = 64
 
 
 @dataclass(slots=True)
-class Link:
+class VirtualLink:
     """One direction of a learner's connection: messages serialize in FIFO order."""
 
     bandwidth_bps: float
@@ -57,7 +57,7 @@ class Network:
 
     def __init__(self, learners: list[str], *, bandwidth_bps: float, latency_s: float, faults: NetFaults,
                  seed: int, bytes_counter: ByteLedger) -> None:
-        self._links = {(name, d): Link(bandwidth_bps, latency_s) for name in learners for d in Direction}
+        self._links = {(name, d): VirtualLink(bandwidth_bps, latency_s) for name in learners for d in Direction}
         self.faults = faults
         self.bytes = bytes_counter
         self.injected: Counter[FaultKind] = Counter()

@@ -94,7 +94,7 @@ async def within(work: Awaitable[None], seconds: float, what: str) -> None:
         raise timed_out(what, seconds) from None
 
 
-class Slot:
+class UploadSlot:
     """One place held in a pool; released once, by its holder or by the pool (evicted)."""
 
     def __init__(self, pool: "Pool", key: str) -> None:
@@ -124,19 +124,19 @@ class Pool:
     limit: int
     what: str
     evict_oldest: bool = False
-    held: dict[str, list[Slot]] = field(default_factory=dict)
+    held: dict[str, list[UploadSlot]] = field(default_factory=dict)
 
-    def take(self, key: str = "") -> Slot:
+    def take(self, key: str = "") -> UploadSlot:
         holders = self.held.setdefault(key, [])
         if len(holders) >= self.limit:
             if not self.evict_oldest:
                 raise busy(f"{self.limit} {self.what}{' from ' + key if key else ''} at once")
             holders[0].evict(busy(f"{self.limit} newer {self.what}{' from ' + key if key else ''}"))
-        slot = Slot(self, key)
+        slot = UploadSlot(self, key)
         self.held.setdefault(key, []).append(slot)
         return slot
 
-    def drop(self, slot: Slot) -> None:
+    def drop(self, slot: UploadSlot) -> None:
         holders = self.held.get(slot.key, [])
         if slot in holders:
             holders.remove(slot)
@@ -144,7 +144,7 @@ class Pool:
             self.held.pop(slot.key, None)
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str = "") -> AsyncIterator[Slot]:
+    async def hold(self, key: str = "") -> AsyncIterator[UploadSlot]:
         """A slot for the block, or :class:`Abort` (``busy``) when every one is taken."""
         slot = self.take(key)
         try:
@@ -158,7 +158,7 @@ class Pool:
 
 @dataclass(slots=True)
 class Upload:
-    slot: Slot
+    slot: UploadSlot
     learner: str
     session: Session
     fragment: int
@@ -173,7 +173,7 @@ class UploadSlots:
         self.pool = Pool(self.total, "uploads")
         self.uploads: list[Upload] = []
 
-    async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> Slot:
+    async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> UploadSlot:
         """A slot for an upload of a session the core just called live, or :class:`Abort` (``busy``)."""
         for old in [u for u in self.uploads if u.learner == learner and u.session != session]:
             self._evict(old, Abort(RejectReason.SUPERSEDED, f"learner {learner!r} registered again"))
@@ -192,7 +192,7 @@ class UploadSlots:
         self.uploads.append(upload)
         return slot
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: UploadSlot) -> None:
         self.uploads = [u for u in self.uploads if u.slot is not slot]
         slot.release()
 
@@ -204,7 +204,7 @@ class UploadSlots:
         return len(self.uploads)
 
 
-_anonymous: contextvars.ContextVar[tuple[Slot, ...]] = contextvars.ContextVar("anonymous_slots", default=())
+_anonymous: contextvars.ContextVar[tuple[UploadSlot, ...]] = contextvars.ContextVar("anonymous_slots", default=())
 """The anonymous slots of the call this task serves (each gRPC call runs in a task of its own)."""
 
 
@@ -271,7 +271,7 @@ class Paced:
     sender at ``protocol.min_link_bytes_per_s`` that started a lease late would have delivered it whole. A
     message later than that, or an evicted :attr:`slot`, ends the upload with :class:`Abort`."""
 
-    def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: Slot | None) -> None:
+    def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: UploadSlot | None) -> None:
         self._requests = requests
         self._messages: AsyncIterator[bytes] | None = None
         """Opened at the first read: a call refused before it (its token, say) leaves nothing unawaited."""

@@ -151,7 +151,7 @@ class ServiceMetrics:
                               "with --token-file FILE (or $DDILOCO_TOKEN), or listen on 127.0.0.1")
         required = None if bind.is_loopback else token
 
-        class Handler(MetricsHandler.factory(self.registry)):  # type: ignore[misc]
+        class GuardedHandler(MetricsHandler.factory(self.registry)):  # type: ignore[misc]
             def do_GET(self) -> None:  # noqa: N802 (the http.server API)
                 query = parse_qs(urlsplit(self.path).query).get("token", [""])[0]
                 if not http_authorized(required, self.headers.get("Authorization", ""), query):
@@ -165,7 +165,7 @@ class ServiceMetrics:
                 pass
 
         try:
-            httpd = ThreadingHTTPServer((bind.host, bind.port), Handler)
+            httpd = ThreadingHTTPServer((bind.host, bind.port), GuardedHandler)
         except OSError as err:
             raise ConfigError(f"--metrics-port {bind.port}: cannot listen on {bind} ({err.strerror or err})") from None
         httpd.daemon_threads = True

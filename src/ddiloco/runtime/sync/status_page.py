@@ -114,7 +114,7 @@ class StatusPage:
 
 
 def _handler_for(page: StatusPage) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class StatusPageHandler(BaseHTTPRequestHandler):
         server_version = "ddiloco-status"
 
         def do_GET(self) -> None:  # noqa: N802 (the http.server API)
@@ -147,5 +147,5 @@ def _handler_for(page: StatusPage) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the http.server API)
             log.debug("status page: " + format, *args)
 
-    return Handler
+    return StatusPageHandler
 
