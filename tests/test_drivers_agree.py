@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from ddiloco.outputs.measures import ByteLedger, Direction
 
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import LoopMove
@@ -49,6 +48,7 @@ from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.sync_side.registry import SESSION_TAG_BITS
 from ddiloco.core.sync_side.run_state import RunLimits
 from ddiloco.core.sync_side.synchronizer import Synchronizer
+from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.events import (
     AtLearner,

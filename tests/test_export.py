@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddiloco.runtime.model_file import parameters
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
@@ -23,9 +22,12 @@ from ddiloco.runtime.sync.state_dir import load_latest
 from ddiloco.settings.config_sources import build_config
 from ddiloco.sim.experiment import run_virtual
 from ddiloco.testing import InProcessSync, train_steps, versions, wait_for
+from ddiloco.workload.model_file import parameters
 from ddiloco.workload.workload import Workload
 
-CONFIG = build_config(preset="tiny", overrides=("run.learners=1",))
+CONFIG = build_config(preset="tiny", overrides=("run.learners=1", "run.tokens=1000000000"))
+"""A budget the run never spends: spent, the run would finish and write a checkpoint of its own (a
+learner that waits for a merge trains on meanwhile, more steps the busier the machine)."""
 
 
 class Run:

@@ -16,8 +16,8 @@ from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import (
     Accepted,
     Admitted,
-    LeaseExpired,
     LearnersForgotten,
+    LeaseExpired,
     LinkStarved,
     Refused,
     StateDelivered,

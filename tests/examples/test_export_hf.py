@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddiloco.runtime.model_file import parameters
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
@@ -19,6 +18,7 @@ from ddiloco.runtime.learner.runtime import LearnerRuntime, save_initial_state
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
 from ddiloco.testing import InProcessSync, versions, wait_for
+from ddiloco.workload.model_file import parameters
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

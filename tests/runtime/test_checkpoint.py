@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddiloco.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 from ddiloco.testing import wait_for
+from ddiloco.workload.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def test_round_trip_keeps_nesting_none_and_tensors(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.shared.messages import FragmentUpdate
-from ddiloco.runtime.learner.held_updates import HeldUpdates, Received, catch_up
+from ddiloco.runtime.learner.fsdp.held_updates import HeldUpdates, Received, catch_up
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from ddiloco.cli import main
 from ddiloco.commands.launch import _say_changes
-from ddiloco.runtime.launch import env
+from ddiloco.runtime import script_env
 from ddiloco.runtime.layout import SERVE_UNDER_LAUNCH, LayoutMismatch
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.resume import Resume
@@ -59,8 +59,8 @@ def test_resume_where_no_run_is_kept_names_launchs_out(tmp_path: Path, capsys: p
 
 def test_a_launched_copy_whose_model_is_not_served_is_told_about_launchs_init(monkeypatch: pytest.MonkeyPatch) -> None:
     sync = InProcessSync(tiny_config(), ServiceOptions())  # the reference model: a launch without --init
-    monkeypatch.setenv(env.CONNECT, f"127.0.0.1:{sync.port}")
-    monkeypatch.setenv(env.LEARNER_ID, "learner-0")
+    monkeypatch.setenv(script_env.CONNECT, f"127.0.0.1:{sync.port}")
+    monkeypatch.setenv(script_env.LEARNER_ID, "learner-0")
     try:
         with pytest.raises(LayoutMismatch) as refused:
             LearnerRuntime.from_env(TiedLM(), join_timeout_s=30)

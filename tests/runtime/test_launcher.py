@@ -12,7 +12,6 @@ import signal
 import subprocess
 
 import pytest
-from ddiloco.runtime.checkpoint import load_checkpoint
 
 from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.commands.display import what_happened
@@ -29,6 +28,7 @@ from ddiloco.testing import (
     wait_for,
     wait_until_running,
 )
+from ddiloco.workload.checkpoint import load_checkpoint
 from ddiloco.workload.workload import Workload
 
 pytestmark = pytest.mark.slow

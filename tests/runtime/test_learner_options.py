@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ddiloco.commands.learner import _resolve_config
-from ddiloco.runtime.learner.process import describe_model
+from ddiloco.commands.learner_process import describe_model
 from ddiloco.settings.config_sources import build_config
 
 

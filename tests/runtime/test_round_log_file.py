@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ddiloco.core.shared.codecs import get_codec
-from ddiloco.runtime.checkpoint import CheckpointError
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.settings.config_sources import build_config
+from ddiloco.workload.checkpoint import CheckpointError
 
 IDENTITY = {"layout_sha256": "ab" * 32, "shard": 0}
 

@@ -20,8 +20,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.fragments import plan_fragments
+from ddiloco.runtime.learner.fsdp.rank_params import rank_params
 from ddiloco.runtime.learner.runtime import is_sharded
-from ddiloco.runtime.learner.sharded_layout import sharded_params
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_shard_s_rows_and_slices_are_what_fsdp_placed(fake_rank) -> None:
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     fully_shard(model)
     assert is_sharded(model)
-    params, sharded = sharded_params(model)  # world 3 on the fake group: the agreement check is not run here
+    params, sharded = rank_params(model)  # world 3 on the fake group: the agreement check is not run here
     assert sharded == set(full) and params.rank == 1 and params.world == 3
     assert torch.equal(params.local["0.weight"], full["0.weight"][4:8])  # 10 rows in 3: 4, 4, 2
     plan = plan_fragments(list(params.shapes.items()), num_fragments=1, period=4)
@@ -57,7 +57,7 @@ def test_a_fragment_mixing_sharded_and_plain_parameters_is_refused_naming_one(fa
     fake_rank(0, 2)
     model = mlp()
     fully_shard(model[0])  # the last layer stays a plain tensor on every rank
-    params, sharded = sharded_params(model)
+    params, sharded = rank_params(model)
     plan = plan_fragments(list(params.shapes.items()), num_fragments=1, period=4)
     with pytest.raises(ConfigError, match=r"parameter '2.weight' \(fragment 0\) is not an FSDP2 shard"):
         params.check_fragments(plan, sharded)
@@ -68,7 +68,7 @@ def test_a_two_dimensional_mesh_is_refused_naming_the_parameter(fake_rank) -> No
     model = mlp()
     fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))  # HSDP: replicate over one dimension, shard over one
     with pytest.raises(ConfigError, match=r"parameter '0.weight' is placed on a 2-D device mesh \(2, 2\)"):
-        sharded_params(model)
+        rank_params(model)
 
 
 def test_a_placement_other_than_shard_0_is_refused(fake_rank) -> None:
@@ -76,7 +76,7 @@ def test_a_placement_other_than_shard_0_is_refused(fake_rank) -> None:
     model = mlp()
     fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
     with pytest.raises(ConfigError, match=r"parameter '0.weight' is placed as \(Shard\(dim=1\),\)"):
-        sharded_params(model)
+        rank_params(model)
 
 
 def _disagreeing_rank(rank: int, store: str, result: "multiprocessing.Queue[str]") -> None:
@@ -85,7 +85,7 @@ def _disagreeing_rank(rank: int, store: str, result: "multiprocessing.Queue[str]
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 10 if rank == 0 else 12))  # rank 1 built another model
         fully_shard(model)
-        sharded_params(model)
+        rank_params(model)
         result.put(f"{rank}: accepted")
     except ConfigError as err:
         result.put(f"{rank}: {err}")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddiloco.runtime.checkpoint import CheckpointError
 from safetensors.torch import save_file
 
 from ddiloco.core.shared import kernels
@@ -33,6 +32,7 @@ from ddiloco.runtime.sync.state_dir import StateDir
 from ddiloco.settings.config_sources import build_config
 from ddiloco.settings.units import human_bytes, human_count
 from ddiloco.testing import Honest, versions, wait_for
+from ddiloco.workload.checkpoint import CheckpointError
 
 FRAGMENTS = 12
 NUMEL = 2_000_000

@@ -7,7 +7,7 @@ import torch
 
 from ddiloco.core.shared.actions import CloseReason, MergedContribution, RoundClosed
 from ddiloco.core.shared.messages import Session
-from ddiloco.sim.accounting import Accounting
+from ddiloco.measures.useful_work import Accounting
 from ddiloco.sim.faults import FailureTrace
 from ddiloco.sim.invariants import InvariantChecker, InvariantViolation
 

@@ -14,7 +14,10 @@ library; it imports torch only once its arguments are checked.
   against Decoupled DiLoCo;
 - :mod:`~ddiloco.commands.sync`: ``ddiloco sync``: serve the synchronizer of a real run;
 - :mod:`~ddiloco.commands.learner`: ``ddiloco learner``: one learner of a real run on the reference
-  workload;
+  workload; its options, read without torch;
+- :mod:`~ddiloco.commands.learner_process`: the process behind it: the reference workload's training
+  loop around ``LearnerRuntime`` (an application of the library, so it lives above it), with its
+  progress file, batch log and clean stop;
 - :mod:`~ddiloco.commands.status`: ``ddiloco status``: what a running synchronizer knows, fast
   (no torch);
 - :mod:`~ddiloco.commands.chaos`: ``ddiloco chaos``: a real run with faults injected on a schedule,

@@ -2,7 +2,7 @@
 
 Run it once per learner (``--id`` names it); under ``torchrun`` it is one data-parallel job
 of several ranks (gloo on CPU), of which rank 0 talks to the synchronizer. The process itself
-is :mod:`ddiloco.runtime.learner.process`.
+is :mod:`ddiloco.commands.learner_process`.
 """
 
 from __future__ import annotations
@@ -90,6 +90,6 @@ def _resolve_config(args: argparse.Namespace, sync_config: dict) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.learner import process
+    from ddiloco.commands import learner_process as process
 
     return process.run(args, lambda sync_config: _resolve_config(args, sync_config))

@@ -3,7 +3,8 @@
 ``from ddiloco.runtime.learner import LearnerRuntime`` wraps a model you train yourself
 (:mod:`~ddiloco.runtime.learner.runtime`); its link talks to the synchronizer through a
 helper process (:mod:`~ddiloco.runtime.learner.link`, :mod:`~ddiloco.runtime.learner.helper`);
-``ddiloco learner`` is the reference learner process (:mod:`~ddiloco.runtime.learner.process`).
+``ddiloco learner``, the reference learner process, is an application of it, one layer up
+(:mod:`ddiloco.commands.learner_process`).
 
 The names below are imported when first asked for (PEP 562), not with the package: the helper
 process starts from ``ddiloco.runtime.learner.helper`` once per learner, and importing the
@@ -46,21 +47,10 @@ The helper process and what it shares with the trainer:
 - :mod:`~ddiloco.runtime.learner.repeats`: refusals said once per reason, and the jittered backoff
   of retries (trainer and helper alike).
 
-A sharded (FSDP2) learner, every rank streaming its own slice:
+A learner that is an FSDP2 job, every rank streaming its own slice of each fragment:
 
-- :mod:`~ddiloco.runtime.learner.sharded_runtime`: the runtime when the model's parameters are
-  FSDP2 shards: a core per rank, kept identical by an exchange after every step;
-- :mod:`~ddiloco.runtime.learner.sharded_link`: one rank's own connection (its helper, its slots),
-  recording outcomes for the training thread to apply on every rank at once;
-- :mod:`~ddiloco.runtime.learner.sharded_layout`: the rank's parameters checked to be placed as the
-  slice arithmetic assumes, refused in one line otherwise;
-- :mod:`~ddiloco.runtime.learner.held_updates`: the updates a rank received and its core has not
-  applied yet, applied by all ranks up to the smallest reach.
-
-The reference application:
-
-- :mod:`~ddiloco.runtime.learner.process`: ``ddiloco learner``: the reference workload's training
-  loop around ``LearnerRuntime``, with its progress file, batch log and clean stop.
+- :mod:`~ddiloco.runtime.learner.fsdp`: its runtime, each rank's link, its parameters' placement and
+  the updates its ranks hold, apart from the single-process learner above.
 """
 
 from __future__ import annotations

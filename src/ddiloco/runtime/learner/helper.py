@@ -15,7 +15,7 @@ synchronizer shard it runs the three threads the link always had —
   fragment's slot once the trainer released it (a word in the slot's header), and announced;
 
 and reports every outcome to the training process, whose core decides what follows. A rank of a
-sharded (FSDP2) learner has a helper of its own (``sharded_link.py``; the spec's ``part`` and
+sharded (FSDP2) learner has a helper of its own (``fsdp/rank_link.py``; the spec's ``part`` and
 ``cuts``): its contributions carry the rank's slice, its join (rank 0) and state fetch (the other
 ranks) bring the rank's slices, its stream is the one the rank names (``Msg.FOLLOW``), and each
 update comes cut to the slice and is decoded here. It exits

@@ -112,7 +112,7 @@ class HelperSpec:
     log_level: int
     part: tuple[int, int] | None = None
     """(rank, world) of one rank of a sharded (FSDP2) learner, whose helper sends and receives only
-    its slices (``runtime/learner/sharded_link.py``); None for a whole learner."""
+    its slices (``runtime/learner/fsdp/rank_link.py``); None for a whole learner."""
     cuts: tuple[SliceSpec, ...] = ()
     """With ``part``: the rank's slice of each fragment (``numels`` stay the whole fragments')."""
 

@@ -101,9 +101,9 @@ class LearnerRuntime:
 
     def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if cls is LearnerRuntime and is_sharded(model):  # FSDP2: every rank streams its own slice
-            from ddiloco.runtime.learner.sharded_runtime import ShardedLearnerRuntime
+            from ddiloco.runtime.learner.fsdp.fsdp_runtime import FsdpLearnerRuntime
 
-            return ShardedLearnerRuntime(model, *args, **kwargs)
+            return FsdpLearnerRuntime(model, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

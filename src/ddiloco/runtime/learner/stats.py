@@ -1,5 +1,5 @@
 """What a learner's runtime did so far: one type for the unsharded runtime (``runtime.py``) and the
-sharded one (``sharded_runtime.py``), so the training loops that log it (``process.py``) need not know which."""
+sharded one (``fsdp/fsdp_runtime.py``), so the training loops that log it (``process.py``) need not know which."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from ddiloco.core.shared.slices import SliceSpec, fragment_slice, shard_rows
 
 
 @dataclass(frozen=True, slots=True)
-class ShardedParams:
+class RankParams:
     """The model's parameters on this rank: global shapes, and the local shards the learner trains on."""
 
     rank: int
@@ -57,7 +57,7 @@ class ShardedParams:
                                   "parameter (wrap the root module too)")
 
 
-def sharded_params(model: nn.Module, group: Any = None) -> tuple[ShardedParams, set[str]]:
+def rank_params(model: nn.Module, group: Any = None) -> tuple[RankParams, set[str]]:
     """This rank's shards of ``model``, checked (see the module's docstring); the names that are shards."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("the model's parameters are DTensors, but torch.distributed is not initialized")
@@ -73,7 +73,7 @@ def sharded_params(model: nn.Module, group: Any = None) -> tuple[ShardedParams, 
         sharded.add(name)
         local[name] = _local_shard(name, p, rank, world)
     _check_ranks_agree(shapes, group)
-    return ShardedParams(rank, world, shapes, local), sharded
+    return RankParams(rank, world, shapes, local), sharded
 
 
 def _local_shard(name: str, p: DTensor, rank: int, world: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ddiloco.core.shared.slice_cut import cut_size
 from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import ClientSpec, JoinResult
 from ddiloco.runtime.learner.calls import HelperCalls
-from ddiloco.runtime.learner.held_updates import Received
+from ddiloco.runtime.learner.fsdp.held_updates import Received
 from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
 from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, pickled, receive_state
 from ddiloco.runtime.learner.out_slots import OutSlots

@@ -4,7 +4,7 @@ Each rank follows its own update stream (its slices only), so the ranks receive 
 different moments, and a rank's core may apply an update only at a step where every rank's core
 applies it: the W cores must stay identical. So each rank holds what its stream brought, says at
 every step how far it could go (``reach``: the last version of each fragment it holds without a
-hole, after its core's), and all apply up to the smallest reach (``sharded_runtime.py``). A hole
+hole, after its core's), and all apply up to the smallest reach (``fsdp_runtime.py``). A hole
 never fills (a stream sends in order and resumes after the last version it delivered), so a rank
 that holds a later version without the next one has missed it: a ``gap``, which ends in a rejoin
 for every rank at once, as a gap does for an unsharded learner.

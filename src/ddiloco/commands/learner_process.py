@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, resolve_config: Callable[[dict], Config]) -> i
 
         for block in getattr(model, "blocks", ()):
             fully_shard(block)  # one block's full weights at a time
-        fully_shard(model)  # LearnerRuntime then makes each rank send its own slices (runtime/learner/sharded_runtime.py)
+        fully_shard(model)  # LearnerRuntime then makes each rank send its own slices (runtime/learner/fsdp/fsdp_runtime.py)
     elif place.world > 1:
         trained = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[place.device] if place.device.type == "cuda" else None)

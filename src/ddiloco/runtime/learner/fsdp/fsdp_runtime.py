@@ -4,7 +4,7 @@
 (``torch.distributed.fsdp.fully_shard``). Each rank runs its own learner core
 (:class:`~ddiloco.core.learner_side.learner_core.Learner`) over its local shards only: its anchors, Δ and merges
 are its slice of each fragment (``core/shared/slices.py``), so no rank holds more than its shard plus its
-slice's anchor. Each rank uploads its slices itself (``sharded_link.RankLink``); the synchronizer
+slice's anchor. Each rank uploads its slices itself (``rank_link.RankLink``); the synchronizer
 admits a contribution once all its slices are in (``core/sync_side/slice_assembly.py``). Each rank also
 receives only its own slices: of the state (rank 0 in its join, the others by a fetch under rank 0's
 session) and of every update (its own stream, cut by the synchronizer; ``core/shared/slice_cut.py``).
@@ -49,10 +49,10 @@ from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import JoinResult, SyncClient
 from ddiloco.runtime.layout import plan_from_layout
 from ddiloco.runtime.learner.connect import connect_all, on_loopback, probe_with_backoff
-from ddiloco.runtime.learner.held_updates import HeldUpdates, catch_up
+from ddiloco.runtime.learner.fsdp.held_updates import HeldUpdates, catch_up
+from ddiloco.runtime.learner.fsdp.rank_link import Answer, Outcome, RankLink
+from ddiloco.runtime.learner.fsdp.rank_params import rank_params
 from ddiloco.runtime.learner.ranks import cpu_group
-from ddiloco.runtime.learner.sharded_layout import sharded_params
-from ddiloco.runtime.learner.sharded_link import Answer, Outcome, RankLink
 from ddiloco.runtime.learner.stats import RuntimeStats
 
 log = logging.getLogger("ddiloco.learner")
@@ -62,7 +62,7 @@ WAIT_POLL_S = 0.005
 exchange again: each exchange is one collective of a few numbers."""
 
 
-class ShardedLearnerRuntime:
+class FsdpLearnerRuntime:
     """One learner of a run, spread over the ranks of an FSDP2 job (the API of ``LearnerRuntime``)."""
 
     def __init__(self, model: nn.Module, connect: str | SyncClient | Sequence[str | SyncClient] | None,
@@ -78,7 +78,7 @@ class ShardedLearnerRuntime:
         self.model = model
         self.learner_id = learner_id
         self._group = cpu_group()
-        params, sharded = sharded_params(model, self._group)
+        params, sharded = rank_params(model, self._group)
         self.rank, self.world = params.rank, params.world
         self.is_leader = self.rank == 0
         box = [uuid.uuid4().hex[:12], time.monotonic()]
@@ -210,7 +210,7 @@ class ShardedLearnerRuntime:
         self.link.drain()
         self.link.close()
 
-    def __enter__(self) -> "ShardedLearnerRuntime":
+    def __enter__(self) -> "FsdpLearnerRuntime":
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
