@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -129,13 +128,9 @@ def learner(args: argparse.Namespace) -> None:
 # ---- the driver ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace, mode: str, port: int, out: Path) -> list[dict[str, Any]]:
+    from ddiloco.testing import free_port
+
     out.unlink(missing_ok=True)
     learner_args = [str(HERE), "--role", "learner", "--mode", mode, "--port", str(port), "--steps", str(args.steps),
                     "--width", str(args.width), "--depth", str(args.depth), "--out", str(out)]
@@ -172,19 +167,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         from ddiloco.runtime.learner.runtime import save_initial_state
+        from ddiloco.testing import SyncProcess
 
         save_initial_state(build(args.width, args.depth), work / "init.safetensors")
-        port_file = work / "port"
-        sync = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init",
-                                 str(work / "init.safetensors"), "--learners", "1", "--tokens", str(10**12),
-                                 "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--state-dir",
-                                 str(work / "state")], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sync = SyncProcess(work / "port", work / "sync.log", init=work / "init.safetensors", learners=1,
+                           tokens=10**12, state_dir=work / "state", env=ENV, timeout_s=600)
         try:
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if sync.poll() is not None:
-                    raise SystemExit("the synchronizer did not start")
-                time.sleep(0.2)
-            port = int(port_file.read_text())
+            port = sync.port
             (plain,) = run(args, "unsharded", port, work / "unsharded.jsonl")
             ranks = run(args, "sharded", port, work / "sharded.jsonl")
             pairs = []
@@ -196,8 +185,7 @@ def main() -> None:
                 print(f"pair {i + 1}: attached {rates['sharded']:.3f} steps/s, alone {rates['alone']:.3f} steps/s, "
                       f"ratio {pairs[-1]:.3f} (load {load_now()})", flush=True)
         finally:
-            sync.terminate()
-            sync.wait(timeout=60)
+            sync.stop(60)
     above = [(r["vmhwm_kb"] - r["baseline_kb"]) for r in ranks]
     plain_above = plain["vmhwm_kb"] - plain["baseline_kb"]
     results = {

@@ -52,6 +52,7 @@ from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.settings.config_sources import build_config
+from ddiloco.testing import SyncProcess
 from ddiloco.workload.device import resolve_device
 from ddiloco.workload.trainer import Precision
 from ddiloco.workload.workload import Workload
@@ -83,33 +84,11 @@ GPU100M = ("model.d_model=768", "model.n_layers=16", "model.n_heads=12", "model.
 MODELS = {"dispatch": DISPATCH, "small": SMALL, "medium": MEDIUM, "large": LARGE, "gpu": GPU, "gpu100m": GPU100M}
 
 
-class SyncProcess:
-    """``ddiloco sync`` on a free loopback port, for the duration of a ``with`` block."""
-
-    def __init__(self, overrides: tuple[str, ...], *extra: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="bench-sync-"))
-        port_file = self.dir / "port"
-        args = [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--listen", "127.0.0.1:0",
-                "--port-file", str(port_file), "--tokens", str(10**12), "--log-level", "warning", *extra]
-        for o in overrides:
-            args += ["--set", o]
-        self.log = open(self.dir / "sync.log", "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 120
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("synchronizer failed to start:\n" + (self.dir / "sync.log").read_text())
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
-
-    def __enter__(self) -> "SyncProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.log.close()
+def start_sync(overrides: tuple[str, ...]) -> SyncProcess:
+    """``ddiloco sync`` of the tiny preset with ``overrides`` on a free loopback port, for a ``with`` block."""
+    work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    return SyncProcess(work / "port", work / "sync.log", tokens=10**12, log_level="warning", sets=overrides,
+                       timeout_s=120)
 
 
 def _wait_for_device(device: torch.device) -> None:
@@ -199,7 +178,7 @@ def bench_throughput(args: argparse.Namespace, overrides: tuple[str, ...], devic
     config = build_config(preset="tiny", overrides=overrides)
     alone: list[dict[str, Any]] = []
     attached: list[dict[str, Any]] = []
-    with SyncProcess(overrides) as sync:
+    with start_sync(overrides) as sync:
         for r in range(args.repeats):
             for which in (("alone", "attached") if r % 2 == 0 else ("attached", "alone")):
                 figures = _fresh(args, which, sync.address, f"bench-{r}")
@@ -237,7 +216,7 @@ def profile_training_thread(steps: int, overrides: tuple[str, ...], device: torc
         torch.set_num_threads(1)
     workload = Workload.build(build_config(preset="tiny", overrides=overrides), device)
     profile = cProfile.Profile()
-    with SyncProcess(overrides) as sync:
+    with start_sync(overrides) as sync:
         _loop(workload, steps, sync.address, "bench-profile", profile)
     rows = []
     for (path, line, name), (_, calls, own_s, total_s, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
@@ -260,7 +239,7 @@ def bench_upload(repeats: int) -> None:
     overrides = BIG + ("protocol.codec=fp32",)
     config = build_config(preset="tiny", overrides=overrides)
     frag = max(reference_layout(config, config.protocol).plan.fragments, key=lambda f: f.numel)
-    with SyncProcess(overrides) as sync, SyncClient(sync.address) as client:
+    with start_sync(overrides) as sync, SyncClient(sync.address) as client:
         session = client.join(Join("bench", "bench")).state.session
         version = 0
         transport, accepted = [], []
@@ -323,7 +302,7 @@ def bench_wire(steps: int) -> None:
     config = build_config(preset="tiny", overrides=SMALL)
     workload = Workload.build(config)
     protocol = config.protocol
-    with SyncProcess(SMALL) as sync, SyncClient(sync.address) as client:
+    with start_sync(SMALL) as sync, SyncClient(sync.address) as client:
         model = workload.new_model()
         runtime = LearnerRuntime(model, sync.address, "learner-0")
         joined = client.status_dict()

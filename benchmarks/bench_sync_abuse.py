@@ -34,6 +34,7 @@ from stamp import stamp
 
 from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
+from ddiloco.testing import ddiloco_argv, learner_args, port_from_file, sync_argv
 
 PACE = ("--min-step-s", "0.05")
 """Honest learners pace their steps, so the measurement is the synchronizer's, not the cores' contention."""
@@ -77,17 +78,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-abuse-"))
     port_file = work / "port"
     logs = [open(work / f"{name}.log", "wb") for name in ("sync", "learner-0", "learner-1")]
-    cli = [sys.executable, "-m", "ddiloco.cli"]
-    sync = subprocess.Popen([*cli, "sync", "--preset", "tiny", "--learners", "2", "--tokens", str(10**12),
-                             "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--log-level", "warning"],
-                            stdout=logs[0], stderr=subprocess.STDOUT)
+    argv = ddiloco_argv(*sync_argv(learners=2, tokens=10**12, port_file=port_file, log_level="warning"))
+    sync = subprocess.Popen(argv, stdout=logs[0], stderr=subprocess.STDOUT)
     learners: list[subprocess.Popen] = []
     try:
-        while not port_file.exists():
-            time.sleep(0.2)
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
-        learners = [subprocess.Popen([*cli, "learner", "--connect", address, "--id", f"learner-{m}", "--threads", "1",
-                                      *PACE], stdout=logs[m + 1], stderr=subprocess.STDOUT) for m in range(2)]
+        port = port_from_file(port_file, sync, work / "sync.log", timeout_s=600)
+        address = f"127.0.0.1:{port}"
+        learners = [subprocess.Popen(ddiloco_argv(*learner_args(port, f"learner-{m}", *PACE)), stdout=logs[m + 1],
+                                     stderr=subprocess.STDOUT) for m in range(2)]
         client = SyncClient(address)
         while merged_or_zero(client) < 6:
             time.sleep(1.0)

@@ -35,7 +35,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,7 +52,7 @@ from ddiloco.core.shared.messages import Contribution, Join, Session
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
-from ddiloco.runtime.launch.local_run import free_port
+from ddiloco.testing import SyncProcess, free_port
 
 M = 8
 P = 24
@@ -70,22 +69,12 @@ def write_init(path: Path, params: int, fragments: int) -> list[int]:
 
 def start_sync(init: Path, tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str, str]:
     """A synchronizer with its status page; returns it, its gRPC address and its page's JSON URL."""
-    port_file = tmp / f"port-{name}"
     http_port = free_port()
-    port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
-    args = [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
-            "--learners", str(M), "--tokens", str(10**15), "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-            "--http-port", str(http_port),
-            "--set", f"protocol.fragments={P}", "--set", f"protocol.period={P}", "--set", f"protocol.quorum={M}",
-            "--set", "protocol.staleness_max=1000", "--set", "protocol.lease_s=600", "--log-level", "warning", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"sync-{name}.log", "ab"))
-    deadline = time.monotonic() + 900
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((tmp / f"sync-{name}.log").read_text())
-        time.sleep(0.1)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}", f"http://127.0.0.1:{http_port}/api/status"
+    overrides = [f"protocol.fragments={P}", f"protocol.period={P}", f"protocol.quorum={M}",
+                 "protocol.staleness_max=1000", "protocol.lease_s=600"]
+    sync = SyncProcess(tmp / f"port-{name}", tmp / f"sync-{name}.log", *extra, init=init, learners=M, tokens=10**15,
+                       http_port=http_port, sets=overrides, log_level="warning", timeout_s=900)
+    return sync.proc, sync.address, f"http://127.0.0.1:{http_port}/api/status"
 
 
 def proc_field(pid: int, name: str) -> int:

@@ -15,12 +15,10 @@ import math
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -28,8 +26,9 @@ from safetensors.torch import load_file
 
 from ddiloco.core.shared.fragments import unflatten_into
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.runtime.client import CallRefused, SyncClient, Unreachable
+from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.layout import SERVE_YOUR_MODEL, layout_from_file
+from ddiloco.testing import SyncProcess, free_port, status_of, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEADLINE_S = 120.0
@@ -70,58 +69,15 @@ def run_example(script: str, *args: str, log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=ENV)
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
-    return value
-
-
-def status(port: int) -> dict | None:
-    try:
-        with SyncClient(f"127.0.0.1:{port}") as client:
-            return client.status_dict(timeout_s=5.0)
-    except (Unreachable, CallRefused):
-        return None
-
-
-class SyncProcess:
-    """``ddiloco sync --init FILE`` on a free port of 127.0.0.1, logging to ``sync.log``."""
-
-    def __init__(self, init: Path, workdir: Path) -> None:
-        port_file = workdir / "port"
-        self.log = workdir / "sync.log"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
-                 "--learners", "2", "--tokens", str(BUDGET_TOKENS), "--listen", "127.0.0.1:0",
-                 "--port-file", str(port_file), "--state-dir", str(workdir / "state"),
-                 "--set", "protocol.heartbeat_s=0.3"],
-                stdout=out, stderr=subprocess.STDOUT, env=ENV)
-        wait_for(lambda: port_file.exists() or self.proc.poll() is not None, "the synchronizer's port file")
-        assert self.proc.poll() is None, self.log.read_text()
-        self.port = int(port_file.read_text())
-
-    def stop(self) -> int:
-        """SIGTERM, then the exit code (killed if it does not stop in time)."""
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=DEADLINE_S)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture
 def start_sync(tmp_path: Path) -> Iterator[Callable[[Path], SyncProcess]]:
     """Starts synchronizers for a test and stops whichever the test left running."""
     started: list[SyncProcess] = []
 
     def start(init: Path) -> SyncProcess:
-        started.append(SyncProcess(init, tmp_path))
+        started.append(SyncProcess(tmp_path / "port", tmp_path / "sync.log", init=init, learners=2,
+                                   tokens=BUDGET_TOKENS, state_dir=tmp_path / "state",
+                                   sets=["protocol.heartbeat_s=0.3"], env=ENV, timeout_s=DEADLINE_S))
         return started[-1]
 
     try:
@@ -129,7 +85,7 @@ def start_sync(tmp_path: Path) -> Iterator[Callable[[Path], SyncProcess]]:
     finally:
         for s in started:
             if s.proc.poll() is None:
-                s.stop()
+                s.stop(DEADLINE_S)
 
 
 def global_weights(port: int) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
@@ -186,7 +142,8 @@ def test_example_two_learners_spend_the_budget_and_improve_the_global_model(name
         assert code == 0, log.read_text()
         assert f"learner-{i} done after" in log.read_text()
 
-    finished = wait_for(lambda: (s := status(port)) and s["finished"] and s, "the run to finish")
+    finished = wait_for(lambda: (s := status_of(port)) and s["finished"] and s, "the run to finish",
+                        timeout_s=DEADLINE_S)
     assert finished["tokens"] >= BUDGET_TOKENS
     assert {lr["id"] for lr in finished["learners"] if lr["accepted"] > 0} == {"learner-0", "learner-1"}
 
@@ -202,7 +159,7 @@ def test_example_two_learners_spend_the_budget_and_improve_the_global_model(name
     before, after = held_out_loss(module, example, initial), held_out_loss(module, example, final)
     print(f"{name}: loss of the global model {before:.3f} -> {after:.3f} (uniform: {math.log(256):.3f})")
     assert after < before - 0.1
-    assert sync.stop() == 0, sync.log.read_text()
+    assert sync.stop(DEADLINE_S) == 0, sync.log.read_text()
 
 
 @pytest.mark.parametrize(("options", "served_head", "embedding"), [
@@ -255,14 +212,13 @@ def test_fsdp_example_a_two_rank_sharded_learner_beside_an_unsharded_one_spends_
     sync = start_sync(init)
     common = ("learner", "--connect", f"127.0.0.1:{sync.port}", *example.model_options, *example.learner_options,
               "--threads", "1", "--log-every", "5")
-    from ddiloco.testing import free_port
 
     # The unsharded learner joins first; the sharded one trains 2 ranks' batches a step, so half the steps
     # each leave the budget to be spent by both together.
     plain = run_example("own_loop.py", *common, "--id", "learner-1", "--max-steps", str(MAX_STEPS),
                         log=tmp_path / "plain.log")
-    wait_for(lambda: (s := status(sync.port)) and any(lr["id"] == "learner-1" for lr in s["learners"]),
-             "the unsharded learner to join")
+    wait_for(lambda: (s := status_of(sync.port)) and any(lr["id"] == "learner-1" for lr in s["learners"]),
+             "the unsharded learner to join", timeout_s=DEADLINE_S)
     with open(tmp_path / "sharded.log", "ab") as out:
         sharded = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                     "--master-port", str(free_port()), str(EXAMPLES / "fsdp_loop.py"), *common,
@@ -278,7 +234,8 @@ def test_fsdp_example_a_two_rank_sharded_learner_beside_an_unsharded_one_spends_
     text = (tmp_path / "sharded.log").read_text()
     assert "learner-0 rank 0 done after" in text and "learner-0 rank 1 done after" in text
 
-    finished = wait_for(lambda: (s := status(sync.port)) and s["finished"] and s, "the run to finish")
+    finished = wait_for(lambda: (s := status_of(sync.port)) and s["finished"] and s, "the run to finish",
+                        timeout_s=DEADLINE_S)
     assert {lr["id"] for lr in finished["learners"] if lr["accepted"] > 0} == {"learner-0", "learner-1"}
     assert "slice_mismatch" not in finished["rejections"], finished["rejections"]
     initial = load_file(str(init))
@@ -286,4 +243,4 @@ def test_fsdp_example_a_two_rank_sharded_learner_beside_an_unsharded_one_spends_
     assert min(versions) >= 1, f"a fragment was never merged: versions {versions}"
     module = example_module(example.script)
     assert held_out_loss(module, example, final) < held_out_loss(module, example, initial) - 0.1
-    assert sync.stop() == 0, sync.log.read_text()
+    assert sync.stop(DEADLINE_S) == 0, sync.log.read_text()

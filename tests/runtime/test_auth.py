@@ -16,6 +16,7 @@ from ddiloco.runtime.auth import (
     parse_address,
     require_token_beyond_loopback,
 )
+from ddiloco.testing import sync_argv
 
 
 def test_parse_address_and_loopback() -> None:
@@ -84,8 +85,7 @@ def test_a_bad_credentials_file_stops_ddiloco_sync_with_exit_2_and_nothing_creat
     f = tmp_path / "creds"
     f.write_text("learner-0: a\nlearner-0: b\n")
     state = tmp_path / "state"
-    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--credentials", str(f),
-                     "--state-dir", str(state)])
+    code = cli.main(sync_argv("--credentials", str(f), state_dir=state))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "listed twice" in err and str(f) in err
     assert not state.exists()
@@ -96,7 +96,7 @@ def test_listening_beyond_loopback_without_token_is_refused(monkeypatch, capsys)
     with pytest.raises(ConfigError, match="token"):
         require_token_beyond_loopback(parse_address("0.0.0.0:7000", option="x"), None)
     require_token_beyond_loopback(parse_address("0.0.0.0:7000", option="x"), "t")
-    code = cli.main(["sync", "--preset", "tiny", "--listen", "0.0.0.0:0"])
+    code = cli.main(sync_argv(listen="0.0.0.0:0"))
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("ddiloco: error:") and "--token-file" in err and err.count("\n") == 1

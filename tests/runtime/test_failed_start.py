@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from ddiloco.cli import main
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.state_dir import has_checkpoint
-from ddiloco.testing import DEADLINE_S
+from ddiloco.testing import DEADLINE_S, ddiloco_argv, sync_argv
 
 RESUME_ERROR = ("ddiloco: error: --resume: --state-dir '{}' holds no run's state (no checkpoint, no round log): start "
                 "without --resume for a new run, or pass --resume-if-present to resume only when there is one")
@@ -31,9 +30,9 @@ def test_a_port_in_use_is_one_line_and_creates_no_state_directory(tmp_path: Path
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        ports = {"--listen": "127.0.0.1:0", option: str(port) if option == "--metrics-port" else f"127.0.0.1:{port}"}
-        done = subprocess.run([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--state-dir",
-                               str(state), *(a for pair in ports.items() for a in pair), "--log-level", "warning"],
+        listen = f"127.0.0.1:{port}" if option == "--listen" else "127.0.0.1:0"
+        metrics = ("--metrics-port", str(port)) if option == "--metrics-port" else ()
+        done = subprocess.run(ddiloco_argv(*sync_argv(*metrics, listen=listen, state_dir=state, log_level="warning")),
                               capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 2
     assert done.stderr == (f"ddiloco: error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
@@ -62,5 +61,5 @@ def test_resume_on_a_directory_that_holds_no_round_is_the_documented_error(tmp_p
                                                                         monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     header_only_log(tmp_path / "st2")
-    assert main(["sync", "--preset", "tiny", "--state-dir", "st2", "--listen", "127.0.0.1:0", "--resume"]) == 2
+    assert main(sync_argv("--resume", state_dir=Path("st2"))) == 2
     assert capsys.readouterr().err == RESUME_ERROR.format("st2") + "\n"  # was: "no checkpoint in st2: starting a new run"

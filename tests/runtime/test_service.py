@@ -24,7 +24,7 @@ from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.settings.config_sources import build_config
-from ddiloco.testing import wait_for
+from ddiloco.testing import sync_argv, wait_for
 from ddiloco.workload.model import ByteTransformer
 from ddiloco.workload.workload import Workload
 
@@ -253,17 +253,17 @@ def test_resume_with_no_state_is_one_line_and_exit_2_with_nothing_created(tmp_pa
     state = tmp_path / "state"
     if existing:
         state.mkdir()
-    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--resume"])
+    code = cli.main(sync_argv("--resume", state_dir=state))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"ddiloco: error: --resume: --state-dir {str(state)!r} holds no run's state")
     assert "--resume-if-present" in err
     assert state.exists() == existing and (not existing or not any(state.iterdir()))
-    code = cli.main(["sync", "--preset", "tiny", "--listen", "127.0.0.1:0", "--resume"])
+    code = cli.main(sync_argv("--resume"))
     err = capsys.readouterr().err
     assert code == 2 and err == "ddiloco: error: --resume needs --state-dir: without one there is no run's state to continue\n"
     with pytest.raises(SystemExit) as exited:  # argparse's own error: one line too
-        cli.main(["sync", "--preset", "tiny", "--state-dir", str(state), "--resume", "--resume-if-present"])
+        cli.main(sync_argv("--resume", "--resume-if-present", state_dir=state))
     assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ddiloco.core.shared.messages import GlobalState
 from ddiloco.runtime.client import SyncClient
-from ddiloco.testing import free_port, session_pids, status_of, wait_for
+from ddiloco.testing import ddiloco_argv, free_port, port_from_file, session_pids, status_of, sync_argv
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -38,15 +38,11 @@ def start_sync(tmp_path: Path, *extra: str, learners: int = 1) -> tuple[subproce
     subprocess.run([sys.executable, str(WORKER), "init", str(init)], check=True, env=ENV)
     port_file = tmp_path / "port"
     log = open(tmp_path / "sync.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--init", str(init),
-                             "--learners", str(learners), "--tokens", "10000000", "--listen", "127.0.0.1:0",
-                             "--port-file", str(port_file), "--state-dir", str(tmp_path / "state"),
-                             "--set", "protocol.heartbeat_s=0.3", *extra],
+    proc = subprocess.Popen(ddiloco_argv(*sync_argv(*extra, init=init, learners=learners, tokens=10_000_000,
+                                                    port_file=port_file, state_dir=tmp_path / "state",
+                                                    sets=["protocol.heartbeat_s=0.3"])),
                             stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    wait_for(lambda: port_file.exists() and port_file.read_text().strip() or proc.poll() is not None,
-             "the synchronizer's port file", timeout_s=DEADLINE_S)
-    assert proc.poll() is None, (tmp_path / "sync.log").read_text()
-    return proc, int(port_file.read_text())
+    return proc, port_from_file(port_file, proc, tmp_path / "sync.log")
 
 
 def torchrun(port: int, steps: int, out: Path, *, restarts: int = 0, kill_at: int | None = None,
@@ -254,13 +250,11 @@ def test_a_rank_s_link_helper_killed_mid_run_is_replaced_and_the_learner_trains_
 def test_ddiloco_learner_fsdp_trains_the_built_in_model_sharded_over_its_ranks(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     with open(tmp_path / "sync.log", "ab") as log:
-        sync = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "sync", "--preset", "tiny", "--learners", "1",
-                                 "--tokens", "10000000", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                                 "--state-dir", str(tmp_path / "state")], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        sync = subprocess.Popen(ddiloco_argv(*sync_argv(learners=1, tokens=10_000_000, port_file=port_file,
+                                                        state_dir=tmp_path / "state")),
+                                stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
-        wait_for(lambda: port_file.exists() and port_file.read_text().strip() or sync.poll() is not None,
-                 "the synchronizer's port file", timeout_s=DEADLINE_S)
-        port = int(port_file.read_text())
+        port = port_from_file(port_file, sync, tmp_path / "sync.log")
         run = run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                        str(free_port()), "-m", "ddiloco.cli", "learner", "--fsdp", "--connect", f"127.0.0.1:{port}",
                        "--id", "learner-0", "--threads", "1", "--max-steps", "30"], tmp_path / "learner.log")

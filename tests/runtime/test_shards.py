@@ -13,7 +13,7 @@ from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.settings.config_sources import build_config
-from ddiloco.testing import InProcessSync, free_port, status_of, sync_args, train_steps, wait_for
+from ddiloco.testing import InProcessSync, free_port, status_of, sync_args, sync_argv, train_steps, wait_for
 from ddiloco.workload.workload import Workload
 
 
@@ -71,14 +71,13 @@ def test_addresses_that_do_not_form_one_run_are_refused_before_training(two_shar
 
 @pytest.mark.parametrize("bad", ["2/2", "1/0", "x", "0-2"])
 def test_a_bad_shard_is_one_line(bad, capsys):
-    code = cli.main(["sync", "--preset", "tiny", "--shard", bad, "--listen", "127.0.0.1:0"])
+    code = cli.main(sync_argv("--shard", bad))
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("ddiloco: error: --shard") and err.count("\n") == 1
 
 
 def test_a_shard_conflicting_with_the_configuration_is_one_line(capsys):
-    code = cli.main(["sync", "--preset", "tiny", "--shard", "0/2", "--set", "protocol.shards=3",
-                     "--listen", "127.0.0.1:0"])
+    code = cli.main(sync_argv("--shard", "0/2", sets=["protocol.shards=3"]))
     assert code == 2 and "conflicts with protocol.shards=3" in capsys.readouterr().err
 
 

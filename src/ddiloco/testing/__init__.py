@@ -10,8 +10,9 @@ module                        what it holds
 :mod:`.waiting`               :data:`DEADLINE_S`, :func:`wait_for`, :func:`port_from_file`
 :mod:`.commands`              :func:`sync_argv` (the one builder of ``ddiloco sync``), :func:`sync_args`,
                               :func:`learner_args`, :func:`ddiloco_argv`
-:mod:`.processes`             :class:`Procs`, sessions (:func:`ddiloco_session`, :func:`session_pids`,
-                              :func:`finish`, :func:`stop_session`), :func:`netns_unavailable`
+:mod:`.processes`             :class:`Procs`, :class:`SyncProcess`, sessions (:func:`ddiloco_session`,
+                              :func:`session_pids`, :func:`finish`, :func:`stop_session`),
+                              :func:`netns_unavailable`
 :mod:`.in_process`            :class:`InProcessSync`, :class:`Honest`, :func:`train_steps`,
                               :func:`status_of`, :func:`versions`
 ============================  =====================================================================
@@ -22,6 +23,7 @@ from ddiloco.testing.commands import ddiloco_argv, learner_args, sync_args, sync
 from ddiloco.testing.in_process import Honest, InProcessSync, status_of, train_steps, versions
 from ddiloco.testing.processes import (
     Procs,
+    SyncProcess,
     ddiloco_session,
     finish,
     netns_unavailable,
@@ -33,7 +35,7 @@ from ddiloco.testing.processes import (
 from ddiloco.testing.waiting import DEADLINE_S, port_from_file, wait_for
 
 __all__ = [
-    "DEADLINE_S", "Honest", "InProcessSync", "Procs", "ddiloco_argv", "ddiloco_session", "finish", "free_port",
-    "learner_args", "netns_unavailable", "port_from_file", "process_state", "session_pids", "status_of",
+    "DEADLINE_S", "Honest", "InProcessSync", "Procs", "SyncProcess", "ddiloco_argv", "ddiloco_session", "finish",
+    "free_port", "learner_args", "netns_unavailable", "port_from_file", "process_state", "session_pids", "status_of",
     "stop_session", "sync_args", "sync_argv", "train_steps", "versions", "wait_for", "wait_until_running",
 ]

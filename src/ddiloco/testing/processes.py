@@ -8,9 +8,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from ddiloco.testing.commands import ddiloco_argv
+from ddiloco.testing.commands import ddiloco_argv, sync_argv
 from ddiloco.testing.in_process import status_of
-from ddiloco.testing.waiting import wait_for
+from ddiloco.testing.waiting import DEADLINE_S, port_from_file, wait_for
 
 
 class Procs:
@@ -41,6 +41,46 @@ class Procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+class SyncProcess:
+    """``ddiloco sync`` (:func:`~ddiloco.testing.commands.sync_argv` of ``extra`` and ``options``) as a
+    child process logging to ``log``, returned once it listens: its port read from ``port_file``.
+    Leaving a ``with`` block kills it; :meth:`stop` asks it to stop as an operator would."""
+
+    def __init__(self, port_file: Path, log: Path, *extra: str, env: dict[str, str] | None = None,
+                 timeout_s: float = DEADLINE_S, **options) -> None:
+        port_file.unlink(missing_ok=True)  # a port file of an earlier start must not be read
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(ddiloco_argv(*sync_argv(*extra, port_file=port_file, **options)),
+                                         stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        try:
+            self.port = port_from_file(port_file, self.proc, log, timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = DEADLINE_S) -> int:
+        """SIGTERM, then its exit code (killed if it does not stop within ``timeout_s``)."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> SyncProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
 
 
 def ddiloco_session(*args: str, out: Path | None = None) -> subprocess.Popen:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DEADLINE_S = 90.0
 """Generous bound for anything a test waits for: on a loaded 2-core machine, never a timing claim."""
