@@ -87,7 +87,7 @@ class ServiceOptions:
     """Which shard of a synchronizer sharded by fragment (``protocol.shards``) this process is."""
 
 
-class SyncService(ServiceRecords):
+class SyncService:
     """Serves one run: handlers around a core host, its streams, state directory and counters."""
 
     def __init__(self, config: Config, options: ServiceOptions, *, layout: ModelLayout | None = None) -> None:
@@ -118,7 +118,6 @@ class SyncService(ServiceRecords):
             limits=limits, incarnation=self.incarnation, shard=self.shard, session_salt=secrets.randbits(64),
         )
         self.layout = replace(self.layout, initial_values=[])  # the core holds the owned values
-        self._share = fragment_shares(f.numel for f in self.layout.plan.fragments)
         self.metrics = ServiceMetrics()
         self.ledger = ByteLedger()
         largest = max(self.layout.plan.fragments[p].numel for p in self.core.owned)
@@ -130,13 +129,16 @@ class SyncService(ServiceRecords):
         self.goodput = GoodputMeter(learners=config.run.learners)
         self.port: int | None = None
         self.process_start_s = time.monotonic()
-        self._joined: set[str] = set()
-        """Learners this process admitted before: their next joins are logged as rejoins."""
         self._pending: set[asyncio.Future] = set()
         state_dir = None if options.state_dir is None else StateDir(options.state_dir, resume=options.resume)
         self.writer = CheckpointWriter(state_dir, self.metrics, self.core.owned,
                                        {"layout_sha256": self.layout_sha256, "shard": self.shard})
-        if self.writer.restore(self.layout_sha256, self._restore, self._replay):
+        self.records = ServiceRecords(config, self.protocol, incarnation=self.incarnation,
+                                      layout_sha256=self.layout_sha256, core=self.core, boundary=self.boundary,
+                                      ledger=self.ledger, goodput=self.goodput, metrics=self.metrics,
+                                      writer=self.writer, view=lambda: self.view,
+                                      share=fragment_shares(f.numel for f in self.layout.plan.fragments))
+        if self.writer.restore(self.layout_sha256, self.records.restore, self.records.replay):
             log.info("resumed from %s: fragment versions %s (%d rounds from the round log after the checkpoint)",
                      options.state_dir, list(self.core.versions()), self.writer.replayed)
         elif options.resume is not Resume.NEW_RUN:
@@ -162,7 +164,7 @@ class SyncService(ServiceRecords):
         if self.writer.state_dir is None or self.host is None:
             return
         core_meta = await self.host.query(lambda core: core.checkpoint_meta(self.options.clock()))
-        self.on_checkpoint(core_meta)
+        self.records.on_checkpoint(core_meta)
         await self.writer.drain()
 
     def _header(self, data_shard: int) -> pb.JoinHeader:
@@ -227,9 +229,10 @@ class SyncService(ServiceRecords):
         header.stop = reply.stop
         header.data_position = reply.state.data_position
         header.versions.extend(reply.state.versions())
-        log.info("learner %s %s (index %d, session %s) at versions %s", learner,
-                 "rejoined" if learner in self._joined else "joined", header.data_shard, session, list(header.versions))
-        self._joined.add(learner)
+        seen = "rejoined" if learner in self.records.joined else "joined"
+        log.info("learner %s %s (index %d, session %s) at versions %s", learner, seen, header.data_shard, session,
+                 list(header.versions))
+        self.records.joined.add(learner)
         self.streams.open_for(learner, session, part)  # before the first copy: no update falls between
 
         async def send() -> None:
@@ -376,7 +379,8 @@ class SyncService(ServiceRecords):
     def start_host(self) -> SyncHost:
         """Create the core host on the running event loop (``serve`` does this; tests may too)."""
         self.writer.start(lambda p: self._host.query(lambda core: core.fragment_state(p)))
-        self.host = SyncHost(self.core, self.streams, self, clock=self.options.clock, round_log=self.writer.round_log)
+        self.host = SyncHost(self.core, self.streams, self.records, clock=self.options.clock,
+                             round_log=self.writer.round_log)
         self.host.start()
         return self.host
 

@@ -1,7 +1,7 @@
 """What the synchronizer service keeps beside the core: its share of a checkpoint (its counters,
 byte ledger and goodput, written with the core's state and restored with it), and what it makes
 of the host's reports after every event (Prometheus metrics, goodput credit, the log's lines).
-The part of :class:`~ddiloco.runtime.sync.service.SyncService` that records, kept apart from
+A part of :class:`~ddiloco.runtime.sync.service.SyncService` that records, kept apart from
 the handlers that move bytes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ddiloco.core.shared.actions import (
     Accepted,
@@ -28,7 +28,6 @@ from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.measures.wire_bytes import ByteLedger
 from ddiloco.runtime.sync.boundary import Boundary
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
-from ddiloco.runtime.sync.core_host import SyncHost
 from ddiloco.runtime.sync.metrics import GoodputMeter, ServiceMetrics
 from ddiloco.runtime.sync.resume import changed_on_resume
 from ddiloco.runtime.sync.round_log import LoggedRound
@@ -41,24 +40,33 @@ FORGOTTEN = "(forgotten)"
 
 
 class ServiceRecords:
-    config: Config
-    protocol: ProtocolConfig
-    incarnation: int
-    layout_sha256: str
-    core: Synchronizer
-    host: SyncHost | None
-    boundary: Boundary
-    ledger: ByteLedger
-    goodput: GoodputMeter
-    metrics: ServiceMetrics
-    writer: CheckpointWriter
-    view: CoreView
-    _share: list[float]
-    _joined: set[str]
+    """The host's observer (:class:`~ddiloco.runtime.sync.core_host.HostObserver`), given the
+    pieces of the service it writes to; the service holds one and hands it to its host."""
+
+    def __init__(self, config: Config, protocol: ProtocolConfig, *, incarnation: int, layout_sha256: str,
+                 core: Synchronizer, boundary: Boundary, ledger: ByteLedger, goodput: GoodputMeter,
+                 metrics: ServiceMetrics, writer: CheckpointWriter, share: list[float],
+                 view: Callable[[], CoreView]) -> None:
+        self.config = config
+        self.protocol = protocol
+        self.incarnation = incarnation
+        self.layout_sha256 = layout_sha256
+        self.core = core
+        self.boundary = boundary
+        self.ledger = ledger
+        self.goodput = goodput
+        self.metrics = metrics
+        self.writer = writer
+        self.share = share
+        """Each fragment's share of the parameters: what a merged contribution to it credits."""
+        self.view = view
+        """What the core's thread published after its latest event."""
+        self.joined: set[str] = set()
+        """Learners this process admitted before: their next joins are logged as rejoins."""
 
     # ---- checkpoints ---------------------------------------------------------------------
 
-    def _restore(self, saved: dict[str, Any]) -> None:
+    def restore(self, saved: dict[str, Any]) -> None:
         """Restore the core and the service's counters from a checkpoint (before serving)."""
         self.core.load_state_dict(saved["core"])
         service = saved["service"]
@@ -72,7 +80,7 @@ class ServiceRecords:
         self.ledger.load_state_dict(service["bytes"])
         self.goodput.load_state_dict(service["goodput"])
 
-    def _replay(self, r: LoggedRound) -> bool:
+    def replay(self, r: LoggedRound) -> bool:
         update = FragmentUpdate(r.fragment, r.version, self.protocol.downlink_codec, r.payload, self.incarnation)
         return self.core.replay_round(update, plain=r.plain)
 
@@ -99,13 +107,13 @@ class ServiceRecords:
             self.metrics.coherence.labels(str(record.fragment)).set(record.coherence)
         self.metrics.merge_seconds.observe(elapsed_s)
         for mc in record.merged:
-            self.goodput.credit(mc.compute_s, self._share[record.fragment], mc.arrived_s)
+            self.goodput.credit(mc.compute_s, self.share[record.fragment], mc.arrived_s)
         log.debug("fragment %d -> v%d (%s, %d contributions, %d of them late)", record.fragment, record.version,
                   record.reason, len(record.merged), record.late)
 
     def on_event(self, actions: list[SyncAction]) -> None:
         """Runs on the event loop after every event: reads only the actions and the published view."""
-        view = self.view
+        view = self.view()
         self.metrics.alive.set(view.alive)
         left = {a.learner_id for a in actions if isinstance(a, Accepted) and isinstance(a.request, Leave)}
         for action in actions:
@@ -115,7 +123,7 @@ class ServiceRecords:
             elif isinstance(action, LearnersForgotten):
                 for name in action.learner_ids:
                     self.boundary.known.discard(name)
-                    self._joined.discard(name)
+                    self.joined.discard(name)
                     self.ledger.rename(name, FORGOTTEN)
                     self.boundary.learner_rejected[FORGOTTEN] += self.boundary.learner_rejected.pop(name, 0)
             elif isinstance(action, StopLearners):
