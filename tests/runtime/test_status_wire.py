@@ -15,7 +15,7 @@ import pytest
 
 from ddiloco.core.sync_side.rounds import RoundPhase
 from ddiloco.core.sync_side.run_state import RunPhase
-from ddiloco.core.sync_side.sync_status import LearnerStatus, ShardMerge, SyncStatus
+from ddiloco.core.sync_side.status_snapshot import LearnerStatus, ShardMerge, SyncStatus
 from ddiloco.runtime import sharded
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sharded import merge_statuses

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from ddiloco.core.shared.messages import GlobalState
-from ddiloco.core.sync_side.sync_status import LearnerStatus, ShardMerge, SyncStatus, merge_rule
+from ddiloco.core.sync_side.status_snapshot import LearnerStatus, ShardMerge, SyncStatus, merge_rule
 from ddiloco.runtime.client import SyncClient
 from ddiloco.runtime.status_wire import NOT_ON_WIRE, presented, wire_name
 
@@ -47,7 +47,7 @@ class ShardedClient:
 
 def merge_statuses(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """One status for the whole run, and each shard's under ``per_shard``: each core field merged
-    by its :class:`~ddiloco.core.sync_side.sync_status.ShardMerge`, what the service measures by :data:`MEASURED`."""
+    by its :class:`~ddiloco.core.sync_side.status_snapshot.ShardMerge`, what the service measures by :data:`MEASURED`."""
     return {**_merge(shards, _STATUS_RULES), "per_shard": shards}
 
 

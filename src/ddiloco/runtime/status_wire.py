@@ -1,4 +1,4 @@
-"""The Status call's one conversion: the core's status (:mod:`ddiloco.core.sync_side.sync_status`) to
+"""The Status call's one conversion: the core's status (:mod:`ddiloco.core.sync_side.status_snapshot`) to
 protobuf on the synchronizer, protobuf to the dict ``ddiloco status --json`` prints on the client.
 
 Both go by field name: a dataclass field travels in the message field of the same name
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 
 if TYPE_CHECKING:  # the client half (``ddiloco status``) must not import the core: it imports torch
-    from ddiloco.core.sync_side.sync_status import SyncStatus
+    from ddiloco.core.sync_side.status_snapshot import SyncStatus
 
 
 class OnWire(NamedTuple):

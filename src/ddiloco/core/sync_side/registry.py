@@ -35,7 +35,7 @@ from ddiloco.core.shared.deadlines import starved_after_s
 from ddiloco.core.shared.messages import Contribution, Join, Rejected, RejectReason, Request, Session
 from ddiloco.core.sync_side.learner_record import Forgotten, LearnerRecord
 from ddiloco.core.sync_side.refusals import Refusals
-from ddiloco.core.sync_side.sync_status import LearnerStatus
+from ddiloco.core.sync_side.status_snapshot import LearnerStatus
 
 SESSION_TAG_BITS = 20
 """Low bits of a session number that are unguessable; the bits above count registrations."""

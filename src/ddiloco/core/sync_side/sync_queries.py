@@ -16,7 +16,7 @@ from ddiloco.core.sync_side.refusals import honest_total
 from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, RoundPhase
 from ddiloco.core.sync_side.run_state import RunPhase, RunState
-from ddiloco.core.sync_side.sync_status import CoreView, SyncCounters, SyncStatus
+from ddiloco.core.sync_side.status_snapshot import CoreView, SyncCounters, SyncStatus
 
 
 class SyncQueries:

@@ -19,7 +19,7 @@ from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.run_state import RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
-from ddiloco.core.sync_side.sync_status import SyncCounters
+from ddiloco.core.sync_side.status_snapshot import SyncCounters
 
 
 class SliceIntake:

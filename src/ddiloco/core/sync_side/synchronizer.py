@@ -59,6 +59,7 @@ from ddiloco.core.shared.messages import (
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
 from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
+from ddiloco.core.sync_side.checkpoint_state import CheckpointState
 from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, check_contribution
 from ddiloco.core.sync_side.data_position import DataPositions
 from ddiloco.core.sync_side.learner_record import LearnerRecord
@@ -69,13 +70,12 @@ from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment, Pending, RoundMove, RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
+from ddiloco.core.sync_side.status_snapshot import SyncCounters
 from ddiloco.core.sync_side.sync_queries import SyncQueries
 from ddiloco.core.sync_side.sync_slices import SliceIntake
-from ddiloco.core.sync_side.sync_state import SyncState
-from ddiloco.core.sync_side.sync_status import SyncCounters
 
 
-class Synchronizer(SyncState, SyncQueries, SliceIntake):
+class Synchronizer(CheckpointState, SyncQueries, SliceIntake):
     """Collects contributions per fragment, merges at quorum + grace, applies the outer step."""
 
     def __init__(

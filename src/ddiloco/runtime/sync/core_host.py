@@ -4,7 +4,7 @@ The core is touched by that one thread only: every call into it (events, questio
 checkpoint's snapshot) runs on one dedicated worker thread, so its calls are serialized
 without locks and a long merge never stalls the sockets (which the asyncio event loop
 serves). After every event the thread publishes :attr:`SyncHost.view`, an immutable
-:class:`~ddiloco.core.sync_side.sync_status.CoreView` (phase, versions, learners alive, tokens) that the
+:class:`~ddiloco.core.sync_side.status_snapshot.CoreView` (phase, versions, learners alive, tokens) that the
 event loop, metrics and logs read instead of the core; whatever else they need (status) is
 asked through :meth:`SyncHost.query`, which runs on the core's thread too. (Reading the core
 from the event loop while its thread registered a burst of learners once raised "dictionary
@@ -59,7 +59,7 @@ from ddiloco.core.shared.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.sync_side.sync_status import CoreView, SyncStatus
+from ddiloco.core.sync_side.status_snapshot import CoreView, SyncStatus
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.runtime.sync.round_log import RoundLog
 from ddiloco.runtime.sync.streams import UpdateStreams

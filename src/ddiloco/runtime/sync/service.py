@@ -38,7 +38,7 @@ from ddiloco.core.shared.errors import ConfigError
 from ddiloco.core.shared.messages import RejectReason, Session, StopNotice
 from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.core.sync_side.replay import replay_budget
-from ddiloco.core.sync_side.sync_status import CoreView
+from ddiloco.core.sync_side.status_snapshot import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.measures.useful_work import fragment_shares
 from ddiloco.measures.wire_bytes import ByteLedger

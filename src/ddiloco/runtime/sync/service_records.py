@@ -23,7 +23,7 @@ from ddiloco.core.shared.actions import (
 )
 from ddiloco.core.shared.messages import FragmentUpdate, Leave
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.sync_side.sync_status import CoreView
+from ddiloco.core.sync_side.status_snapshot import CoreView
 from ddiloco.core.sync_side.synchronizer import Synchronizer
 from ddiloco.measures.wire_bytes import ByteLedger
 from ddiloco.runtime.sync.boundary import Boundary

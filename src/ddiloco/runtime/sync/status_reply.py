@@ -1,4 +1,4 @@
-"""The Status call's answer: the core's :class:`~ddiloco.core.sync_side.sync_status.SyncStatus`, carried
+"""The Status call's answer: the core's :class:`~ddiloco.core.sync_side.status_snapshot.SyncStatus`, carried
 by :func:`~ddiloco.runtime.status_wire.status_to_pb`, plus what only the service measures
 (bytes on the wire, goodput, checkpoints, wire rejections), set here.
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.sync_side.sync_status import SyncStatus
+from ddiloco.core.sync_side.status_snapshot import SyncStatus
 from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.layout import ModelLayout

@@ -3,9 +3,9 @@ transfers, and checkpoints (the part of :class:`~ddiloco.core.sync_side.synchron
 saves and restores, kept apart from the protocol's decisions).
 
 Copies are taken a fragment at a time: a join or a fetch copies each fragment as it sends it
-(:meth:`SyncState.fragment_value`) and a checkpoint each fragment as it writes it
-(:meth:`SyncState.fragment_state`), beside a few kilobytes of everything else
-(:meth:`SyncState.checkpoint_meta`), so neither holds a copy of the whole model.
+(:meth:`CheckpointState.fragment_value`) and a checkpoint each fragment as it writes it
+(:meth:`CheckpointState.fragment_state`), beside a few kilobytes of everything else
+(:meth:`CheckpointState.checkpoint_meta`), so neither holds a copy of the whole model.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from ddiloco.core.sync_side.outer import NesterovSGD
 from ddiloco.core.sync_side.registry import Registry
 from ddiloco.core.sync_side.rounds import GlobalFragment
 from ddiloco.core.sync_side.run_state import RunState
-from ddiloco.core.sync_side.sync_status import SyncCounters
+from ddiloco.core.sync_side.status_snapshot import SyncCounters
 
 
-class SyncState:
+class CheckpointState:
     incarnation: int
     _fragments: dict[int, GlobalFragment]
     _registry: Registry
