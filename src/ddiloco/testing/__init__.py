@@ -10,7 +10,7 @@ module                        what it holds
 :mod:`.waiting`               :data:`DEADLINE_S`, :func:`wait_for`, :func:`port_from_file`
 :mod:`.commands`              :func:`sync_argv` (the one builder of ``ddiloco sync``), :func:`sync_args`,
                               :func:`learner_args`, :func:`ddiloco_argv`
-:mod:`.processes`             :class:`Procs`, :class:`SyncProcess`, sessions (:func:`ddiloco_session`,
+:mod:`.subprocesses`          :class:`Procs`, :class:`SyncProcess`, sessions (:func:`ddiloco_session`,
                               :func:`session_pids`, :func:`finish`, :func:`stop_session`),
                               :func:`netns_unavailable`
 :mod:`.in_process`            :class:`InProcessSync`, :class:`Honest`, :func:`train_steps`,
@@ -21,7 +21,7 @@ module                        what it holds
 from ddiloco.runtime.launch.local_run import free_port
 from ddiloco.testing.commands import ddiloco_argv, learner_args, sync_args, sync_argv
 from ddiloco.testing.in_process import Honest, InProcessSync, status_of, train_steps, versions
-from ddiloco.testing.processes import (
+from ddiloco.testing.subprocesses import (
     Procs,
     SyncProcess,
     ddiloco_session,
