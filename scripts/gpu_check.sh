@@ -51,8 +51,8 @@ if [ $DRY -eq 0 ]; then
 fi
 
 BENCH="$PY benchmarks/bench_runtime.py --device cuda --precision bf16"
-step cuda_tests 75 $PY -m pytest -q -x tests/runtime/test_staging.py tests/core/test_codecs.py \
-  tests/workload/test_device.py tests/workload/test_trainer.py tests/runtime/test_link_helper.py
+step cuda_tests 75 $PY -m pytest -q -x tests/runtime/learner/test_staging.py tests/core/test_codecs.py \
+  tests/workload/test_device.py tests/workload/test_trainer.py tests/runtime/learner/test_link_helper.py
 step fsdp_nccl 45 bash scripts/fsdp_step.sh "$OUTDIR/fsdp"
 step throughput_gpu 110 $BENCH --only throughput --model gpu --steps 60 --repeats 5 \
   --json "$OUTDIR/throughput_gpu.json"

@@ -1,7 +1,16 @@
-"""Test-suite-wide settings."""
+"""Test-suite-wide settings, and the fixtures of child processes and in-process synchronizers
+(always cleaned up) that tests in every folder use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+
+from ddiloco.testing import InProcessSync, Procs
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -33,3 +42,32 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section(f"unmarked tests over {UNMARKED_SLOW_S:g} s (mark them slow)")
         for seconds, nodeid in unmarked:
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    p = Procs(logs)
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+@pytest.fixture
+def inproc_sync() -> Iterator[Callable[..., InProcessSync]]:
+    started: list[InProcessSync] = []
+
+    def start(config: Any, options: Any = None) -> InProcessSync:
+        from ddiloco.runtime.sync.service import ServiceOptions
+
+        s = InProcessSync(config, options or ServiceOptions())
+        started.append(s)
+        return s
+
+    try:
+        yield start
+    finally:
+        for s in started:
+            s.close()

@@ -42,3 +42,28 @@ def test_a_citation_of_a_missing_document_or_section_is_found(tmp_path, monkeypa
     code.write_text('"""See DESIGN.md section 2, docs/real.md, "Grace window" and docs/real.md, "Quorum"."""\n')
     assert broken(code) == ['m.py cites DESIGN.md, which does not exist',
                             'm.py cites docs/real.md, "Quorum", which has no such section']
+
+
+TEST_PATH = re.compile(r"\btests/[\w/]+\.py\b")
+"""A test file named by its path from the repository's root (``tests/runtime/sync/test_service.py``)."""
+
+
+def named_test_files(text: str) -> set[str]:
+    return set(TEST_PATH.findall(text))
+
+
+def test_every_test_file_the_docs_scripts_and_code_name_exists():
+    """Tests mirror src/ and move with it: a path to a test that moved or went is found here
+    (docs/results/ keeps logs of past runs as they were)."""
+    sources = ([ROOT / "README.md", ROOT / "examples" / "README.md", ROOT / ".ci" / "run"]
+               + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "scripts").glob("*"))
+               + sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+               + sorted((ROOT / "tests").rglob("*.py")))
+    missing = [f"{path.relative_to(ROOT)} names {name}" for path in sources if path.is_file()
+               for name in sorted(named_test_files(path.read_text(encoding="utf-8"))) if not (ROOT / name).is_file()]
+    assert missing == []
+
+
+def test_a_test_file_named_by_its_path_is_found():
+    assert named_test_files("see `tests/runtime/sync/test_service.py::test_x` and tests/conftest.py.") == {
+        "tests/runtime/sync/test_service.py", "tests/conftest.py"}

@@ -8,7 +8,7 @@ Fast start: a command module imports at its top only what its parser needs witho
 torch, the model, the gRPC service and numba are imported by the functions that use them, and
 only the chosen command's parser is built (its ``add_parser`` may read the configuration, which
 needs torch). So ``ddiloco --version``, ``ddiloco --help`` and ``ddiloco status`` start in a
-fraction of a second (tests/runtime/test_cli_fast.py keeps it so).
+fraction of a second (tests/commands/test_cli_fast.py keeps it so).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 import bench_scale
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def gpu_check(*args: str) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ from ddiloco.testing import ddiloco_argv, free_port, port_from_file, session_pid
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
+       "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[4] / "src"), os.environ.get("PYTHONPATH", "")])}
 DEADLINE_S = 240.0
 EQUAL_BOUND = 1e-5
 """The sharded and unsharded runs' global models differ by at most this, relative to the largest value.

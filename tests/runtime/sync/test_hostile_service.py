@@ -252,7 +252,7 @@ def test_metrics_are_served_on_the_services_interface_and_behind_its_token_beyon
             server.shutdown()
             server.server_close()
     # Issue 45: operations.md said "This port does not check the token" (runtime.md, and the code, disagreed).
-    operations = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    operations = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
     assert "does not check the token" not in operations and "is answered `401`" in operations
 
 

@@ -19,7 +19,7 @@ from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.testing import finish, session_pids, status_of, wait_for
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 MODEL = ("--d-model", "32", "--layers", "1")
 STEP_TOKENS = 8 * 32
 LEARNER = ("python", str(EXAMPLES / "own_loop.py"), "learner", *MODEL, "--seq-len", "32", "--batch-size", "8",
