@@ -72,10 +72,9 @@ from ddiloco.core.sync_side.run_state import RunLimits, RunPhase, RunState
 from ddiloco.core.sync_side.slice_assembly import SliceAssembler
 from ddiloco.core.sync_side.status_snapshot import SyncCounters
 from ddiloco.core.sync_side.sync_queries import SyncQueries
-from ddiloco.core.sync_side.sync_slices import SliceIntake
 
 
-class Synchronizer(CheckpointState, SyncQueries, SliceIntake):
+class Synchronizer(CheckpointState, SyncQueries):
     """Collects contributions per fragment, merges at quorum + grace, applies the outer step."""
 
     def __init__(
@@ -225,6 +224,33 @@ class Synchronizer(CheckpointState, SyncQueries, SliceIntake):
         frag.accumulator.add(key, c.payload, token_weight(merged.tokens, merged.steps) * late, norm, clip)
         frag.round.add(key, pending)
         return [Accepted(c.learner_id, c, stop=self._stopping), *self._maybe_close(c.fragment, now)]
+
+    def _contribute_slice(self, c: Contribution, now: float) -> list[SyncAction]:
+        """One rank's slice of a sharded learner's contribution, checked as far as it can be alone (the
+        session, the fragment, its sequence number and base version), then held by the assembler
+        (``core/sync_side/slice_assembly.py``) until its siblings are in; the whole goes through
+        ``_contribute`` once, so a sharded learner is admitted, counted and weighed as one learner. The
+        slice that completed it gets the verdict on the whole, the others were accepted."""
+        if self._run.phase is RunPhase.FINISHED:
+            raise Rejected(RejectReason.FINISHED, "the run is over")
+        rec = self._registry.check(c.learner_id, c.session, None if c.progress is None else c.progress.boot)
+        frag = self._fragment(c)
+        if c.seq <= rec.last_seq.get(c.fragment, -1):
+            raise Rejected(RejectReason.DUPLICATE, f"seq {c.seq} of fragment {c.fragment} was taken already")
+        frag.check_version(c.base_version, self._staleness, now, c.learner_id)
+        whole, ended = self._slices.add(c, frag.value.numel(), self._uplink)
+        self._slices_lost(ended)
+        if whole is None:
+            self._registry.renew(rec, now)
+            return [Accepted(c.learner_id, c, stop=self._stopping)]
+        return [Accepted(c.learner_id, c, stop=self._stopping), *self._contribute(whole, now)[1:]]
+
+    def _slices_lost(self, lost: list[Contribution]) -> None:
+        """Sets of slices that will never be complete: their work counted as refused (``slice_incomplete``)."""
+        for c in lost:
+            err = Rejected(RejectReason.SLICE_INCOMPLETE, "a rank's slice never came")
+            self._counters.refused(c, err)
+            self._registry.refused(c, err)
 
     def _fragment(self, c: Contribution) -> GlobalFragment:
         frag = self._fragments.get(c.fragment)
