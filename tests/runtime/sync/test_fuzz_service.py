@@ -174,13 +174,13 @@ def test_ten_thousand_generated_messages_crash_nothing_and_change_the_model_only
     s = inproc_sync(config, ServiceOptions(token=TOKEN, credentials=CREDENTIALS))
     service = s.service
     merged_by: collections.Counter[str] = collections.Counter()
-    on_round: Callable = service.on_round
+    on_round: Callable = service.records.on_round
 
     def watch(record, elapsed_s):  # every merge, with whose work it carried
         merged_by.update(m.learner_id for m in record.merged)
         on_round(record, elapsed_s)
 
-    service.on_round = watch
+    service.records.on_round = watch
     address = f"127.0.0.1:{s.port}"
     honest = [Honest(config, s.port, f"learner-{m}", m, secret=CREDENTIALS[f"learner-{m}"]) for m in range(2)]
     with SyncClient(address, token="sm", learner_id="mallory") as mallory:
