@@ -16,6 +16,7 @@ How a failed call reads (its reason, a refused credential) is :mod:`ddiloco.runt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -195,6 +196,21 @@ class SyncClient:
             return Unreachable(f"{self.address}: the channel is closed")
         return None
 
+    @contextlib.contextmanager
+    def _streamed(self, stub: Any) -> Iterator[None]:
+        """A streamed reply read on ``stub``: gRPC's refusals translated, a reply that does not
+        assemble unreachable, a channel closed meanwhile as :meth:`_gone` says."""
+        try:
+            yield
+        except grpc.RpcError as err:
+            raise _translate(err, self.address) from None
+        except wire.WireError as err:
+            raise Unreachable(f"{self.address}: {err}") from None
+        except ValueError:
+            if (gone := self._gone(stub)) is None:
+                raise
+            raise gone from None
+
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         stub = self.stub
         try:
@@ -226,21 +242,13 @@ class SyncClient:
         if part is not None:
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         stub = self.stub
-        try:
+        with self._streamed(stub):
             for reply in stub.Join(request, timeout=timeout_s, metadata=self.metadata):
                 if reply.HasField("header"):
                     header = reply.header
                     assembler = wire.StateAssembler()
                 elif assembler is not None:
                     assembler.add(reply.chunk)
-        except grpc.RpcError as err:
-            raise _translate(err, self.address) from None
-        except wire.WireError as err:
-            raise Unreachable(f"{self.address}: {err}") from None
-        except ValueError:
-            if (gone := self._gone(stub)) is None:
-                raise
-            raise gone from None
         self.heard()
         if header is None or assembler is None:
             raise Unreachable(f"{self.address}: join answered without a header")
@@ -308,18 +316,10 @@ class SyncClient:
             request.part.CopyFrom(pb.RankSlice(rank=part[0], world=part[1]))
         assembler = wire.StateAssembler()
         stub = self.stub
-        try:
+        with self._streamed(stub):
             for chunk in stub.FetchState(request, timeout=timeout_s, metadata=self.metadata):
                 assembler.add(chunk)
             state = assembler.state()
-        except grpc.RpcError as err:
-            raise _translate(err, self.address) from None
-        except wire.WireError as err:
-            raise Unreachable(f"{self.address}: {err}") from None
-        except ValueError:
-            if (gone := self._gone(stub)) is None:
-                raise
-            raise gone from None
         self.heard()
         return state
 
