@@ -11,9 +11,10 @@ accounted per learner.
 - An upload waits for its header in ``awaiting`` (per host; when full, the longest-waiting
   stream of that host is closed to make room: honest learners send their header at once, so
   a host that opens stalled streams only closes its own). Its header must name a live session
-  of its learner, asked of the core, before a slot in ``uploads`` is taken: at most one upload
-  per learner and fragment, ``UPLOADS_PER_LEARNER`` per learner, and room for as many for every
-  lease the registry grants (a full pool first closes the uploads of sessions no longer live).
+  of its learner, asked of the core, before a slot in ``uploads`` is taken, as the core's
+  admission of uploads decides (``core/sync_side/upload_admission.py``: at most one upload per
+  learner and fragment, two per learner, room for as many for every lease the registry grants; a
+  full pool first closes the uploads of sessions no longer live).
 - An update stream is one per learner (a new one replaces the old: ``streams.py``).
 - Joins and state fetches hold one of ``transfers`` (each holds a copy of one fragment at a time).
 
@@ -41,6 +42,7 @@ import grpc
 from ddiloco.core.shared import deadlines
 from ddiloco.core.shared.messages import RejectReason, Session
 from ddiloco.core.shared.protocol_config import ProtocolConfig
+from ddiloco.core.sync_side.upload_admission import Ended, InFlight, UploadAdmission
 from ddiloco.runtime.sync.boundary import Abort
 from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 
@@ -50,9 +52,6 @@ PER_PEER_CALLS = 64
 """Anonymous calls one client host may hold at once (all learners of a host share its address)."""
 AWAITING_PER_PEER = 16
 """Uploads of one client host waiting for their header at once (the longest-waiting one makes room)."""
-UPLOADS_PER_LEARNER = 2
-"""Uploads one learner may have in flight: one, and one its client gave up on that the server has
-not seen end yet (a learner sends one fragment at a time)."""
 
 Liveness = Callable[[list[tuple[str, Session]]], Awaitable[list[bool]]]
 """Which of these (learner, session) pairs are live sessions (the core's answer)."""
@@ -94,7 +93,7 @@ async def within(work: Awaitable[None], seconds: float, what: str) -> None:
         raise timed_out(what, seconds) from None
 
 
-class UploadSlot:
+class PoolSlot:
     """One place held in a pool; released once, by its holder or by the pool (evicted)."""
 
     def __init__(self, pool: "Pool", key: str) -> None:
@@ -124,19 +123,19 @@ class Pool:
     limit: int
     what: str
     evict_oldest: bool = False
-    held: dict[str, list[UploadSlot]] = field(default_factory=dict)
+    held: dict[str, list[PoolSlot]] = field(default_factory=dict)
 
-    def take(self, key: str = "") -> UploadSlot:
+    def take(self, key: str = "") -> PoolSlot:
         holders = self.held.setdefault(key, [])
         if len(holders) >= self.limit:
             if not self.evict_oldest:
                 raise busy(f"{self.limit} {self.what}{' from ' + key if key else ''} at once")
             holders[0].evict(busy(f"{self.limit} newer {self.what}{' from ' + key if key else ''}"))
-        slot = UploadSlot(self, key)
+        slot = PoolSlot(self, key)
         self.held.setdefault(key, []).append(slot)
         return slot
 
-    def drop(self, slot: UploadSlot) -> None:
+    def drop(self, slot: PoolSlot) -> None:
         holders = self.held.get(slot.key, [])
         if slot in holders:
             holders.remove(slot)
@@ -144,7 +143,7 @@ class Pool:
             self.held.pop(slot.key, None)
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str = "") -> AsyncIterator[UploadSlot]:
+    async def hold(self, key: str = "") -> AsyncIterator[PoolSlot]:
         """A slot for the block, or :class:`Abort` (``busy``) when every one is taken."""
         slot = self.take(key)
         try:
@@ -156,55 +155,44 @@ class Pool:
         return sum(map(len, self.held.values()))
 
 
-@dataclass(slots=True)
-class Upload:
-    slot: UploadSlot
-    learner: str
-    session: Session
-    fragment: int
-
-
 class UploadSlots:
-    """Uploads whose header named a live session: per learner and fragment, per learner, in all."""
+    """The buffers of the uploads the core's admission let in (``core/sync_side/upload_admission.py``),
+    and the streams it ends to make way."""
 
     def __init__(self, max_learners: int) -> None:
-        self.total = UPLOADS_PER_LEARNER * max_learners
-        """Room for every lease the registry grants: live sessions alone never fill it."""
-        self.pool = Pool(self.total, "uploads")
-        self.uploads: list[Upload] = []
+        self.admission = UploadAdmission(max_learners)
+        self.pool = Pool(self.admission.total, "uploads")
+        self.held: dict[InFlight, PoolSlot] = {}
 
-    async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> UploadSlot:
+    async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> PoolSlot:
         """A slot for an upload of a session the core just called live, or :class:`Abort` (``busy``)."""
-        for old in [u for u in self.uploads if u.learner == learner and u.session != session]:
-            self._evict(old, Abort(RejectReason.SUPERSEDED, f"learner {learner!r} registered again"))
-        mine = [u for u in self.uploads if u.learner == learner]
-        if any(u.fragment == fragment for u in mine) or len(mine) >= UPLOADS_PER_LEARNER:
-            raise busy(f"learner {learner!r} has an upload of fragment {fragment} or "
-                       f"{UPLOADS_PER_LEARNER} uploads in flight")
-        if len(self.uploads) >= self.total:
-            holders = list(self.uploads)
-            for upload, ok in zip(holders, await live([(u.learner, u.session) for u in holders])):
-                if not ok:
-                    self._evict(upload, Abort(RejectReason.UNKNOWN_LEARNER, f"the session of {upload.learner!r} "
-                                                                            "ended during its upload"))
+        self._evict(self.admission.superseded(learner, session))
+        if (refused := self.admission.refusal(learner, fragment)) is not None:
+            raise Abort(*refused)
+        if holders := self.admission.crowded():
+            self._evict(self.admission.not_live(holders, await live([(u.learner, u.session) for u in holders])))
         slot = self.pool.take()
-        upload = Upload(slot, learner, session, fragment)
-        self.uploads.append(upload)
+        upload = InFlight(learner, session, fragment)
+        self.admission.admit(upload)
+        self.held[upload] = slot
         return slot
 
-    def release(self, slot: UploadSlot) -> None:
-        self.uploads = [u for u in self.uploads if u.slot is not slot]
+    def release(self, slot: PoolSlot) -> None:
+        for upload in [u for u, held in self.held.items() if held is slot]:
+            del self.held[upload]
+            self.admission.end(upload)
         slot.release()
 
-    def _evict(self, upload: Upload, reason: Abort) -> None:
-        self.uploads.remove(upload)
-        upload.slot.evict(reason)
+    def _evict(self, ended: list[Ended]) -> None:
+        for e in ended:
+            if (slot := self.held.pop(e.upload, None)) is not None:
+                slot.evict(Abort(e.reason, e.detail))
 
     def __len__(self) -> int:
-        return len(self.uploads)
+        return len(self.held)
 
 
-_anonymous: contextvars.ContextVar[tuple[UploadSlot, ...]] = contextvars.ContextVar("anonymous_slots", default=())
+_anonymous: contextvars.ContextVar[tuple[PoolSlot, ...]] = contextvars.ContextVar("anonymous_slots", default=())
 """The anonymous slots of the call this task serves (each gRPC call runs in a task of its own)."""
 
 
@@ -271,7 +259,7 @@ class Paced:
     sender at ``protocol.min_link_bytes_per_s`` that started a lease late would have delivered it whole. A
     message later than that, or an evicted :attr:`slot`, ends the upload with :class:`Abort`."""
 
-    def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: UploadSlot | None) -> None:
+    def __init__(self, requests: AsyncIterator[bytes], limits: CallLimits, slot: PoolSlot | None) -> None:
         self._requests = requests
         self._messages: AsyncIterator[bytes] | None = None
         """Opened at the first read: a call refused before it (its token, say) leaves nothing unawaited."""

@@ -19,7 +19,7 @@ from ddiloco.core.shared.messages import Contribution, Session
 from ddiloco.runtime import wire
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sync.boundary import Abort, Boundary
-from ddiloco.runtime.sync.call_limits import CallLimits, UploadSlot
+from ddiloco.runtime.sync.call_limits import CallLimits, PoolSlot
 from ddiloco.runtime.sync.core_host import SyncHost
 
 
@@ -32,7 +32,7 @@ class Uploads:
     async def receive(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Contribution:
         """The contribution ``requests`` carry, or :class:`Abort` with the reason it was refused."""
         paced = self.calls.paced(requests)
-        held: list[UploadSlot] = []
+        held: list[PoolSlot] = []
 
         async def on_header(header: pb.ContributionHeader) -> None:
             name, session = header.learner_id, wire.session_from_pb(header.session)
