@@ -18,7 +18,7 @@ one order to its core: the updates every rank holds, each rank its own slice of 
 slices are fetched at moments apart, so their versions may differ: every rank moves its slice to
 the newest of them with the updates its stream brings, then all adopt the same versions. A
 contribution counts as accepted once every rank's slice was; refused if any was (the synchronizer's
-verdict on the whole comes to the rank whose slice completed it); unanswered if any went unanswered
+verdict on the whole comes to the rank whose slice completed it); undelivered if any went undelivered
 (its steps go into the next one, whose slices end the incomplete set at the synchronizer).
 
 Every core is told one time, rank 0's clock at the last exchange: the cores decide by time (how long
@@ -295,7 +295,7 @@ class FsdpLearnerRuntime:
         """Rank 0 joined (``mine``: its slices; ``header``: what it learned): every other rank fetches its
         own slices under that session, every rank follows its stream from what it fetched, and when the
         streams have brought every rank to the newest version any fetched, all adopt those versions.
-        A fetch refused or unanswered, a gap, or the join's deadline passing: the join went unanswered
+        A fetch refused or undelivered, a gap, or the join's deadline passing: the join went undelivered
         for every core, which tries again."""
         session, incarnation, data_position, stop = header
         if not self.is_leader:
@@ -320,7 +320,7 @@ class FsdpLearnerRuntime:
             if any(v[1] or v[2] for v in verdict):
                 break
             time.sleep(0.02)
-        self._settle_one(Outcome(self._join_request(), Answer.UNANSWERED), now)
+        self._settle_one(Outcome(self._join_request(), Answer.UNDELIVERED), now)
 
     def _adopt(self, mine: GlobalState, target: list[int], header: tuple, now: float) -> None:
         """Every rank adopts its slices moved to the ``target`` versions (the same on every rank)."""
@@ -355,12 +355,12 @@ class FsdpLearnerRuntime:
             slot = self._pending.pop(key)
             answers = [slot[r] for r in range(self.world)]
             refused = [o for o in answers if o.answer is Answer.REFUSED]
-            unanswered = [o for o in answers if o.answer is Answer.UNANSWERED]
+            undelivered = [o for o in answers if o.answer is Answer.UNDELIVERED]
             first = answers[0]
             if refused:
                 self._settle_one(Outcome(first.request, Answer.REFUSED, refused[0].reason), now)
-            elif unanswered:
-                self._settle_one(Outcome(first.request, Answer.UNANSWERED), now)
+            elif undelivered:
+                self._settle_one(Outcome(first.request, Answer.UNDELIVERED), now)
             else:
                 self._settle_one(Outcome(first.request, Answer.ACCEPTED, stop=any(o.stop for o in answers)), now)
 

@@ -15,9 +15,9 @@ fused pass on the CPU, else float32 for the helper to compress) and decoded upda
 into its slot and announces it, and a *relay* thread here reads what the helper reports. A slot's
 pages are given back once the rank is done with it (the send's call ended; the update applied), so
 between uses the slots are no process's memory. A helper that dies is started again: its calls
-in flight count as unanswered, and its stream resumes from the versions the rank holds.
+in flight count as undelivered, and its stream resumes from the versions the rank holds.
 
-Nothing here decides anything: each call's outcome (accepted, refused and why, or unanswered) is
+Nothing here decides anything: each call's outcome (accepted, refused and why, or undelivered) is
 recorded for the training thread, which applies the outcomes of all ranks to every rank's learner
 core at the same step, so the W cores — one per rank, each over its own slice — stay identical.
 """
@@ -62,7 +62,7 @@ ANSWER_GRACE_S = 30.0
 class Answer(enum.Enum):
     ACCEPTED = "accepted"
     REFUSED = "refused"
-    UNANSWERED = "unanswered"
+    UNDELIVERED = "undelivered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,7 @@ class RankLink:
         return answer
 
     def fetch(self, session: Session, timeout_s: float) -> GlobalState | None:
-        """Another rank's slices of the state, under ``session`` (rank 0's); None if refused or unanswered."""
+        """Another rank's slices of the state, under ``session`` (rank 0's); None if refused or undelivered."""
         answer = self._ask(Msg.FETCH, session, timeout_s)
         if not isinstance(answer, JoinResult):
             log.warning("rank %d of %s: state fetch %s", self.part[0], self.learner_id, answer.answer.value)
@@ -215,11 +215,11 @@ class RankLink:
         self.calls.call(rid, request, 0, pickled((kind, rid, 0, request, timeout_s)))  # type: ignore[arg-type]
         try:
             return answer.get(timeout=timeout_s + ANSWER_GRACE_S)
-        except queue.Empty:  # a helper that neither answers nor dies: the call went unanswered
+        except queue.Empty:  # a helper that neither answers nor dies: the call went undelivered
             with self._lock:
                 self._waiting.pop(rid, None)
             self.calls.done(rid)
-            return Outcome(request, Answer.UNANSWERED)  # type: ignore[arg-type]
+            return Outcome(request, Answer.UNDELIVERED)  # type: ignore[arg-type]
 
     def follow(self, session: Session, versions: list[int]) -> None:
         """Receive this rank's slices of the updates of ``session`` from ``versions`` on (a new stream)."""
@@ -266,14 +266,14 @@ class RankLink:
                 lost = self.calls.started(helper)
                 self._tell_follow()
             for rid in lost:
-                self._ended(rid, Answer.UNANSWERED)
+                self._ended(rid, Answer.UNDELIVERED)
             self._started.set()
             self._serve(helper)
             if self._closing:
                 return
             self.calls.gone()
             log.warning("rank %d's link helper (pid %d) %s; starting a new one (its %d calls in flight count as "
-                        "unanswered)", self.part[0], helper.pid, helper.exit_line(), len(self.calls.requests))
+                        "undelivered)", self.part[0], helper.pid, helper.exit_line(), len(self.calls.requests))
             helper.kill()
 
     def _tell_follow(self) -> None:
@@ -308,7 +308,7 @@ class RankLink:
             elif kind is Msg.REFUSED:
                 self._ended(msg[1], Answer.REFUSED, reason=msg[2])
             else:  # UNDELIVERED, or TORN: the slot was written again before the helper read it
-                self._ended(msg[1], Answer.UNANSWERED)
+                self._ended(msg[1], Answer.UNDELIVERED)
 
     def _ended(self, rid: int, answer: Answer, *, stop: bool = False, nbytes: int = 0,
                reason: RejectReason | None = None) -> None:
@@ -319,7 +319,7 @@ class RankLink:
         request = entry[0]
         if answer is Answer.REFUSED:
             self.rejected[str(reason)] += 1
-        elif answer is Answer.UNANSWERED:
+        elif answer is Answer.UNDELIVERED:
             self.unreachable += 1
         elif isinstance(request, Contribution):
             self.sent += 1
