@@ -9,6 +9,7 @@ ones check the command line's refusals: one line, exit 2, no traceback.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +22,13 @@ SMALLEST = ["--learners", "2", "--time", "30", "--kills", "1", "--scenarios", "k
 
 
 def _run(args: list[str], *, prelude: str = "", timeout_s: float = 900) -> subprocess.CompletedProcess:
-    """The benchmark as a user runs it; ``prelude`` runs first in the same interpreter (hiding a package)."""
+    """The benchmark as a user runs it; ``prelude`` runs first in the same interpreter (hiding a package).
+    Its folder is on the path as when it runs as a script (its sibling modules)."""
     code = (f"import runpy, sys\n{prelude}\nsys.argv = ['bench_peers.py', *{args!r}]\n"
             f"runpy.run_path({str(BENCH)!r}, run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                          env=env)
 
 
 @pytest.mark.parametrize("args, says", [
