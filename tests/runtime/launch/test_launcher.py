@@ -15,6 +15,7 @@ import pytest
 
 from ddiloco.baseline.dp_worker import CHECKPOINT
 from ddiloco.commands.display import what_happened
+from ddiloco.commands.run import run_real
 from ddiloco.outputs.reporting import SUMMARY_KEYS
 from ddiloco.runtime.launch.launcher import run_processes
 from ddiloco.settings.config_sources import build_config
@@ -116,7 +117,7 @@ def test_a_learner_under_torchrun_keeps_its_two_ranks_identical(procs, tmp_path)
 
 def test_data_parallel_on_real_processes_trains_the_same_model_from_the_same_start(tmp_path) -> None:
     config = build_config(preset="tiny", overrides=("run.learners=2", "run.tokens=12288", "run.mode='dp'"))
-    summary, rows = run_processes(config, tmp_path, timeout_s=240)
+    summary, rows = run_real(config, tmp_path, timeout_s=240)  # --runtime processes: dp is the baseline's
     assert set(SUMMARY_KEYS) <= set(summary) and summary["mode"] == "dp" and summary["runtime"] == "processes"
     # 12288 tokens / (2 ranks x 256 tokens per step): 24 steps, every rank the same, every step all-reduced.
     assert summary["own_steps_per_learner"] == [24, 24] and summary["fragment_versions"] == [24]
