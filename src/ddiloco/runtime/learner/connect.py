@@ -1,6 +1,7 @@
 """Reaching a run's synchronizer before a learner joins: the probe that waits for it, and the
 clients of every shard, checked to be one run (what ``LearnerRuntime`` and ``ddiloco learner``
-do before the learner core takes over)."""
+do before the learner core takes over). The decisions — wait, say so, warn, give up; one run or
+not — are the core's (``core/learner_side/first_contact.py``); this makes the calls and says the lines."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ddiloco.core.learner_side.link_watch import OUTAGE_AFTER_S, OUTAGE_SUMMARY_S
+from ddiloco.core.learner_side.first_contact import ProbeMove, ProbeWait, ShardHeader, shard_order
 from ddiloco.core.learner_side.shard_link import BACKOFF_START_S
 from ddiloco.core.shared.errors import ConfigError, DdilocoError
 from ddiloco.runtime.auth import is_loopback, parse_address
@@ -29,34 +30,34 @@ def probe_with_backoff(client: SyncClient, learner_id: str, *, timeout_s: float 
     """The run's layout and configuration (a join that registers nothing), waiting while the
     synchronizer is unreachable (for ever unless ``timeout_s``; 0 or None: no limit): a learner
     that starts before its synchronizer waits for it, saying so once, then warning after
-    ``OUTAGE_AFTER_S`` and every ``OUTAGE_SUMMARY_S`` (a wrong port looks just like this, unless it
-    answers HTTP: then the warning says which port it is). Whatever follows — the join, its retries
-    and refusals — is the learner core's."""
-    started = time.monotonic()
-    deadline = None if not timeout_s else started + timeout_s
-    delay, waiting, warned_at = BACKOFF_START_S, False, None
+    ``OUTAGE_AFTER_S`` and every ``OUTAGE_SUMMARY_S``, as the core's ``ProbeWait`` decides
+    (``core/learner_side/first_contact.py``; a wrong port looks just like this, unless it answers
+    HTTP: then the warning says which port it is)."""
+    wait = ProbeWait(time.monotonic(), timeout_s)
+    delay = BACKOFF_START_S
     limit = f", for {timeout_s:g} s in all (--join-timeout)" if timeout_s else ""
     while True:
         try:
             return client.probe(learner_id)
         except Unreachable as err:
             now = time.monotonic()
-            if deadline is not None and now + delay > deadline:
-                if line := wrong_port_line(parse_address(client.address, option="--connect"), "--connect"):
-                    raise DdilocoError(f"{line}; gave up after {timeout_s:g} s (--join-timeout)") from None
+            move = wait.unanswered(now, delay)
+            wrong_port = None if move in (ProbeMove.SAY_WAITING, ProbeMove.WAIT) else wrong_port_line(
+                parse_address(client.address, option="--connect"), "--connect")
+            if move is ProbeMove.GIVE_UP:
+                if wrong_port:
+                    raise DdilocoError(f"{wrong_port}; gave up after {timeout_s:g} s (--join-timeout)") from None
                 raise DdilocoError(f"no answer from the synchronizer at {client.address} in {timeout_s:g} s "
                                    f"(--join-timeout): {err}. Is it running, and is that its gRPC port?") from None
-            if not waiting:  # a learner started before its synchronizer: one line, then a warning if it lasts
+            if move is ProbeMove.SAY_WAITING:  # a learner started before its synchronizer: one line
                 log.info("waiting for the synchronizer at %s (%s)", client.address, err)
-                waiting = True
-            elif now - started >= OUTAGE_AFTER_S and (warned_at is None or now - warned_at >= OUTAGE_SUMMARY_S):
-                if line := wrong_port_line(parse_address(client.address, option="--connect"), "--connect"):
-                    log.warning("%s; still trying%s", line, limit)
+            elif move is ProbeMove.WARN:
+                if wrong_port:
+                    log.warning("%s; still trying%s", wrong_port, limit)
                 else:
                     log.warning("no answer from the synchronizer at %s for %.0f s (%s): is it running, and is that "
                                 "its gRPC port (not its status page's or metrics port)? Still trying%s",
-                                client.address, now - started, err, limit)
-                warned_at = now
+                                client.address, now - wait.started_s, err, limit)
             time.sleep(delay)
             delay = next_delay(delay)
 
@@ -78,20 +79,7 @@ def connect_all(connect: str | SyncClient | Sequence[str | SyncClient], *, token
 
 
 def one_run(clients: list[SyncClient], probes: list[JoinResult]) -> list[SyncClient]:
-    """The clients in shard order, after checking that their synchronizers form one run."""
-    shards = {probe.header.shards or 1 for probe in probes}
-    first = probes[0].header
-    for client, probe in zip(clients, probes):
-        if probe.header.run_sha256 != first.run_sha256:
-            raise ConfigError(f"the synchronizers at {clients[0].address} and {client.address} serve different runs "
-                              "(another model or configuration): they are not shards of one synchronizer")
-    if shards != {len(clients)}:
-        raise ConfigError(f"the synchronizer at {clients[0].address} is one of {first.shards or 1} shard(s), but "
-                          f"{len(clients)} address(es) were given: connect to every shard, each once")
-    by_shard: dict[int, SyncClient] = {}
-    for client, probe in zip(clients, probes):
-        other = by_shard.setdefault(probe.header.shard, client)
-        if other is not client:
-            raise ConfigError(f"the synchronizers at {other.address} and {client.address} both serve shard "
-                              f"{probe.header.shard}: they claim the same fragments")
-    return [by_shard[i] for i in range(len(clients))]
+    """The clients in shard order, once the core found their synchronizers to be one run."""
+    headers = [ShardHeader(c.address, p.header.run_sha256, p.header.shards or 1, p.header.shard)
+               for c, p in zip(clients, probes)]
+    return [clients[i] for i in shard_order(headers)]
