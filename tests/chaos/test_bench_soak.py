@@ -1,9 +1,9 @@
 """benchmarks/bench_soak.py shortened, so that the soak's harness cannot rot (issue 56).
 
 The issue asks for 100 kills here; bench_chaos.py's 100 kills took about 16 minutes on this
-2-core machine, and the whole suite must stay under 10, so the test runs 6 kills (a sample
-every 2: the second sample at kill 4, the last at 6) with one synchronizer kill between them,
-a freeze and a partition. It waits on the process with a deadline only; nothing asserts on
+2-core machine, and the whole suite must stay under 10, so the test runs 4 kills (a sample
+every 2: at kill 2 and at kill 4) with one synchronizer kill between them, a freeze and a
+partition, and 20 s without faults at the end. It waits on the process with a deadline only; nothing asserts on
 timing. docs/chaos.md ("Soak at scale") has the full-size runs.
 """
 
@@ -32,7 +32,7 @@ in frozen code, core/ and runtime/sync/)."""
 @pytest.mark.slow
 def test_a_short_soak_keeps_its_promises_and_writes_its_json_and_plot(tmp_path: Path):
     out, report, png = tmp_path / "run", tmp_path / "soak.json", tmp_path / "soak.png"
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--kills", "6", "--settle", "40", "--seed", "1",
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--kills", "4", "--settle", "20", "--seed", "1",
                            "--out", str(out), "--json", str(report), "--plot", str(png)],
                           capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_a_short_soak_keeps_its_promises_and_writes_its_json_and_plot(tmp_path: 
         assert key in result, key
     assert set(result["promises"]) == {str(p) for p in Promise}
     assert all(isinstance(held, bool) for held in result["promises"].values())
-    assert result["kills"] == 6 and result["sync_kills"] == 1
+    assert result["kills"] == 4 and result["sync_kills"] == 1
     kills = [s["kills"] for s in result["samples"]]
     assert len(kills) >= 2 and kills == sorted(kills) and kills[0] >= 2
     for sample in result["samples"]:

@@ -50,7 +50,7 @@ def test_every_contribution_of_a_1_ms_step_script_is_accepted(tmp_path: Path, ru
 @pytest.mark.slow
 def test_work_refused_is_said_on_the_launchers_output_the_learners_log_and_in_status(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    proc = launch(tmp_path, "--time", "60", "--set", "protocol.min_step_s=1")
+    proc = launch(tmp_path, "--time", "25", "--set", "protocol.min_step_s=1")  # refused from its first contribution
     try:
         log = tmp_path / "out" / "logs" / "learner-0.log"
         wait_for(lambda: log.exists() and "the synchronizer refused this learner's contribution" in log.read_text(),
