@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_peers.py"
-SMALLEST = ["--learners", "2", "--time", "30", "--kills", "1", "--scenarios", "kills", "--seed", "3"]
+SMALLEST = ["--learners", "2", "--time", "20", "--kills", "1", "--scenarios", "kills", "--seed", "3"]
 
 
 def _run(args: list[str], *, prelude: str = "", timeout_s: float = 900) -> subprocess.CompletedProcess:
