@@ -4,6 +4,7 @@ state directory, and how the promises are judged."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from ddiloco.chaos.soak import (
     soak_schedule,
     state_dir_size,
 )
+from ddiloco.runtime.sync.state_dir import FORMAT
 from ddiloco.settings.fault_kinds import FaultKind
 
 
@@ -72,14 +74,14 @@ def test_settled_state_dir_bytes_leave_out_the_live_round_log_and_a_checkpoint_b
     for name, size in (("checkpoint-000001", 1000), ("checkpoint-000002", 300), ("checkpoint-000003", 5000)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "fragment-00000.safetensors").write_bytes(b"x" * size)
-    manifest = '{"state": {"service": {"round_log_from": 3}}}'  # 45 bytes
+    manifest = json.dumps({"format": FORMAT, "state": {"core": {}, "service": {"round_log_from": 3}}, "fragments": []})
     (tmp_path / "checkpoint-000002" / "manifest.json").write_text(manifest)
     (tmp_path / "rounds-00000002.log").write_bytes(b"r" * 70)   # held by checkpoint 2: a leak if never deleted
     (tmp_path / "rounds-00000003.log").write_bytes(b"r" * 900)  # since the checkpoint, its writer killed since
     (tmp_path / "rounds-00000004.log").write_bytes(b"r" * 400)  # the restarted writer's segment
     total, files, settled = state_dir_size(tmp_path)
-    assert files == 8 and total == 17 + 1000 + 300 + 45 + 5000 + 70 + 900 + 400
-    assert settled == 17 + 1000 + 300 + 45 + 70  # the old checkpoint and the held segment stay counted
+    assert files == 8 and total == 17 + 1000 + 300 + len(manifest) + 5000 + 70 + 900 + 400
+    assert settled == 17 + 1000 + 300 + len(manifest) + 70  # the old checkpoint and the held segment stay counted
 
 
 def test_without_a_checkpoint_naming_its_segment_only_the_newest_segment_is_live(tmp_path: Path):

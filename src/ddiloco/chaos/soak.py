@@ -15,7 +15,6 @@ evaluated on a thread of its own so that the runner's loop keeps injecting on ti
 from __future__ import annotations
 
 import enum
-import json
 import os
 import random
 import re
@@ -30,9 +29,10 @@ from ddiloco.chaos.runner import ChaosRun
 from ddiloco.chaos.schedule import Fault, learner_name
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.sharded import ShardedClient
-from ddiloco.runtime.sync.state_dir import MANIFEST
+from ddiloco.runtime.sync.state_dir import load_latest
 from ddiloco.settings.config import Config
 from ddiloco.settings.fault_kinds import FaultKind
+from ddiloco.workload.checkpoint import CheckpointError
 
 FIRST_KILL_S = 5.0
 """Every learner joins and contributes before the first fault."""
@@ -131,7 +131,7 @@ def state_dir_size(path: Path) -> tuple[int, int, int]:
         current = None
     latest = int(current.group(1)) if current else -1
     segments = [int(m.group(1)) for p in _listdir(path) if (m := _SEGMENT.match(p))]
-    live_from = _round_log_from(path / current.group(0)) if current else None
+    live_from = _round_log_from(path) if current else None
     if live_from is None:  # no checkpoint names its segment: only the newest is surely live
         live_from = max(segments, default=-1)
     total = files = settled = 0
@@ -151,11 +151,13 @@ def state_dir_size(path: Path) -> tuple[int, int, int]:
     return total, files, settled
 
 
-def _round_log_from(checkpoint: Path) -> int | None:
-    """The first round-log segment a checkpoint still needs (its manifest's ``round_log_from``)."""
+def _round_log_from(path: Path) -> int | None:
+    """The first round-log segment the latest checkpoint still needs (its ``round_log_from``), or
+    None when it cannot be read (being replaced as the harness looks)."""
     try:
-        return int(json.loads((checkpoint / MANIFEST).read_text())["state"]["service"]["round_log_from"])
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = load_latest(path)
+        return None if saved is None else int(saved["service"]["round_log_from"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
         return None
 
 
