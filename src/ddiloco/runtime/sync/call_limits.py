@@ -167,10 +167,10 @@ class UploadSlots:
     async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> PoolSlot:
         """A slot for an upload of a session the core just called live, or :class:`Abort` (``busy``)."""
         self._evict(self.admission.superseded(learner, session))
-        if (refused := self.admission.refusal(learner, fragment)) is not None:
-            raise Abort(*refused)
+        self._refuse_busy(learner, fragment)
         if holders := self.admission.crowded():
             self._evict(self.admission.not_live(holders, await live([(u.learner, u.session) for u in holders])))
+            self._refuse_busy(learner, fragment)  # the same upload may have come again during the wait
         slot = self.pool.take()
         upload = InFlight(learner, session, fragment)
         self.admission.admit(upload)
@@ -182,6 +182,10 @@ class UploadSlots:
             del self.held[upload]
             self.admission.end(upload)
         slot.release()
+
+    def _refuse_busy(self, learner: str, fragment: int) -> None:
+        if (refused := self.admission.refusal(learner, fragment)) is not None:
+            raise Abort(*refused)
 
     def _evict(self, ended: list[Ended]) -> None:
         for e in ended:
