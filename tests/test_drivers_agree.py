@@ -150,7 +150,7 @@ class SimDriver:
         self.network = Network(list(NAMES), bandwidth_bps=float("inf"), latency_s=0.0, faults=NetFaults(), seed=0,
                                bytes_counter=ByteLedger())
         self.sync = SyncNode(lambda inc: Synchronizer(PROTOCOL, INITIAL, EMBEDS, limits=LIMITS, incarnation=inc),
-                             seed=0)
+                             seed=0, max_learners=LIMITS.max_learners)
         self.checker = None
         self._calls = itertools.count()
         self._replies: dict[int, Any] = {}

@@ -542,3 +542,21 @@ def test_the_first_seconds_of_an_outage_are_not_a_starved_link():
             said += [action] if not isinstance(action, SendHeartbeat) else core.on_undelivered(action.message, now)
     assert not [a for a in said if isinstance(a, Starved)], said
     assert not [a for a in said if isinstance(a, Outage)]  # not declared yet either: under OUTAGE_AFTER_S
+
+
+@pytest.mark.parametrize(("reason", "folded"), [(RejectReason.BUSY, True), (RejectReason.TIMED_OUT, True),
+                                                 (RejectReason.IMPLAUSIBLE, False)])
+def test_a_contribution_refused_for_the_synchronizer_s_load_is_folded_into_the_next_one(reason, folded):
+    """``busy`` and ``timed_out`` say nothing about the contribution (no place for its upload, or its
+    stream stalled): its work goes into the fragment's next contribution, sent when due. A refusal
+    of its content drops it."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    first = _first_send_of_fragment_0(core, params)
+    assert core.on_refused(first, reason, 3.5) == []
+    nxt = None
+    for s in range(4, 7):
+        local_step(params, seed=s)
+        nxt = next((c for c in step(core, 10, 1.0, now=4.0) if c.fragment == 0), nxt)
+    assert nxt is not None  # not held for an update: nothing of the refused one can be merged
+    assert (nxt.steps, nxt.tokens) == ((first.steps + 3, first.tokens + 30) if folded else (3, 30))
+    assert nxt.first_step == (first.first_step if folded else first.first_step + first.steps)

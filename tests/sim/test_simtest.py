@@ -106,7 +106,7 @@ def test_simtest_json_has_the_documented_keys(capsys):
     assert {"seeds", "violations", "faults", "liveness_failures"} <= set(out)
     assert out["seeds"] == 3 and out["violations"] == [] and out["liveness_failures"] == []
     assert set(out["faults"]) == {"loss", "duplicate", "reorder", "partition", "freeze", "learner_crash", "sync_crash",
-                                 "join_flood"}
+                                 "join_flood", "stall"}
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -191,7 +191,9 @@ class ChaosRun:
         clean = not failure or stop.requested is not None
         if clean and not self._any_down():
             with ShardedClient([s.address for s in self._shards.values()], token=place.token) as client:
-                eval_loss, _ = GlobalEvaluator(self.config, client).evaluate()
+                # Every shard is up: under a capped link's load (``--hosts netns``) a handshake can be
+                # dropped for longer than one connection attempt, which must not end the run in a traceback.
+                eval_loss, _ = GlobalEvaluator(self.config, client).evaluate(wait_for_ready=True)
                 status = client.status_dict() if stop.requested is not None else status
             if stop.requested is None:
                 self._wait_for_learners(procs)

@@ -307,8 +307,11 @@ class SyncClient:
         return UpdateStream(call, self.address, self.heard)
 
     def fetch_state(self, timeout_s: float = CLIENT_FETCH_S, *, learner_id: str = "", session: Session | None = None,
-                    part: tuple[int, int] | None = None) -> GlobalState:
-        """The global state; with ``part`` (and the learner's live ``session``), one rank's slices of it."""
+                    part: tuple[int, int] | None = None, wait_for_ready: bool = False) -> GlobalState:
+        """The global state; with ``part`` (and the learner's live ``session``), one rank's slices of it.
+        ``wait_for_ready``: a failed connection attempt is tried again within ``timeout_s`` (for a caller
+        that knows the synchronizer runs: on a saturated capped link a handshake's packets can be dropped
+        for longer than one attempt's 20 s)."""
         request = pb.FetchStateRequest(learner_id=learner_id)
         if part is not None:
             assert session is not None
@@ -317,7 +320,8 @@ class SyncClient:
         assembler = wire.StateAssembler()
         stub = self.stub
         with self._streamed(stub):
-            for chunk in stub.FetchState(request, timeout=timeout_s, metadata=self.metadata):
+            for chunk in stub.FetchState(request, timeout=timeout_s, metadata=self.metadata,
+                                         wait_for_ready=wait_for_ready):
                 assembler.add(chunk)
             state = assembler.state()
         self.heard()

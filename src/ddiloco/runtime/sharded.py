@@ -35,8 +35,9 @@ class ShardedClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def fetch_state(self) -> GlobalState:
-        fragments = sorted((f for c in self.clients for f in c.fetch_state().fragments), key=lambda f: f.fragment)
+    def fetch_state(self, *, wait_for_ready: bool = False) -> GlobalState:
+        fragments = sorted((f for c in self.clients for f in c.fetch_state(wait_for_ready=wait_for_ready).fragments),
+                           key=lambda f: f.fragment)
         return GlobalState(tuple(fragments))
 
     def status_dict(self, timeout_s: float = 10.0, *, learner_offset: int = 0, learner_limit: int = 0) -> dict[str, Any]:

@@ -180,6 +180,10 @@ class FaultConfig:
     join_flood_per_s: float = 20.0
     """Joins a second during a flood, each under a new id; every other one is abandoned once its state
     arrived (its lease runs, and it is never heard from), the others before."""
+    stall: float = 0.0
+    """Per learner and virtual second: probability that its uploads start to stall after their header."""
+    stall_s: float = 30.0
+    """Mean length of a stall (uniform in [0.5, 1.5] times this)."""
 
     def validate(self) -> None:
         for f in fields(self):

@@ -50,6 +50,10 @@ class FaultKind(enum.StrEnum):
     JOIN_FLOOD = "join_flood"
     """A member holding the run's token registers under new ids by the dozen each second, and abandons
     every join: some before the state arrived, the others once it did (their leases then run)."""
+    STALL = "stall"
+    """A learner's uploads stall after their first bytes while small messages pass (a path-MTU black
+    hole): the synchronizer holds each upload's place until its deadline, then ends it ``timed_out``,
+    and refuses another of the same fragment meanwhile (``busy``)."""
 
     @property
     def injectors(self) -> frozenset[Injector]:
@@ -83,6 +87,7 @@ _INJECTORS: dict[FaultKind, frozenset[Injector]] = {
     FaultKind.RESET: frozenset({Injector.REAL_LINK}),
     FaultKind.JOIN_FLOOD: frozenset({Injector.VIRTUAL_PROCESS}),
     FaultKind.PARTITION: frozenset({Injector.VIRTUAL_LINK, Injector.REAL_LINK}),
+    FaultKind.STALL: frozenset({Injector.VIRTUAL_LINK}),
 }
 
 SIMULATED: tuple[FaultKind, ...] = tuple(k for k in FaultKind if k.simulated)

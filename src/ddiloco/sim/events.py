@@ -12,7 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from ddiloco.core.shared.actions import Admitted, Reply
-from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Request, StopNotice
+from ddiloco.core.sync_side.upload_admission import InFlight
 
 # ---- at a learner process ---------------------------------------------------------------------
 
@@ -64,6 +65,26 @@ class RequestArrives:
     call_id: int
     request: Request
     shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class UploadHeader:
+    """The first bytes of a stalled upload: its place is held, its body never comes."""
+
+    m: int
+    boot: int
+    call_id: int
+    request: Contribution
+    shard: int
+
+
+@dataclass(frozen=True, slots=True)
+class UploadCut:
+    """A stalled upload's deadline: the synchronizer ends it (``timed_out``) if it still holds it."""
+
+    shard: int
+    incarnation: int
+    upload: InFlight
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +151,14 @@ class PartitionEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class Stall:
+    """From now until ``until_s``, learner ``m``'s uploads stall after their header."""
+
+    m: int
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class SyncCrash:
     shard: int
     until_s: float
@@ -149,9 +178,9 @@ class FloodJoin:
     until_s: float
 
 
-SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | SyncTick | StateArrives
-             | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd | SyncCrash | SyncRestart
-             | FloodJoin)
+SimEvent = (StepEnd | ReplyArrives | PushArrives | CallTimeout | LearnerTick | RequestArrives | UploadHeader
+            | UploadCut | SyncTick | StateArrives | Crash | Recover | Arrive | Freeze | Thaw | Partition | PartitionEnd
+            | Stall | SyncCrash | SyncRestart | FloodJoin)
 
 
 @dataclass(order=True, slots=True)

@@ -1,6 +1,6 @@
 """The virtual cluster's failures: the seeded trace's crashes and restarts, and the adversary's
-timed faults (freezes, partitions, synchronizer crashes, floods of abandoned joins), as events on
-the cluster's clock.
+timed faults (freezes, partitions, stalled uploads, synchronizer crashes, floods of abandoned
+joins), as events on the cluster's clock.
 
 What a fault does to a process or a link is here; what the protocol makes of it is the
 cores' (a crashed learner's boot ends, a frozen one's events wait for its thaw, a
@@ -25,6 +25,7 @@ from ddiloco.sim.events import (
     PartitionEnd,
     Recover,
     SimEvent,
+    Stall,
     SyncCrash,
     SyncRestart,
     Thaw,
@@ -45,6 +46,8 @@ def window_event(w: Window) -> SimEvent:
         return Freeze(w.target, w.end_s)
     if w.kind is FaultKind.JOIN_FLOOD:
         return FloodJoin(w.target, 0, w.end_s)
+    if w.kind is FaultKind.STALL:
+        return Stall(w.target, w.end_s)
     return SyncCrash(w.target, w.end_s)
 
 
@@ -108,6 +111,9 @@ class Fate:
                 for shard, sync in enumerate(self.syncs):
                     if (held := node.core.stream_versions(shard)) is not None:
                         sync.replay_to(host, node.name, held)
+        elif isinstance(event, Stall):
+            self.network.stall(self.learners[event.m].name, event.until_s)
+            self.injected[FaultKind.STALL] += 1
         elif isinstance(event, SyncCrash):
             sync = self.syncs[event.shard]
             if sync.up and not sync.finished:

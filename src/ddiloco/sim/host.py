@@ -32,6 +32,12 @@ class NodeHost(Protocol):
     def send_up(self, learner: str, fragment: int, payload_bytes: int) -> list[float]:
         """A learner's message to the synchronizer: when (and how often) it arrives."""
 
+    def uploads_stall(self, learner: str) -> bool:
+        """Do ``learner``'s uploads stall after their header now (the adversary's stall)?"""
+
+    def send_header(self, learner: str, fragment: int) -> float | None:
+        """A stalled upload's header to the synchronizer: when it arrives (None: lost)."""
+
     def push(self, event: AtLearner, fragment: int, payload_bytes: int) -> float | None:
         """Send ``event`` down to its learner process; returns its first arrival (None: lost)."""
 

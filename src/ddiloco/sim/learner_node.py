@@ -30,8 +30,8 @@ from ddiloco.core.shared.actions import (
     SendLeave,
 )
 from ddiloco.core.shared.deadlines import join_state_bytes
-from ddiloco.core.shared.messages import FragmentUpdate, Request, StopNotice
-from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Request, StopNotice
+from ddiloco.sim.events import CallTimeout, LearnerTick, RequestArrives, StepEnd, UploadHeader
 from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
 
@@ -92,8 +92,13 @@ class LearnerNode:
         now = host.queue.now
         call_id = host.new_call_id()
         self.calls[call_id] = (request, shard)
-        for arrival in host.send_up(self.name, fragment, payload_bytes):
-            host.queue.at(arrival, RequestArrives(self.index, self.boot, call_id, request, shard))
+        if isinstance(request, Contribution) and host.uploads_stall(self.name):
+            header = host.send_header(self.name, fragment)
+            if header is not None:
+                host.queue.at(header, UploadHeader(self.index, self.boot, call_id, request, shard))
+        else:
+            for arrival in host.send_up(self.name, fragment, payload_bytes):
+                host.queue.at(arrival, RequestArrives(self.index, self.boot, call_id, request, shard))
         deadline_s = host.call_deadline_s(payload_bytes + reply_bytes)
         host.queue.at(now + deadline_s, CallTimeout(self.index, self.boot, call_id))
 

@@ -4,7 +4,8 @@ adversary may lose, duplicate or delay it.
 Each learner has a FIFO uplink and downlink to the synchronizer. A message normally arrives
 in order; a *delay spike* holds one back so later ones overtake it (reordering); a *loss*
 drops it; a *duplicate* delivers it twice; a *partition* drops everything on the learner's
-links while it lasts (checked when the message leaves and when it would arrive).
+links while it lasts (checked when the message leaves and when it would arrive); a *stall*
+lets a learner's uploads start and never finish (:meth:`Network.header`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Network:
         self.injected: Counter[FaultKind] = Counter()
         self._rng = np.random.default_rng(np.random.SeedSequence([seed, 0x4E37]))
         self._partitioned_until: dict[str, float] = {}
+        self._stalled_until: dict[str, float] = {}
 
     def reset(self, learner: str, now: float) -> None:
         """A restarted process opens fresh connections: nothing queued on its links."""
@@ -86,6 +88,21 @@ class Network:
 
     def partitioned(self, learner: str, t: float) -> bool:
         return t < self._partitioned_until.get(learner, 0.0)
+
+    def stall(self, learner: str, until_s: float) -> None:
+        self._stalled_until[learner] = max(until_s, self._stalled_until.get(learner, 0.0))
+
+    def stalled(self, learner: str, now: float) -> bool:
+        """Do ``learner``'s uploads stall after their header now?"""
+        return now < self._stalled_until.get(learner, 0.0)
+
+    def header(self, learner: str, fragment: int, now: float) -> float | None:
+        """A stalled upload's header, leaving at ``now``: when it arrives (None: lost to a
+        partition). Only its bytes travel, beside the link's queue: a black hole swallows the
+        body's large packets and lets the small ones pass."""
+        self.bytes.add(learner, fragment, Direction.UP, HEADER_BYTES)
+        arrival = now + self._links[(learner, Direction.UP)].latency_s
+        return None if self.partitioned(learner, now) or self.partitioned(learner, arrival) else arrival
 
     def deliveries(self, learner: str, direction: Direction, fragment: int, payload_bytes: int,
                    now: float) -> list[float]:

@@ -128,6 +128,8 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
     sections["faults"]["join_flood"] = float(rng.uniform(0.003, 0.012)) if on(FaultKind.JOIN_FLOOD) else 0.0
     sections["faults"]["join_flood_s"] = float(rng.uniform(5.0, 40.0))
     sections["faults"]["join_flood_per_s"] = float(rng.uniform(2.0, 30.0))
+    sections["faults"]["stall"] = float(rng.uniform(0.003, 0.015)) if on(FaultKind.STALL) else 0.0
+    sections["faults"]["stall_s"] = float(rng.uniform(5.0, 60.0))
     config = Config()
     for section, values in sections.items():
         config = apply_section(config, section, values, origin=f"simtest seed {seed}")
@@ -135,7 +137,7 @@ def draw_world(seed: int, overrides: Sequence[str] = (), kinds: Iterable[FaultKi
         config = apply_override(config, assignment)
     f = config.faults
     longest_fault_s = 1.5 * max(f.partition_s, f.freeze_s, f.downtime_s, f.sync_downtime_s,
-                                f.join_flood_s if f.join_flood else 0.0)
+                                f.join_flood_s if f.join_flood else 0.0, f.stall_s if f.stall else 0.0)
     time_s = safety_s + longest_fault_s + 2 * liveness_bound_s(config) + 30.0
     config = apply_section(config, "run", {"time_s": time_s, "tokens": 0}, origin="simtest")
     return config.validate(), safety_s

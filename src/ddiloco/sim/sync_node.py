@@ -6,10 +6,18 @@ merged round is lost: as in the real service, every merged round is in the log b
 update leaves (the virtual disk is durable at once), and a restart replays the log after the
 latest checkpoint. The restarted process is a new *incarnation* (a number no earlier one
 used); learners find out from its refusals and join again, keeping their progress.
+
+Uploads are admitted as the real service admits them (``core/sync_side/upload_admission.py``),
+with the same questions to the core in the same order: a stalled upload's header
+(:class:`~ddiloco.sim.events.UploadHeader`) holds its place until its deadline, then ends
+``timed_out``, and an upload that finds no place is refused ``busy``. An upload that arrives whole
+holds its place for no virtual time, so only stalls make these refusals; both are counted as the
+real service's wire counts them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -30,24 +38,34 @@ from ddiloco.core.shared.actions import (
     SyncTimeObserved,
     Tick,
 )
-from ddiloco.core.shared.deadlines import state_bytes_of
-from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Join, Request, StopNotice
+from ddiloco.core.shared.deadlines import state_bytes_of, upload_pace_s
+from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Join, RejectReason, Request, StopNotice
 from ddiloco.core.sync_side.replay import ReplayLog, replay_budget
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick
+from ddiloco.core.sync_side.upload_admission import Ended, InFlight, UploadAdmission
+from ddiloco.sim.events import ReplyArrives, StateArrives, SyncTick, UploadCut
 from ddiloco.sim.host import NodeHost
 from ddiloco.sim.invariants import InvariantViolation
+from ddiloco.sim.network import HEADER_BYTES
+
+Caller = tuple[int, int, int]
+"""Who waits for an answer: learner index, its process's boot, the call's id."""
 
 
 class SyncNode:
-    def __init__(self, build: Callable[[int], Synchronizer], seed: int, shard: int = 0) -> None:
+    def __init__(self, build: Callable[[int], Synchronizer], seed: int, shard: int = 0, *, max_learners: int) -> None:
         self._build = build
         self.shard = shard
+        self._max_learners = max_learners
         # Incarnations are random ids, as in the real service: nothing may rely on their order.
         self._ids = np.random.default_rng(np.random.SeedSequence([seed, 0x1CA7, shard]))
         self.incarnation = self._new_incarnation()
         self.core = build(self.incarnation)
-        self.replay: ReplayLog[FragmentUpdate] = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
+        self.replay: ReplayLog[FragmentUpdate]
+        self.uploads: UploadAdmission
+        self._stalled: dict[InFlight, tuple[Caller, Contribution]]
+        """Stalled uploads holding a place, and whom each one's end answers."""
+        self._fresh_process()
         self.up = True
         self.checkpoint: dict[str, Any] | None = None
         self.log: list[LogRound] = []
@@ -55,6 +73,13 @@ class SyncNode:
         self.tick_at: float | None = None
         self.crashes = 0
         self.finished = False
+        self.wire_rejections: Counter[str] = Counter()
+        """Refusals of the admission (the real service's wire counts), across incarnations."""
+
+    def _fresh_process(self) -> None:
+        """What a process holds in memory only: its replay buffer, its uploads and their streams."""
+        self.replay = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
+        self.uploads, self._stalled = UploadAdmission(self._max_learners), {}
 
     def _new_incarnation(self) -> int:
         return int(self._ids.integers(1, 2**48))
@@ -69,7 +94,57 @@ class SyncNode:
     def on_request(self, host: NodeHost, m: int, boot: int, call_id: int, request: Request) -> None:
         if not self.up:
             return  # nobody listening: the caller's deadline will tell it
+        if isinstance(request, Contribution) and not self._admitted(host, (m, boot, call_id), request):
+            return
         self.execute(host, self.core.handle(request, host.queue.now), reply_to=(m, boot, call_id))
+
+    # ---- uploads: admitted, stalled, cut ------------------------------------------------
+
+    def on_upload_header(self, host: NodeHost, m: int, boot: int, call_id: int, request: Contribution) -> None:
+        """A stalled upload's header: admitted, it holds its place until its deadline cuts it."""
+        if not self.up or not self._admitted(host, (m, boot, call_id), request, holds=True):
+            return
+        upload = InFlight(request.learner_id, request.session, request.fragment)
+        deadline_s = upload_pace_s(HEADER_BYTES, len(request.payload), self.core.config)
+        host.queue.at(host.queue.now + deadline_s, UploadCut(self.shard, self.incarnation, upload))
+
+    def on_upload_cut(self, host: NodeHost, incarnation: int, upload: InFlight) -> None:
+        if incarnation != self.incarnation or not self.up or upload not in self._stalled:
+            return
+        self.uploads.end(upload)
+        self._end(host, [Ended(upload, RejectReason.TIMED_OUT, "the upload's body stalled past its deadline")])
+
+    def _admitted(self, host: NodeHost, caller: Caller, c: Contribution, *, holds: bool = False) -> bool:
+        """Admit an upload as the real service does (the session asked of the core first, then a
+        place); False: refused, and its caller answered. ``holds``: it keeps its place (stalled)."""
+        problem = self.core.session_problem(c.learner_id, c.session)
+        if problem is not None:  # the core refuses it itself (counted there) when the body comes
+            if holds:
+                self._reply(host, caller, c, problem.reason, problem.detail)
+            return not holds
+        self._end(host, self.uploads.superseded(c.learner_id, c.session))
+        if holders := self.uploads.crowded():
+            live = [self.core.session_problem(u.learner, u.session) is None for u in holders]
+            self._end(host, self.uploads.not_live(holders, live))
+        if (refused := self.uploads.refusal(c.learner_id, c.fragment)) is not None:
+            self._reply(host, caller, c, *refused)
+            return False
+        if holds:
+            upload = InFlight(c.learner_id, c.session, c.fragment)
+            self.uploads.admit(upload)
+            self._stalled[upload] = (caller, c)
+        return True
+
+    def _end(self, host: NodeHost, ended: list[Ended]) -> None:
+        """Stalled uploads ended to make way or cut: each one's caller is answered with why."""
+        for e in ended:
+            caller, c = self._stalled.pop(e.upload)
+            self._reply(host, caller, c, e.reason, e.detail)
+
+    def _reply(self, host: NodeHost, caller: Caller, c: Contribution, reason: RejectReason, detail: str) -> None:
+        self.wire_rejections[str(reason)] += 1
+        m, boot, call_id = caller
+        host.push(ReplyArrives(m, boot, call_id, Refused(c.learner_id, c, reason, detail), self.shard), -1, 0)
 
     def on_stranger_join(self, host: NodeHost, join: Join, delivered: bool) -> None:
         """A join of the adversary's flood: its reply goes nowhere, and its caller goes away once the
@@ -179,7 +254,7 @@ class SyncNode:
             return
         self.incarnation = self._new_incarnation()
         self.core = self._build(self.incarnation)
-        self.replay = ReplayLog(max(self.core.owned, default=-1) + 1, replay_budget(self.core.state_bytes))
+        self._fresh_process()
         if self.checkpoint is not None:
             self.core.load_state_dict(self.checkpoint)
         for record in self.log:

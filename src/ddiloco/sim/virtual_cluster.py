@@ -51,6 +51,8 @@ from ddiloco.sim.events import (
     StateArrives,
     StepEnd,
     SyncTick,
+    UploadCut,
+    UploadHeader,
 )
 from ddiloco.sim.fate import Fate, window_event
 from ddiloco.sim.harness import Recorder
@@ -98,7 +100,7 @@ class VirtualCluster:
             SyncNode(lambda incarnation, shard=shard: Synchronizer(protocol, initial, embeds, limits=limits,
                                                                    incarnation=incarnation, shard=shard,
                                                                    session_salt=incarnation),
-                     seed=run.seed, shard=shard)
+                     seed=run.seed, shard=shard, max_learners=limits.max_learners)
             for shard in range(protocol.shards)
         ]
         self.tokens_per_step = workload.tokens_per_step
@@ -226,9 +228,13 @@ class VirtualCluster:
                 assert isinstance(event, LearnerTick)
                 node.on_tick(self)
             node.advance(self)
+        elif isinstance(event, UploadHeader):
+            self.syncs[event.shard].on_upload_header(self, event.m, event.boot, event.call_id, event.request)
         elif isinstance(event, RequestArrives):
             if not self.network.partitioned(self.learners[event.m].name, now):
                 self.syncs[event.shard].on_request(self, event.m, event.boot, event.call_id, event.request)
+        elif isinstance(event, UploadCut):
+            self.syncs[event.shard].on_upload_cut(self, event.incarnation, event.upload)
         elif isinstance(event, SyncTick):
             self.syncs[event.shard].on_tick(self, event.incarnation)
         elif isinstance(event, StateArrives):
@@ -241,6 +247,12 @@ class VirtualCluster:
 
     def send_up(self, learner: str, fragment: int, payload_bytes: int) -> list[float]:
         return self.network.deliveries(learner, Direction.UP, fragment, payload_bytes, self.queue.now)
+
+    def uploads_stall(self, learner: str) -> bool:
+        return self.network.stalled(learner, self.queue.now)
+
+    def send_header(self, learner: str, fragment: int) -> float | None:
+        return self.network.header(learner, fragment, self.queue.now)
 
     def push(self, event: AtLearner, fragment: int, payload_bytes: int) -> float | None:
         name = self.learners[event.m].name
@@ -344,6 +356,7 @@ class VirtualCluster:
             status = sync.core.status()
             rounds.update(status.rounds_closed)
             rejections.update(status.rejections)
+            rejections.update(sync.wire_rejections)
             refused.update(status.refused_steps)
             clipped += status.norms_clipped
         final = self.evaluate()

@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from ddiloco.core.learner_side.flat import FlatFragment
-from ddiloco.core.learner_side.learner_phase import FATAL, REJOIN_ON, LearnerPhase, UpdateResult
+from ddiloco.core.learner_side.learner_phase import FATAL, REJOIN_ON, TRY_AGAIN, LearnerPhase, UpdateResult
 from ddiloco.core.learner_side.learner_queries import LearnerQueries
 from ddiloco.core.learner_side.link_watch import LinkWatch
 from ddiloco.core.learner_side.send_schedule import SendSchedule
@@ -323,6 +323,9 @@ class Learner(LearnerQueries):
                     return []
                 return self._join(shard)  # its update was lost: the state brings it
             self.schedule.landed(request.fragment)
+            if reason in TRY_AGAIN:
+                self.schedule.fold(request)
+                return []
         if self._stale_on_its_link(request, reason):
             held = self.versions[request.fragment]
             limit = staleness_limit(self.config.staleness_max, self.config.staleness_reach)

@@ -54,6 +54,10 @@ REJOIN_ON = frozenset({
     RejectReason.FUTURE_VERSION,   # the synchronizer rolled back to a checkpoint
 })
 """Refusals of the current session that call for the full state again."""
+TRY_AGAIN = frozenset({RejectReason.BUSY, RejectReason.TIMED_OUT})
+"""Refusals of a contribution for the synchronizer's load or a stalled stream, not for its content:
+nothing of it was merged, so its work goes into the fragment's next contribution (as an unanswered
+call's does)."""
 FATAL = frozenset({RejectReason.UNAUTHENTICATED, RejectReason.BAD_PROTOCOL_VERSION, RejectReason.LAYOUT_MISMATCH,
                    RejectReason.REPLACED})
 """Refusals no retry can fix (``replaced``: a later process holds this learner id; two processes

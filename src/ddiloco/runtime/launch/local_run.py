@@ -130,9 +130,10 @@ class GlobalEvaluator:
         self.plan = reference_layout(config, config.protocol.for_mode(config.run.mode, config.run.learners)).plan
         self.client = client
 
-    def evaluate(self) -> tuple[float, list[int]]:
-        """(eval loss, fragment versions) of the global model as the synchronizer holds it now."""
-        state = self.client.fetch_state()
+    def evaluate(self, *, wait_for_ready: bool = False) -> tuple[float, list[int]]:
+        """(eval loss, fragment versions) of the global model as the synchronizer holds it now.
+        ``wait_for_ready``: every synchronizer is known to be up, a failed connection attempt is tried again."""
+        state = self.client.fetch_state(wait_for_ready=wait_for_ready)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for f in self.plan.fragments:
