@@ -15,9 +15,10 @@ learner that follows the protocol can earn it and whether the work is then lost:
   message bounds rule out (``implausible``, ``malformed``, ``bad_codec``, ``bad_size``,
   ``non_finite``, ``unknown_fragment``, ``slice_mismatch``). It is a member's refusal, never honest work.
 - ``RESENT``: no work is lost at the refusal: the learner sends it again after registering
-  (``unknown_learner``, ``superseded``, ``registry_full``), it was merged already
-  (``duplicate``: a retry whose first reply was lost), or it lies past the spent budget
-  (``finished``).
+  (``unknown_learner``, ``superseded``, ``registry_full``), it goes into the fragment's next
+  contribution (``busy``, ``timed_out``: no place for its upload, or its stream stalled), it was
+  merged already (``duplicate``: a retry whose first reply was lost), or it lies past the spent
+  budget (``finished``).
 
 The core cannot tell a member sending an outer gradient beyond the norm bound from an honest
 learner whose scale changed: both are ``norm_bound``. So the ledger is per learner, and a
