@@ -105,8 +105,8 @@ def test_a_helper_killed_mid_upload_is_replaced_and_the_next_contribution_accept
         os.kill(first.pid, signal.SIGKILL)
         sent = runtime.stats.contributions_sent
         train_steps(runtime, workload, model, 0, 1, deadline_s=90,
-                    until=lambda: runtime.link.stats.helpers_lost == 1 and runtime.stats.contributions_sent >= sent + 2)
-        assert runtime.link.stats.helpers_lost == 1 and runtime.link.calls.helper.pid != first.pid
+                    until=lambda: runtime.link.relay.restarts == 1 and runtime.stats.contributions_sent >= sent + 2)
+        assert runtime.link.relay.restarts == 1 and runtime.link.calls.helper.pid != first.pid
         assert runtime.stats.contributions_sent >= sent + 2  # accepted through the new helper
         assert first.proc.poll() == -signal.SIGKILL
     finally:

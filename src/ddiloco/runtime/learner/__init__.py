@@ -38,6 +38,8 @@ The helper process and what it shares with the trainer:
   compression, decoding, retries, update streams), so the trainer's interpreter is left to training;
 - :mod:`~ddiloco.runtime.learner.helper_process`: starting the helper as a fresh interpreter and
   ending it, a failed start reported in one line;
+- :mod:`~ddiloco.runtime.learner.helper_relay`: the relay thread that keeps a link's helper running
+  (started, served, replaced when it dies, closed), for both links;
 - :mod:`~ddiloco.runtime.learner.helper_wire`: the small control messages between trainer and
   helper on a socket pair, and a join's state as a shared file;
 - :mod:`~ddiloco.runtime.learner.slots`: the fixed shared-memory slots (out: Δ, in: updates), each

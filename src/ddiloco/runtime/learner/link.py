@@ -38,8 +38,9 @@ from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.core.shared.messages import Contribution, FragmentUpdate, Leave, Request
 from ddiloco.runtime.client import ClientSpec
 from ddiloco.runtime.learner.calls import HelperCalls
-from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
-from ddiloco.runtime.learner.helper_wire import Ask, Msg, PipeClosed, SendFrames, pickled, receive_state
+from ddiloco.runtime.learner.helper_process import HelperProcess
+from ddiloco.runtime.learner.helper_relay import HelperRelay
+from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, SendFrames, pickled, receive_state
 from ddiloco.runtime.learner.link_layout import helper_spec, slot_layout
 from ddiloco.runtime.learner.link_lines import say_outage, say_refusal, say_warning
 from ddiloco.runtime.learner.out_slots import OutSlots
@@ -69,7 +70,6 @@ class LinkStats:
     rejected: Counter = field(default_factory=Counter)
     joins: int = 0
     unreachable: int = 0
-    helpers_lost: int = 0
 
 
 class LearnerLink:
@@ -93,16 +93,14 @@ class LearnerLink:
         self.refusals = Repeats(log)
         self.calls = HelperCalls()
         self._sends: dict[int, Send] = {}
-        self._closing_helper = False
         self._leaves: list[SendLeave] = []
         self._holding: set[int] = set()
         """Fragments whose in slot holds an update the training thread has not released yet."""
         self._frames = SendFrames(core.learner_id, core.config.codec, core.boot)
-        self._started = threading.Event()
-        self._start_error: HelperError | None = None
         self._tick_wake = threading.Event()
         name = core.learner_id
-        self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{name}", daemon=True)
+        self.relay = HelperRelay(self, self.slots, self._holding, self.calls, name=f"ddiloco-relay-{name}",
+                                 what="the link's helper process", failed=self.fail, stopped=self.closing.is_set)
         self._ticker = threading.Thread(target=self._tick_loop, name=f"ddiloco-tick-{name}", daemon=True)
         self._finisher: queue.Queue[Send | None] | None = None
         if staging.asynchronous:
@@ -111,10 +109,7 @@ class LearnerLink:
 
     def start(self) -> None:
         """Start the helper (``HelperError``, one line, if it cannot) and the ticker."""
-        self._relay.start()
-        self._started.wait()
-        if self._start_error is not None:
-            raise self._start_error
+        self.relay.start()
         self._ticker.start()
 
     # ---- training process → helper ---------------------------------------------------------
@@ -179,37 +174,16 @@ class LearnerLink:
         self._holding.discard(fragment)
         self.slots.release(Slot.IN, fragment)
 
-    # ---- helper → training process ---------------------------------------------------------
+    # ---- helper → training process (the relay thread, ``helper_relay.py``) --------------------
 
-    def _relay_loop(self) -> None:
-        while True:
-            self.slots.release_all(Slot.IN, self._holding)  # the helper before (dead) may have written unannounced
-            try:
-                helper = HelperProcess.start(helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout),
-                                             self.slots.fd)
-            except Exception as err:  # noqa: BLE001  # whatever it is, the runtime must hear of it, not hang
-                err = err if isinstance(err, HelperError) else HelperError(f"the learner's link helper: {err}")
-                if not self._started.is_set():
-                    self._start_error = err
-                    self._started.set()
-                else:
-                    self.fail(err)
-                return
-            lost = self.calls.started(helper)
-            if self._started.is_set():
-                for rid in lost:
-                    self._lost(rid)
-            self._started.set()
-            self._serve(helper)
-            if self._closing_helper or self.closing.is_set():
-                return
-            self.calls.gone()
-            self.stats.helpers_lost += 1
-            log.warning("the link's helper process (pid %d) %s; starting a new one (its %d calls in flight count as "
-                        "undelivered; training goes on)", helper.pid, helper.exit_line(), len(self.calls.requests))
-            helper.kill()
+    def helper_spec(self) -> HelperSpec:
+        return helper_spec(self.core, self.lock, self.staging, self.clients, self.slots.layout)
 
-    def _serve(self, helper: HelperProcess) -> None:
+    def adopt(self, helper: HelperProcess) -> None:
+        for rid in self.calls.started(helper):
+            self._lost(rid)
+
+    def serve(self, helper: HelperProcess) -> None:
         """Feed the core what the helper reports, until it closes or dies."""
         for msg in helper.messages():
             self._on_message(helper, msg)
@@ -344,22 +318,15 @@ class LearnerLink:
         """Deliver what is queued, leave every shard if the core said so, then stop the helper."""
         if self._finisher is not None:
             self._finisher.put(None)
-        helper = self.calls.helper
-        if helper is not None and self._relay.is_alive():
-            if self.fatal is None:
-                for leave in self._leaves:
-                    self._request(Msg.LEAVE, leave.message, leave.shard)
-            self._closing_helper = True
-            try:
-                helper.pipe.send(Msg.CLOSE, timeout_s)
-            except PipeClosed:
-                pass
-            self._relay.join(timeout_s)
+        self.relay.close(timeout_s, self._leave_every_shard)
         self.closing.set()
         self._tick_wake.set()
-        if helper is not None:
-            helper.wait(timeout_s if self._relay.is_alive() else 5.0)
         self.outs.close()
         os.close(self.slots.fd)
         if self._ticker.is_alive():
             self._ticker.join(timeout_s)
+
+    def _leave_every_shard(self) -> None:
+        if self.fatal is None:
+            for leave in self._leaves:
+                self._request(Msg.LEAVE, leave.message, leave.shard)

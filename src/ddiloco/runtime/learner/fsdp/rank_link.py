@@ -45,7 +45,8 @@ from ddiloco.core.shared.slices import SliceSpec
 from ddiloco.runtime.client import ClientSpec, JoinResult
 from ddiloco.runtime.learner.calls import HelperCalls
 from ddiloco.runtime.learner.fsdp.held_updates import Received
-from ddiloco.runtime.learner.helper_process import HelperError, HelperProcess
+from ddiloco.runtime.learner.helper_process import HelperProcess
+from ddiloco.runtime.learner.helper_relay import HelperRelay
 from ddiloco.runtime.learner.helper_wire import Ask, HelperSpec, Msg, PipeClosed, pickled, receive_state
 from ddiloco.runtime.learner.out_slots import OutSlots
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
@@ -125,14 +126,10 @@ class RankLink:
         """Per send's request id: its fragment and its out slot's number."""
         self._holding: set[int] = set()
         """Fragments whose in slot holds an update the rank has not applied yet."""
-        self._closing = False
-        self._started = threading.Event()
-        self._relay = threading.Thread(target=self._relay_loop, name=f"ddiloco-relay-{core.learner_id}-{rank}",
-                                       daemon=True)  # the helper dies with the thread that started it: this one
-        self._relay.start()
-        self._started.wait()
-        if self.broken is not None and self.calls.helper is None:
-            raise HelperError(self.broken)
+        self.relay = HelperRelay(self, self.slots, self._holding, self.calls,
+                                 name=f"ddiloco-relay-{core.learner_id}-{rank}", what=f"rank {rank}'s link helper",
+                                 failed=lambda err: self._break(str(err)))
+        self.relay.start()
 
     # ---- the training thread ---------------------------------------------------------------
 
@@ -230,51 +227,33 @@ class RankLink:
     def drain(self) -> None:
         """Wait until every call handed to the helper has ended (the flush of a closing learner)."""
         with self._idle:
-            while self.calls.requests and self._relay.is_alive():
+            while self.calls.requests and self.relay.alive:
                 self._idle.wait(1.0)
 
     def close(self) -> None:
         """Rank 0's leave, then the helper delivers what is queued and exits."""
-        self._closing = True
-        helper = self.calls.helper
-        if helper is not None and self._relay.is_alive():
-            if self.broken is None:
-                for leave in self._leaves:
-                    self._call(Msg.LEAVE, leave.message)
-            try:
-                helper.pipe.send(Msg.CLOSE, CLOSE_S)
-            except PipeClosed:
-                pass
-            self._relay.join(CLOSE_S)
-        if helper is not None:
-            helper.wait(CLOSE_S if self._relay.is_alive() else 5.0)
+        self.relay.close(CLOSE_S, self._leave)
         os.close(self.slots.fd)
 
-    # ---- helper → training process ---------------------------------------------------------
+    def _leave(self) -> None:
+        if self.broken is None:
+            for leave in self._leaves:
+                self._call(Msg.LEAVE, leave.message)
 
-    def _relay_loop(self) -> None:
-        while True:
-            self.slots.release_all(Slot.IN, set(self._holding))  # what a dead helper wrote unannounced is free again
-            try:
-                helper = HelperProcess.start(self._spec, self.slots.fd)
-            except Exception as err:  # noqa: BLE001  # whatever it is, the rank must hear of it, not hang
-                self.broken = self.broken or (str(err) if isinstance(err, HelperError)
-                                              else f"the rank's link helper: {err}")
-                self._started.set()
-                return
-            with self._follow_lock:
-                lost = self.calls.started(helper)
-                self._tell_follow()
-            for rid in lost:
-                self._ended(rid, Answer.UNDELIVERED)
-            self._started.set()
-            self._serve(helper)
-            if self._closing:
-                return
-            self.calls.gone()
-            log.warning("rank %d's link helper (pid %d) %s; starting a new one (its %d calls in flight count as "
-                        "undelivered)", self.part[0], helper.pid, helper.exit_line(), len(self.calls.requests))
-            helper.kill()
+    def _break(self, why: str) -> None:
+        self.broken = self.broken or why
+
+    # ---- helper → training process (the relay thread, ``helper_relay.py``) --------------------
+
+    def helper_spec(self) -> HelperSpec:
+        return self._spec
+
+    def adopt(self, helper: HelperProcess) -> None:
+        with self._follow_lock:
+            lost = self.calls.started(helper)
+            self._tell_follow()
+        for rid in lost:
+            self._ended(rid, Answer.UNDELIVERED)
 
     def _tell_follow(self) -> None:
         """The stream to follow, to the helper running now (under ``_follow_lock``)."""
@@ -285,7 +264,7 @@ class RankLink:
             except PipeClosed:
                 pass  # the relay sees it die, and tells the next one
 
-    def _serve(self, helper: HelperProcess) -> None:
+    def serve(self, helper: HelperProcess) -> None:
         """Record what the helper reports, until it closes or dies."""
         for msg in helper.messages():
             kind = msg[0]
@@ -300,7 +279,7 @@ class RankLink:
                 with self._lock:
                     self._stop_notice = True
             elif kind is Msg.FATAL:
-                self.broken = self.broken or msg[1]
+                self._break(msg[1])
             elif kind is Msg.ADMITTED:
                 self._answer(msg[1], receive_state(*msg[2:]))
             elif kind is Msg.ACCEPTED:
@@ -350,8 +329,8 @@ class RankLink:
         (no copy) until it applied the update (the ranks apply it only once every rank holds it,
         ``held_updates.py``), then gives back: between updates the slot's memory is no one's."""
         if p < 0:
-            self.broken = self.broken or (f"an update of fragment {update.fragment} (version {update.version}) "
-                                          "does not fit this rank's slice")
+            self._break(f"an update of fragment {update.fragment} (version {update.version}) does not fit this "
+                        "rank's slice")
             return
         view = self.slots.view(Slot.IN, p, seq)
         assert view is not None  # the helper writes a slot again only once it is released
