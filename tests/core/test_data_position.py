@@ -11,7 +11,15 @@ import dataclasses
 from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, step
 
 from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.shared.actions import Accepted, Admitted, MergedContribution, RoundClosed, SendJoin, StateDelivered
+from ddiloco.core.shared.actions import (
+    Accepted,
+    Admitted,
+    LogRound,
+    MergedContribution,
+    RoundClosed,
+    SendJoin,
+    StateDelivered,
+)
 from ddiloco.core.shared.messages import Heartbeat, RejectReason
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side import data_position
@@ -20,9 +28,10 @@ from ddiloco.core.sync_side.data_position import DataPositions
 BASE = ProtocolConfig(fragments=3, period=3, quorum=1, lease_s=1e6, grace_max_s=1e-9)
 
 
-def train(core, syncs, params, steps, *, first=1, drop_shard=None):
+def train(core, syncs, params, steps, *, first=1, drop_shard=None, logged=None):
     """``steps`` inner steps; each contribution goes to its shard (or is lost, for ``drop_shard``);
-    returns, per fragment, the last step the merged rounds covered, and the first steps sent."""
+    returns, per fragment, the last step the merged rounds covered, and the first steps sent
+    (``logged``: gets the rounds' round-log records)."""
     reached: dict[int, int] = {}
     sent: list[int] = []
     config = core.config
@@ -37,6 +46,8 @@ def train(core, syncs, params, steps, *, first=1, drop_shard=None):
             actions = syncs[shard].handle(c, float(s))
             assert isinstance(actions[0], Accepted), actions[0]
             core.on_accepted(c, float(s), shard=shard)
+            if logged is not None:
+                logged += [a for a in actions if isinstance(a, LogRound)]
             for rec in (a for a in actions if isinstance(a, RoundClosed)):
                 reached[rec.fragment] = max([reached.get(rec.fragment, 0)] + [m.first_step + m.steps - 1
                                                                              for m in rec.merged])
@@ -85,6 +96,26 @@ def test_positions_survive_a_checkpoint_and_a_rejoin_gets_its_position_back():
     again = Learner("l0", BASE, plan, make_params(2), boot="b0-after-restore")
     (admitted,) = [a for a in join(again, restored, now=1.0) if isinstance(a, Admitted)]
     assert admitted.state.data_position == position == again.next_batch
+
+
+def test_a_restart_moves_positions_as_the_rounds_it_replays_from_its_log_did():
+    """Issue 56's soak: positions came back from the checkpoint alone, so after a synchronizer's
+    restart a learner resumed as far back as the checkpoint and trained every batch merged since
+    then again (11 batches beyond a period in 3 of 160 restarts)."""
+    plan, sync, (core,), (params,) = make_cluster(BASE, learners=1)
+    train(core, [sync], params, 4)
+    checkpoint = sync.state_dict()
+    logged: list[LogRound] = []
+    train(core, [sync], params, 9, first=5, logged=logged)
+    (live,) = [lr.data_position for lr in sync.status().learners]
+    _, restored = make_sync(BASE, incarnation=7)
+    restored.load_state_dict(checkpoint)
+    (at_checkpoint,) = [lr.data_position for lr in restored.status().learners]
+    assert all(restored.replay_round(r.update, plain=r.plain, reached=r.reached) for r in logged)
+    assert at_checkpoint < live and [lr.data_position for lr in restored.status().learners] == [live]
+    again = Learner("l0", BASE, plan, make_params(2), boot="b0-after-the-restart")
+    (admitted,) = [a for a in join(again, restored, now=20.0) if isinstance(a, Admitted)]
+    assert admitted.state.data_position == live == again.next_batch
 
 
 def test_a_running_learner_that_joins_again_keeps_numbering_its_own_stream():

@@ -258,7 +258,7 @@ class SyncNode:
         if self.checkpoint is not None:
             self.core.load_state_dict(self.checkpoint)
         for record in self.log:
-            self.core.replay_round(record.update, plain=record.plain)
+            self.core.replay_round(record.update, plain=record.plain, reached=record.reached)
         self.up = True
         self.tick_at = None
         if host.checker:

@@ -4,15 +4,19 @@ resumed synchronizer replays what is intact and refuses a log with a gap."""
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 import threading
+import zlib
 
 import pytest
 import torch
 
 from ddiloco.core.shared.codecs import get_codec
+from ddiloco.core.shared.messages import Join
 from ddiloco.runtime.sync.resume import Resume
-from ddiloco.runtime.sync.round_log import RoundLog, read_rounds, segments
+from ddiloco.runtime.sync.round_log import FIRST_MAGIC, RoundLog, read_rounds, segments
 from ddiloco.runtime.sync.service import ServiceOptions, SyncService
 from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.checkpoint import CheckpointError
@@ -126,3 +130,39 @@ def test_a_resumed_synchronizer_replays_what_is_intact_and_refuses_a_log_with_a_
     resumed.writer.close()
     with pytest.raises(CheckpointError, match="from version 2 to 4"):
         SyncService(config, ServiceOptions(state_dir=tmp_path, resume=Resume.REQUIRED))
+
+
+def test_a_record_names_the_steps_its_round_reached_and_a_first_format_segment_is_still_read(tmp_path):
+    """Issue 56: a restart moves the learners' data positions as the logged merges did; a state
+    directory written before records named them still resumes (its rounds reach nothing)."""
+    log = RoundLog(tmp_path, IDENTITY)
+    log.append(0, 1, False, b"a" * 10, (("learner-0", 12), ("learner-1", 9))).result(timeout=30)
+    log.append(1, 1, True, b"b" * 7).result(timeout=30)
+    log.close()
+    assert [(r.payload, r.reached) for r in read_rounds(tmp_path, IDENTITY)] == [
+        (b"a" * 10, (("learner-0", 12), ("learner-1", 9))), (b"b" * 7, ())]
+
+    old = tmp_path / "old"
+    old.mkdir()
+    header = json.dumps(IDENTITY, sort_keys=True).encode()
+    record = struct.Struct("<IIIQB")
+    body = record.pack(5, 0, 2, 3, 0)[8:]
+    crc = zlib.crc32(b"hello", zlib.crc32(body))
+    (old / "rounds-00000000.log").write_bytes(FIRST_MAGIC + struct.pack("<I", len(header)) + header
+                                              + record.pack(5, crc, 2, 3, 0) + b"hello")
+    assert [(r.fragment, r.version, r.payload, r.reached) for r in read_rounds(old, IDENTITY)] == [(2, 3, b"hello", ())]
+
+
+def test_a_resumed_synchronizer_resumes_each_learner_s_data_where_the_logged_rounds_reached(tmp_path):
+    config = build_config(preset="tiny", overrides=("run.learners=2",))
+    first = SyncService(config, ServiceOptions(state_dir=tmp_path))
+    codec = get_codec(first.protocol.downlink_codec, block_size=first.protocol.block_size)
+    for p in first.core.owned:  # every fragment's first round merged learner-0's steps up to 7 + p
+        update = codec.encode(torch.zeros(first.core.value(p).numel()))
+        first.writer.round_log.append(p, 1, False, update, (("learner-0", 7 + p), ("learner-1", 3))).result(timeout=30)
+    first.writer.close()
+    resumed = SyncService(config, ServiceOptions(state_dir=tmp_path, resume=Resume.REQUIRED))
+    positions = [resumed.core.handle(Join(name, "a-new-process"), 0.0)[0].state.data_position
+                 for name in ("learner-0", "learner-1", "learner-2")]
+    assert positions == [7, 3, 0]  # the least step every fragment's rounds reached; nothing for a newcomer
+    resumed.writer.close()

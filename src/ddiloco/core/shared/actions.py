@@ -168,6 +168,9 @@ class LogRound:
     update: FragmentUpdate
     plain: bool
     """The drain's plain step (no momentum), as :meth:`GlobalFragment.close` took it."""
+    reached: tuple[tuple[str, int], ...] = ()
+    """Per merged contribution, its learner and the last step it covered: a restart that replays the
+    round moves the learners' data positions as the merge did (``data_position.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterable
 
 from ddiloco.core.shared.codecs import Codec, fused_int4
 from ddiloco.core.shared.messages import FragmentUpdate, FragmentValue, GlobalState
@@ -90,9 +90,10 @@ class CheckpointState:
         self._registry.forgotten = Forgotten(**{k: int(v) for k, v in state.get("forgotten", {}).items()})
         self._registry.starved_episodes = int(state.get("starved_episodes", 0))
 
-    def replay_round(self, update: FragmentUpdate, *, plain: bool) -> bool:
-        """Redo a logged round after a restart (:class:`LogRound`): False if the checkpoint already
-        holds it; ValueError if it does not follow the fragment's version (a gap in the log)."""
+    def replay_round(self, update: FragmentUpdate, *, plain: bool, reached: Iterable[tuple[str, int]] = ()) -> bool:
+        """Redo a logged round after a restart (:class:`LogRound`; ``reached``: its learners' last
+        steps, which move their data positions): False if the checkpoint already holds it;
+        ValueError if it does not follow the fragment's version (a gap in the log)."""
         frag = self._fragments[update.fragment]
         if update.version <= frag.version:
             return False
@@ -100,4 +101,5 @@ class CheckpointState:
             raise ValueError(f"fragment {update.fragment}: the log goes from version {frag.version} "
                              f"to {update.version} (a gap)")
         frag.replay(update.payload, self._outer, self._downlink, plain=plain)
+        self._positions.reached(update.fragment, reached)
         return True

@@ -31,6 +31,11 @@ MAX_LEARNERS_KEPT = 65_536
 """Learner ids whose position a synchronizer remembers (a few integers each)."""
 
 
+def reached_by(contributions: Iterable[MergedContribution]) -> tuple[tuple[str, int], ...]:
+    """Per merged contribution, its learner and the last step it covered (what a round log records)."""
+    return tuple((c.learner_id, c.first_step + c.steps - 1) for c in contributions)
+
+
 class DataPositions:
     """Per learner id and owned fragment, the last step that merged contributions covered."""
 
@@ -40,10 +45,15 @@ class DataPositions:
 
     def merged(self, fragment: int, contributions: Iterable[MergedContribution]) -> None:
         """A round of ``fragment`` merged these contributions."""
-        for c in contributions:
-            reached = self._reached.setdefault(c.learner_id, {})
-            reached[fragment] = max(reached.get(fragment, 0), c.first_step + c.steps - 1)
-            self._reached.move_to_end(c.learner_id)
+        self.reached(fragment, reached_by(contributions))
+
+    def reached(self, fragment: int, steps: Iterable[tuple[str, int]]) -> None:
+        """A round of ``fragment`` (merged now, or replayed from the round log) covered, per learner
+        id, its steps up to the one given."""
+        for learner_id, step in steps:
+            reached = self._reached.setdefault(learner_id, {})
+            reached[fragment] = max(reached.get(fragment, 0), step)
+            self._reached.move_to_end(learner_id)
         while len(self._reached) > MAX_LEARNERS_KEPT:
             self._reached.popitem(last=False)
 

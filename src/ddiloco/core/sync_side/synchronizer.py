@@ -61,7 +61,7 @@ from ddiloco.core.shared.staleness import StalenessBound, staleness_weight
 from ddiloco.core.sync_side.accumulate import BufferPool, RoundAccumulator
 from ddiloco.core.sync_side.checkpoint_state import CheckpointState
 from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, check_contribution
-from ddiloco.core.sync_side.data_position import DataPositions
+from ddiloco.core.sync_side.data_position import DataPositions, reached_by
 from ddiloco.core.sync_side.learner_record import LearnerRecord
 from ddiloco.core.sync_side.merge import MergeRuleName, merge_rule, token_weight
 from ddiloco.core.sync_side.norm_bound import NormBound
@@ -384,4 +384,5 @@ class Synchronizer(CheckpointState, SyncQueries):
         self._run.rounds_since_checkpoint += 1
         merged = tuple(MergedRef(m.learner_id, m.session, m.seq) for m in record.merged)
         update = frag.update_message(payload, self._downlink, self.incarnation, index, round_age_s, merged)
-        return [record, LogRound(update, plain=reason is CloseReason.DRAIN), Broadcast(update, tuple(self.alive()))]
+        return [record, LogRound(update, plain=reason is CloseReason.DRAIN, reached=reached_by(record.merged)),
+                Broadcast(update, tuple(self.alive()))]

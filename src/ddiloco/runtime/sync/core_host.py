@@ -168,7 +168,7 @@ class SyncHost:
         for action in actions:
             if isinstance(action, LogRound) and self.round_log is not None:
                 u = action.update
-                durable = self.round_log.append(u.fragment, u.version, action.plain, u.payload)
+                durable = self.round_log.append(u.fragment, u.version, action.plain, u.payload, action.reached)
             elif isinstance(action, Broadcast):
                 sent = self._observe_sync(compute_s, started)
                 self._stream(lambda a=action, s=sent: self.streams.publish(a.update, a.recipients, s), durable)

@@ -15,7 +15,11 @@ within a tested tolerance (``GlobalFragment.replay``).
 
 Files: ``rounds-NNNNNNNN.log`` segments in the state directory, each beginning with a header
 naming the model's layout and the shard (a segment of another run is refused), then records
-``length, crc32, fragment, version, plain, payload``. One thread writes them and fsyncs once
+``length, crc32, fragment, version, plain, payload, reached``: ``reached`` names, per merged
+contribution, its learner and the last step it covered, so that a restart moves the learners' data
+positions as the merges did (issue 56: from the checkpoint alone, a learner resumed up to every
+round since it behind and trained that data again). Segments of the first format (no ``reached``)
+are still read: their rounds leave the positions where the checkpoint has them. One thread writes them and fsyncs once
 for every record queued meanwhile (group commit). A checkpoint starts a new segment before it
 copies its first fragment and, once it is the latest, deletes the segments before that one.
 A record cut short or damaged (a crash mid-write, a bad disk) ends its segment: it is
@@ -46,10 +50,14 @@ from ddiloco.workload.checkpoint import CheckpointError, fsync_dir, sync_and_unc
 
 log = logging.getLogger("ddiloco.sync")
 
-MAGIC = b"ddiloco-round-log-1\n"
+MAGIC = b"ddiloco-round-log-2\n"
+FIRST_MAGIC = b"ddiloco-round-log-1\n"
+"""Segments written before records named what they reached: read, never written."""
 _HEADER = struct.Struct("<I")
 _RECORD = struct.Struct("<IIIQB")
 """Length of the payload, CRC-32 of what follows it, fragment, version, plain."""
+_REACHED = struct.Struct("<I")
+"""Length of the ``reached`` block after the payload (JSON: ``[[learner_id, step], ...]``)."""
 _SEGMENT = re.compile(r"rounds-(\d{8})\.log$")
 
 
@@ -69,6 +77,7 @@ class LoggedRound:
     version: int
     plain: bool
     payload: bytes
+    reached: tuple[tuple[str, int], ...] = ()
 
 
 def segments(path: Path) -> list[tuple[int, Path]]:
@@ -98,13 +107,13 @@ def read_rounds(path: Path, identity: dict[str, object], first: int = 0) -> Iter
         if number < first:
             continue
         with file.open("rb") as f:
-            _check_header(f, file, identity)
+            with_reached = _check_header(f, file, identity)
             while True:
                 at = f.tell()
                 head = f.read(_RECORD.size)
                 if not head:
                     break
-                record = _record(f, head)
+                record = _record(f, head, with_reached)
                 if record is None:  # the end of what that incarnation made durable; later segments go on
                     if f.read(1):
                         raise CheckpointError(f"{file}: the record at byte {at} is damaged and records follow it "
@@ -116,10 +125,11 @@ def read_rounds(path: Path, identity: dict[str, object], first: int = 0) -> Iter
                 yield record
 
 
-def _check_header(f: BinaryIO, file: Path, identity: dict[str, object]) -> None:
+def _check_header(f: BinaryIO, file: Path, identity: dict[str, object]) -> bool:
+    """Read a segment's header: True if its records name what they reached (the current format)."""
     magic = f.read(len(MAGIC))
     raw = f.read(_HEADER.size)
-    if magic != MAGIC or len(raw) != _HEADER.size:
+    if magic not in (MAGIC, FIRST_MAGIC) or len(raw) != _HEADER.size:
         raise CheckpointError(f"{file} is not a ddiloco round log")
     try:
         header = json.loads(f.read(_HEADER.unpack(raw)[0]))
@@ -128,16 +138,24 @@ def _check_header(f: BinaryIO, file: Path, identity: dict[str, object]) -> None:
     if header != identity:
         raise CheckpointError(f"{file} belongs to another run ({header}, this synchronizer is {identity}): "
                               "start with the same --preset/--config/--set/--init and --shard, or another --state-dir")
+    return magic == MAGIC
 
 
-def _record(f: BinaryIO, head: bytes) -> LoggedRound | None:
+def _record(f: BinaryIO, head: bytes, with_reached: bool) -> LoggedRound | None:
     if len(head) != _RECORD.size:
         return None
     length, crc, fragment, version, plain = _RECORD.unpack(head)
     payload = f.read(length)
-    if len(payload) != length or zlib.crc32(payload, zlib.crc32(head[8:])) != crc:
+    if len(payload) != length:
         return None
-    return LoggedRound(fragment, version, bool(plain), payload)
+    block = b""
+    if with_reached:
+        raw = f.read(_REACHED.size)
+        block = raw + f.read(_REACHED.unpack(raw)[0]) if len(raw) == _REACHED.size else raw
+    if zlib.crc32(block, zlib.crc32(payload, zlib.crc32(head[8:]))) != crc:
+        return None
+    reached = tuple((str(name), int(step)) for name, step in json.loads(block[_REACHED.size:])) if block else ()
+    return LoggedRound(fragment, version, bool(plain), payload, reached)
 
 
 class RoundLog:
@@ -156,8 +174,9 @@ class RoundLog:
         self._thread = threading.Thread(target=self._run, name="ddiloco-round-log", daemon=True)
         self._thread.start()
 
-    def append(self, fragment: int, version: int, plain: bool, payload: bytes) -> Future:
-        return self._put(LoggedRound(fragment, version, plain, payload))
+    def append(self, fragment: int, version: int, plain: bool, payload: bytes,
+               reached: tuple[tuple[str, int], ...] = ()) -> Future:
+        return self._put(LoggedRound(fragment, version, plain, payload, reached))
 
     def barrier(self) -> Future:
         """A future done once everything appended so far is durable."""
@@ -226,9 +245,12 @@ class RoundLog:
     def _write(self, r: LoggedRound) -> None:
         assert self._file is not None
         body = _RECORD.pack(len(r.payload), 0, r.fragment, r.version, int(r.plain))[8:]
-        crc = zlib.crc32(r.payload, zlib.crc32(body))
+        reached = json.dumps([list(x) for x in r.reached], separators=(",", ":")).encode()
+        block = _REACHED.pack(len(reached)) + reached
+        crc = zlib.crc32(block, zlib.crc32(r.payload, zlib.crc32(body)))
         self._file.write(_RECORD.pack(len(r.payload), crc, r.fragment, r.version, int(r.plain)))
         self._file.write(r.payload)
+        self._file.write(block)
 
     def _sync(self, waiting: list[Future]) -> None:
         if waiting:

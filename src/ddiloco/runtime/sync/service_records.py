@@ -82,7 +82,7 @@ class ServiceRecords:
 
     def replay(self, r: LoggedRound) -> bool:
         update = FragmentUpdate(r.fragment, r.version, self.protocol.downlink_codec, r.payload, self.incarnation)
-        return self.core.replay_round(update, plain=r.plain)
+        return self.core.replay_round(update, plain=r.plain, reached=r.reached)
 
     def service_state(self) -> dict[str, Any]:
         return {
