@@ -59,6 +59,9 @@ class Launch:
         self.joined: set[str] = set()
         self.exited: dict[str, int] = {}
         """Copies that ended for good (the run finished, or they did), with their exit codes."""
+        self.late: set[str] = set()
+        """Copies still starting when the run's budget was spent, stopped by the launcher: not failures
+        (a copy slow to start on a busy machine finds the run over; the others spent the budget)."""
         logs = out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for old in logs.glob("*.log"):
@@ -163,6 +166,7 @@ class Launch:
             if finished and ended_at is None:
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > LEAVE_TIMEOUT_S:
+                self.late |= {n for n in self.names if n not in self.joined and self.procs.running(n)}
                 self.procs.stop_all(self.names, LEAVE_TIMEOUT_S)  # told to leave, still there
             for i, name in enumerate(self.names):
                 if name in self.exited or self.procs.running(name):
@@ -236,7 +240,10 @@ class Launch:
             except subprocess.TimeoutExpired:
                 pass  # stopped below
         self.procs.stop_all([SYNC], LEAVE_TIMEOUT_S)
-        failed = {name: code for name, code in self.exited.items() if code != 0}
+        failed = {name: code for name, code in self.exited.items() if code != 0 and name not in self.late}
+        if self.late:
+            announce(f"launch: {', '.join(sorted(self.late))} never joined: the run's budget was spent before "
+                     "it reached the synchronizer (stopped)")
         if failed:
             announce(f"launch: {', '.join(f'{n} exited with code {c}' for n, c in failed.items())}")
         if not finished:
