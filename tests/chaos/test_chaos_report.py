@@ -170,3 +170,14 @@ def test_rejoins_and_rejections_count_every_shard_each_across_its_own_restarts(t
     assert report["rejoins"] == 7 and report["violations"] == []
     # Two shard restarts each, and learner-2's kill makes it join both shards again.
     assert report["rejoins_explained"] == {"learner-0": 2, "learner-1": 2, "learner-2": 4}
+
+
+def test_a_fault_the_run_ended_before_is_said_not_judged(tmp_path) -> None:
+    config = build_config(preset="tiny", overrides=("run.learners=2",))
+    done = FaultRecord(Fault(at_s=1, kind=FaultKind.PARTITION, target="learner-0", duration_s=1), started_s=1.0,
+                       ended_s=2.0)
+    late = FaultRecord(Fault(at_s=10, kind=FaultKind.RESET, target="learner-1", duration_s=1))
+    report = build_report(outcome(tmp_path, [sample(0, "a", (0, 0)), sample(9, "a", (1, 1))], [done, late], []),
+                          config, window_s=12, seed=0, baseline=None)
+    assert report["not_reached"] == ["reset learner-1 for 1.0s at 10.0s"] and report["violations"] == []
+    assert report["faults"]["reset"] == 0 and report["faults"]["partition"] == 1

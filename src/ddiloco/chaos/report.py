@@ -186,6 +186,10 @@ def build_report(outcome: ChaosOutcome, config: Config, *, window_s: float, seed
     }
     report["honest_refused_steps"] = honest_total(report["refused_steps"])  # every chaos learner is honest
     report["violations"] = violations(report, outcome.failure)
+    # Faults of the schedule the run ended before (the schedule's clock stops while a synchronizer is
+    # down, so a late fault can fall past the end): said, not judged; a run stopped by a signal says why.
+    report["not_reached"] = [] if outcome.stopped else [
+        f"{r.fault.describe()} at {r.fault.at_s:.1f}s" for r in outcome.records if r.started_s is None]
     return report
 
 

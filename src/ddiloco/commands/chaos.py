@@ -161,6 +161,8 @@ def _run(config: Config, out: Path, faults: list[Fault], window_s: float, device
                   f"(bound {report['pause_bound_s']:.2f}s)")
     print_table(report_table(report, title=f"ddiloco chaos (seed {config.run.seed})"))
     console.print(f"wrote {path}, {out / 'chaos.png'} and TensorBoard events")
+    for fault in report["not_reached"]:
+        console.print(f"ddiloco: chaos: not reached (the run ended first): {fault}", markup=False, highlight=False)
     for violation in report["violations"]:
         console.print(f"ddiloco: chaos: {violation}", markup=False, highlight=False)
     if outcome.stopped:
