@@ -102,9 +102,12 @@ class SyncNode:
 
     def on_upload_header(self, host: NodeHost, m: int, boot: int, call_id: int, request: Contribution) -> None:
         """A stalled upload's header: admitted, it holds its place until its deadline cuts it."""
-        if not self.up or not self._admitted(host, (m, boot, call_id), request, holds=True):
+        caller = (m, boot, call_id)
+        if not self.up or not self._admitted(host, caller, request, header_only=True):
             return
         upload = InFlight(request.learner_id, request.session, request.fragment)
+        self.uploads.admit(upload)
+        self._stalled[upload] = (caller, request)
         deadline_s = upload_pace_s(HEADER_BYTES, len(request.payload), self.core.config)
         host.queue.at(host.queue.now + deadline_s, UploadCut(self.shard, self.incarnation, upload))
 
@@ -114,14 +117,14 @@ class SyncNode:
         self.uploads.end(upload)
         self._end(host, [Ended(upload, RejectReason.TIMED_OUT, "the upload's body stalled past its deadline")])
 
-    def _admitted(self, host: NodeHost, caller: Caller, c: Contribution, *, holds: bool = False) -> bool:
-        """Admit an upload as the real service does (the session asked of the core first, then a
-        place); False: refused, and its caller answered. ``holds``: it keeps its place (stalled)."""
-        problem = self.core.session_problem(c.learner_id, c.session)
-        if problem is not None:  # the core refuses it itself (counted there) when the body comes
-            if holds:
-                self._reply(host, caller, c, problem.reason, problem.detail)
-            return not holds
+    def _admitted(self, host: NodeHost, caller: Caller, c: Contribution, *, header_only: bool = False) -> bool:
+        """May an upload take a place, asked as the real service asks (its session of the core first,
+        then the admission)? False: refused, and its caller answered."""
+        if (problem := self.core.session_problem(c.learner_id, c.session)) is not None:
+            if not header_only:
+                return True  # a whole upload: the core refuses it itself, and counts it, with its body
+            self._reply(host, caller, c, problem.reason, problem.detail)  # a header: refused on the wire
+            return False
         self._end(host, self.uploads.superseded(c.learner_id, c.session))
         if holders := self.uploads.crowded():
             live = [self.core.session_problem(u.learner, u.session) is None for u in holders]
@@ -129,10 +132,6 @@ class SyncNode:
         if (refused := self.uploads.refusal(c.learner_id, c.fragment)) is not None:
             self._reply(host, caller, c, *refused)
             return False
-        if holds:
-            upload = InFlight(c.learner_id, c.session, c.fragment)
-            self.uploads.admit(upload)
-            self._stalled[upload] = (caller, c)
         return True
 
     def _end(self, host: NodeHost, ended: list[Ended]) -> None:
