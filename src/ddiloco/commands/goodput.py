@@ -151,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(rows: Sequence[gp.Row], model: gp.ClusterModel, configs: Sequence[str], chips: Sequence[int],
            metric: str, seeds: int) -> Table:
-    from ddiloco.scale import goodput_model as gp
 
     title = f"{metric} % (mean ± std over {seeds} seeds), MTBI {model.mtbi_s / DAY_S:g} days per chip"
     table = Table(title=title, box=box.SIMPLE_HEAD)

@@ -16,8 +16,8 @@ from ddiloco.core.sync_side.refusals import lost_total
 from ddiloco.runtime.auth import load_token, parse_address
 from ddiloco.runtime.call_errors import Unreachable
 from ddiloco.runtime.http_probe import wrong_port_line
-from ddiloco.runtime.status_call import status_dict
-from ddiloco.runtime.status_wire import LEARNERS_PAGE
+from ddiloco.runtime.status.call import status_dict
+from ddiloco.runtime.status.wire_form import LEARNERS_PAGE
 
 HELP = "learners, fragment versions, rejections and bytes of a running synchronizer"
 

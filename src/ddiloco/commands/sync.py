@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     import grpc
 
     from ddiloco.runtime.auth import Address
+    from ddiloco.runtime.status.page_process import StatusPageProcess
     from ddiloco.runtime.sync.service import ServiceOptions, SyncService
-    from ddiloco.runtime.sync.status_process import StatusPageProcess
     from ddiloco.settings.config import Config
 
 HELP = "serve the synchronizer (gRPC) that learner processes connect to"
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         require_token_beyond_loopback,
         server_credentials,
     )
+    from ddiloco.runtime.status.page_process import StatusPageProcess
     from ddiloco.runtime.sync.server import check_can_listen
     from ddiloco.runtime.sync.service import ServiceOptions
-    from ddiloco.runtime.sync.status_process import StatusPageProcess
 
     listen = parse_address(args.listen, option="--listen", allow_port_zero=True)
     token = load_token(args.token_file)
@@ -184,7 +184,7 @@ def _serve(args: argparse.Namespace, config: Config, listen: Address, credential
 
 async def _status_dict(service: SyncService) -> dict[str, Any] | None:
     """What the status page shows: the Status call's answer; None until the service serves."""
-    from ddiloco.runtime.status_wire import status_to_dict
+    from ddiloco.runtime.status.wire_form import status_to_dict
 
     return None if service.host is None else status_to_dict(await service.status_reply())
 

@@ -1,19 +1,18 @@
 """The real runtime: the synchronizer and learner processes of a run, over gRPC.
 
 - :mod:`ddiloco.runtime.sync`: the synchronizer process (the service around the core, its
-  boundary, streams, checkpoints, status page and metrics);
+  boundary, streams, checkpoints and metrics);
 - :mod:`ddiloco.runtime.learner`: a learner process (``LearnerRuntime`` inside any training
   loop, its background link to the synchronizer, the reference learner process);
 - :mod:`ddiloco.runtime.launch`: starting a whole run on one machine (processes, network
   namespaces and capped links, ``ddiloco launch``);
+- :mod:`ddiloco.runtime.status`: the Status call and the status page, both sides of the wire;
 - :mod:`ddiloco.runtime.proto`: the wire schema (``ddiloco.proto``) and protoc's output.
 
 Shared by both sides:
 
 - :mod:`~ddiloco.runtime.wire`: every conversion between the core's messages and protobuf, the
   chunking of large payloads, message sizes and channel options, written once for client and server;
-- :mod:`~ddiloco.runtime.status_wire`: the Status call's one conversion (the core's status to
-  protobuf, protobuf to the dict ``ddiloco status --json`` prints), by field name;
 - :mod:`~ddiloco.runtime.auth`: addresses, the shared token, per-learner credentials and TLS;
 - :mod:`~ddiloco.runtime.layout`: the model a synchronizer serves (fragments, initial values,
   shapes), which a learner checks at its join and a checkpoint carries the hash of;
@@ -21,8 +20,6 @@ Shared by both sides:
   deadline, failures as refused, unauthenticated or unreachable;
 - :mod:`~ddiloco.runtime.call_errors`: how a failed call reads (its reason, or unreachable),
   without torch, for the client and ``ddiloco status``;
-- :mod:`~ddiloco.runtime.status_call`: the Status call alone (gRPC, no torch), so
-  ``ddiloco status`` answers in well under a second;
 - :mod:`~ddiloco.runtime.sharded`: a synchronizer sharded by fragment read as one: merged status
   and global state;
 - :mod:`~ddiloco.runtime.http_probe`: whether an address gRPC cannot talk to is the status page

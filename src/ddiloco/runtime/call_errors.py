@@ -1,6 +1,6 @@
 """How a failed gRPC call to the synchronizer reads, without torch: shared by the learners'
 client (:mod:`ddiloco.runtime.client`) and the one call ``ddiloco status`` makes
-(:mod:`ddiloco.runtime.status_call`), which must start in a fraction of a second.
+(:mod:`ddiloco.runtime.status.call`), which must start in a fraction of a second.
 
 The reason travels in the ``ddiloco-reason`` trailing metadata; a status without one is a
 transport failure (unreachable), never a refusal with a reason made up here.

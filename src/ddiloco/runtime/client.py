@@ -47,7 +47,7 @@ from ddiloco.runtime.auth import PROTOCOL_VERSION, Address, channel_credentials,
 from ddiloco.runtime.call_errors import Unreachable, credentials_refused, refusal_reason, unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
-from ddiloco.runtime.status_wire import status_to_dict
+from ddiloco.runtime.status.wire_form import status_to_dict
 from ddiloco.runtime.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 from ddiloco.settings.config_sources import unknown_keys
 

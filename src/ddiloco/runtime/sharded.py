@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ddiloco.core.shared.messages import GlobalState
 from ddiloco.core.sync_side.status_snapshot import LearnerStatus, ShardMerge, SyncStatus, merge_rule
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.status_wire import NOT_ON_WIRE, presented, wire_name
+from ddiloco.runtime.status.wire_form import NOT_ON_WIRE, presented, wire_name
 
 
 class ShardedClient:

@@ -1,6 +1,6 @@
 """The wire between learners and the synchronizer: every conversion between the core's
 messages (:mod:`ddiloco.core.shared.messages`) and protobuf (the Status call's is in
-:mod:`ddiloco.runtime.status_wire`), the chunking of large payloads, message sizes and
+:mod:`ddiloco.runtime.status.wire_form`), the chunking of large payloads, message sizes and
 channel options. Client and server both import from here, so neither
 depends on the other's module and no message is written by hand twice.
 """

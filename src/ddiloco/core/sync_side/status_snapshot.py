@@ -52,7 +52,7 @@ def merge_rule(f: Any) -> ShardMerge:
 @dataclass(frozen=True, slots=True)
 class LearnerStatus:
     """One learner as the synchronizer sees it. Every field travels in the Status reply under its
-    own name (``runtime/status_wire.py`` names the two that do not)."""
+    own name (``runtime/status/wire_form.py`` names the two that do not)."""
 
     learner_id: str
     alive: bool = merged(ShardMerge.ALL)
@@ -84,7 +84,7 @@ class LearnerStatus:
 class SyncStatus:
     """A snapshot of what the synchronizer knows, for status pages, metrics and tests.
 
-    The Status reply carries every field under its own name (``runtime/status_wire.py``, which
+    The Status reply carries every field under its own name (``runtime/status/wire_form.py``, which
     names the exceptions), and a sharded run's status merges each by its :class:`ShardMerge`:
     a new field here needs its field in ``StatusReply`` (``runtime/proto/ddiloco.proto``), and
     nothing else."""

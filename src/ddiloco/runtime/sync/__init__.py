@@ -36,9 +36,6 @@ disk and say what it is doing.
   the core with bounded memory;
 - :mod:`~ddiloco.runtime.sync.status_reply`: the Status call's answer: the core's status plus what
   only the service measures, a page of learners at a time;
-- :mod:`~ddiloco.runtime.sync.status_page`: the live status page and its JSON (``--http-port``);
-- :mod:`~ddiloco.runtime.sync.status_process`: the status page in a process of its own, fed a
-  snapshot file, so a busy synchronizer never stalls it;
 - :mod:`~ddiloco.runtime.sync.shutdown`: one stop's deadline shared by every wait on the shutdown
   path, so SIGTERM ends the process in bounded time.
 """

@@ -1,5 +1,5 @@
 """The Status call's answer: the core's :class:`~ddiloco.core.sync_side.status_snapshot.SyncStatus`, carried
-by :func:`~ddiloco.runtime.status_wire.status_to_pb`, plus what only the service measures
+by :func:`~ddiloco.runtime.status.wire_form.status_to_pb`, plus what only the service measures
 (bytes on the wire, goodput, checkpoints, wire rejections), set here.
 
 Learners come a page at a time (``learner_offset``, ``learner_limit``; ``learners_total``
@@ -18,7 +18,7 @@ from ddiloco.measures.wire_bytes import ByteLedger, Direction
 from ddiloco.runtime.auth import PROTOCOL_VERSION
 from ddiloco.runtime.layout import ModelLayout
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
-from ddiloco.runtime.status_wire import LEARNERS_PAGE, status_to_pb
+from ddiloco.runtime.status.wire_form import LEARNERS_PAGE, status_to_pb
 from ddiloco.runtime.sync.boundary import Boundary
 from ddiloco.runtime.sync.checkpoint_writer import CheckpointWriter
 from ddiloco.runtime.sync.metrics import GoodputMeter

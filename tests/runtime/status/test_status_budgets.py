@@ -10,24 +10,23 @@ import json
 import re
 
 import pytest
+from test_status_page import CHROMIUM, api_status, browse
 
 from ddiloco import cli
 from ddiloco.core.shared.messages import Heartbeat, Join, Progress
 from ddiloco.runtime.auth import Address
 from ddiloco.runtime.client import SyncClient
-from ddiloco.runtime.status_wire import status_to_dict
-from ddiloco.runtime.sync.status_process import StatusPageProcess
+from ddiloco.runtime.status.page_process import StatusPageProcess
+from ddiloco.runtime.status.wire_form import status_to_dict
 from ddiloco.settings.config_sources import build_config
 from ddiloco.testing import wait_for
-from test_service import tiny
-from test_status_page import CHROMIUM, api_status, browse
 
 
 @pytest.mark.parametrize("budget", ["run.time_s=600", "run.tokens=100000"])
 def test_status_shows_the_budget_and_what_is_left_of_it(inproc_sync, capsys, budget):
     """``ddiloco status`` and its ``--json``."""
     key, value = budget.split("=")
-    s = inproc_sync(tiny(**{key: value}))
+    s = inproc_sync(build_config(preset="tiny", overrides=("run.learners=2", f"{key}={value}")))
     with SyncClient(f"127.0.0.1:{s.port}") as client:
         session = client.join(Join("learner-0", "boot")).state.session
         client.heartbeat(Heartbeat("learner-0", session, Progress("boot", tokens=256, steps=1)))

@@ -1,9 +1,9 @@
 """``ddiloco sync --http-port PORT``: a live status page (``/``) and its JSON (``/api/status``).
 
-The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.status_wire.status_to_dict`),
+The page shows the very dict ``ddiloco status --json`` prints (:func:`~ddiloco.runtime.status.wire_form.status_to_dict`),
 plus a short in-memory history of fragment versions so the page can chart progress. It is
 served by the standard library's threaded HTTP server, in a process of its own that reads the
-synchronizer's published status (:mod:`~ddiloco.runtime.sync.status_process`): a slow browser
+synchronizer's published status (:mod:`~ddiloco.runtime.status.page_process`): a slow browser
 never stalls a merge, and a busy synchronizer never stalls the page. No protocol logic lives
 here.
 
@@ -37,7 +37,7 @@ StatusFn = Callable[[], dict[str, Any]]
 
 def page_html() -> bytes:
     """The single self-contained page (inline CSS and JS, nothing from the internet)."""
-    return resources.files("ddiloco.runtime.sync").joinpath("static/status.html").read_bytes()
+    return resources.files("ddiloco.runtime.status").joinpath("static/status.html").read_bytes()
 
 
 class StatusPage:

@@ -82,7 +82,7 @@ def to_pb(value: Any, message: Any, now: float, skip: tuple[str, ...] = ()) -> A
         target = descriptor.fields_by_name.get(on_wire.name)
         if target is None:
             raise KeyError(f"{type(value).__name__}.{f.name} has no field {on_wire.name!r} in {descriptor.name} "
-                           f"(runtime/proto/ddiloco.proto) and is not in status_wire.NOT_ON_WIRE")
+                           f"(runtime/proto/ddiloco.proto) and is not in status.wire_form.NOT_ON_WIRE")
         _put(message, target, on_wire.out(getattr(value, f.name), now), now)
     return message
 

@@ -15,7 +15,7 @@ from ddiloco.runtime.auth import channel_credentials, client_metadata
 from ddiloco.runtime.call_errors import credentials_refused, refusal_reason, unreachable
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.proto import ddiloco_pb2_grpc as pb_grpc
-from ddiloco.runtime.status_wire import status_to_dict
+from ddiloco.runtime.status.wire_form import status_to_dict
 
 
 def status_dict(address: str, *, token: str | None, tls_ca: str | None, timeout_s: float, learner_offset: int = 0,

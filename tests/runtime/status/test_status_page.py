@@ -23,7 +23,7 @@ import pytest
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import Address
-from ddiloco.runtime.sync.status_page import StatusPage
+from ddiloco.runtime.status.page import StatusPage
 from ddiloco.testing import DEADLINE_S, free_port, learner_args, process_state, sync_args, wait_for
 
 PACE = ("--min-step-s", "0.02")

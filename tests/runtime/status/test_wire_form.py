@@ -19,7 +19,7 @@ from ddiloco.core.sync_side.status_snapshot import LearnerStatus, ShardMerge, Sy
 from ddiloco.runtime import sharded
 from ddiloco.runtime.proto import ddiloco_pb2 as pb
 from ddiloco.runtime.sharded import merge_statuses
-from ddiloco.runtime.status_wire import GROUPED, NOT_ON_WIRE, presented, status_to_dict, status_to_pb, wire_name
+from ddiloco.runtime.status.wire_form import GROUPED, NOT_ON_WIRE, presented, status_to_dict, status_to_pb, wire_name
 
 NOW = 1000.0
 PER_FRAGMENT = ("fragments", "versions", "round_phases")
@@ -94,7 +94,7 @@ def test_every_field_of_the_core_status_reaches_the_json_dict() -> None:
 
 
 def test_only_the_runs_start_stays_off_the_wire() -> None:
-    """A field left off the wire must be named in status_wire.NOT_ON_WIRE, and on purpose: this
+    """A field left off the wire must be named in status.wire_form.NOT_ON_WIRE, and on purpose: this
     list is the one to argue with."""
     assert NOT_ON_WIRE == {"started_at_s"}
 

@@ -50,7 +50,7 @@ class StatusPageProcess:
         self.folder = Path(tempfile.mkdtemp(prefix="ddiloco-status-", dir=_memory_folder()))
         self.snapshot = self.folder / SNAPSHOT
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.runtime.sync.status_process", bind.host, str(bind.port), str(self.folder)],
+            [sys.executable, "-m", "ddiloco.runtime.status.page_process", bind.host, str(bind.port), str(self.folder)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
@@ -125,7 +125,7 @@ def _read_line(stream: Any, timeout_s: float) -> str:
 
 def main(argv: list[str]) -> int:
     """The page process: bind, say the port on stdout, serve until stdin closes."""
-    from ddiloco.runtime.sync.status_page import StatusPage  # here, so the synchronizer never imports http.server
+    from ddiloco.runtime.status.page import StatusPage  # here, so the synchronizer never imports http.server
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the terminal stops the synchronizer, which stops this
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s ddiloco.status-page %(levelname)s %(message)s")
