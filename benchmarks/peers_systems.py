@@ -22,19 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peers_supervisor import Kill, Scenario, Supervised, Supervisor, System
 
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.launch.child import EXEC
-from ddiloco.runtime.launch.local_run import (GlobalEvaluator, LEAVE_TIMEOUT_S, learner_command, prepare_files,
-                                              sync_command, wait_for_port)
+from ddiloco.runtime.launch.command_lines import learner_command
+from ddiloco.runtime.launch.local_run import (
+    LEAVE_TIMEOUT_S,
+    GlobalEvaluator,
+    prepare_files,
+    sync_command,
+    wait_for_port,
+)
 from ddiloco.runtime.launch.processes import Processes
 from ddiloco.runtime.progress import read_progress
 from ddiloco.runtime.sharded import ShardedClient
 from ddiloco.settings.config import Config
 from ddiloco.settings.config_sources import build_config
 from ddiloco.workload.workload import Workload
-from peers_supervisor import Kill, Scenario, Supervised, Supervisor, System
 
 POLL_S = 0.25
 EVAL_EVERY_S = 2.0

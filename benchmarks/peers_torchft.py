@@ -126,11 +126,11 @@ class _Ledger:
 
 
 def replica(args: argparse.Namespace) -> int:
+    from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
     from torchft.ddp import DistributedDataParallel
     from torchft.local_sgd import DiLoCo
     from torchft.optim import OptimizerWrapper
-    from torch.distributed import TCPStore
 
     kind = Kind(args.kind)
     config = build_config(preset="small", config_file=args.config)

@@ -18,7 +18,8 @@ from typing import Callable
 
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault
-from ddiloco.runtime.launch.local_run import RunFiles, learner_command, sync_command
+from ddiloco.runtime.launch.command_lines import learner_command
+from ddiloco.runtime.launch.local_run import RunFiles, sync_command
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from ddiloco.core.shared.errors import ConfigError
+from ddiloco.runtime.launch.command_lines import SyncLine
 
 DEFAULT_OUT = "runs/launch"
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.runtime.launch.local_run import free_port
 
         args.http_port = free_port()
-    with Launch(out, command, args.learners, _sync_args(args, out / STATE_DIR), token=token,
+    with Launch(out, command, args.learners, _sync_line(args, out / STATE_DIR), token=token,
                 max_restarts=args.max_restarts, http_port=args.http_port) as launch:
         code = launch.run()
     export = (f"ddiloco export {shlex.quote(str(out / STATE_DIR))} OUT.safetensors"
@@ -139,14 +140,8 @@ def _say_changes(state_dir: Path, learners: int, tokens: int | None, time_s: flo
         announce(f"launch: resuming the run in {state_dir} with {', '.join(changed)}")
 
 
-def _sync_args(args: argparse.Namespace, state_dir: Path) -> list[str]:
-    """``ddiloco sync``'s command line, less where it listens and what it reports (the launcher's)."""
-    return ["--learners", str(args.learners), "--state-dir", str(state_dir), "--exit-when-finished",
-            *(["--init", args.init] if args.init else []), *(["--preset", args.preset] if args.preset else []),
-            *(["--config", args.config] if args.config else []),
-            *(arg for o in args.overrides for arg in ("--set", o)),
-            *(["--tokens", str(args.tokens)] if args.tokens is not None else []),
-            *(["--time", str(args.time)] if args.time is not None else []),
-            *(["--http-port", str(args.http_port)] if args.http_port is not None else []),
-            *(["--resume"] if args.resume else []),
-            *(["--token-file", args.token_file] if args.token_file else [])]
+def _sync_line(args: argparse.Namespace, state_dir: Path) -> SyncLine:
+    """``ddiloco sync``'s command line, less where it listens and where it writes its port (the launcher's)."""
+    return SyncLine(learners=args.learners, state_dir=state_dir, exit_when_finished=True, init=args.init,
+                    preset=args.preset, config=args.config, sets=tuple(args.overrides), tokens=args.tokens,
+                    time_s=args.time, http_port=args.http_port, resume=args.resume, token_file=args.token_file)

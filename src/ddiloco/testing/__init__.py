@@ -8,7 +8,7 @@ Nothing else in :mod:`ddiloco` imports this package (the layers contract in ``py
 module                        what it holds
 ============================  =====================================================================
 :mod:`.waiting`               :data:`DEADLINE_S`, :func:`wait_for`, :func:`port_from_file`
-:mod:`.commands`              :func:`sync_argv` (the one builder of ``ddiloco sync``), :func:`sync_args`,
+:mod:`.commands`              :func:`sync_argv` (the launchers' ``SyncLine``), :func:`sync_args`,
                               :func:`learner_args`, :func:`ddiloco_argv`
 :mod:`.subprocesses`          :class:`Procs`, :class:`SyncProcess`, sessions (:func:`ddiloco_session`,
                               :func:`session_pids`, :func:`finish`, :func:`stop_session`),

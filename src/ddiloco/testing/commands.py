@@ -1,10 +1,13 @@
-"""The command lines the tests and benchmarks start: ``ddiloco sync`` built in one place."""
+"""The command lines the tests and benchmarks start, ``ddiloco sync``'s from the launchers' own
+:class:`~ddiloco.runtime.launch.command_lines.SyncLine`."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+from ddiloco.runtime.launch.command_lines import SyncLine
 
 
 def ddiloco_argv(*args: str) -> list[str]:
@@ -19,11 +22,8 @@ def sync_argv(*extra: str, preset: str | None = "tiny", listen: str = "127.0.0.1
     """``ddiloco sync`` (the words after ``ddiloco``): ``preset`` (None: no preset, for ``extra`` to name
     a ``--config``), listening on ``listen`` (port 0: any free port, written to ``port_file``), each of
     ``sets`` a ``--set`` override; ``extra`` last, so that it overrides the rest."""
-    optional = {"--learners": learners, "--tokens": tokens, "--init": init, "--port-file": port_file,
-                "--state-dir": state_dir, "--http-port": http_port, "--log-level": log_level}
-    return ["sync", *(["--preset", preset] if preset else []), "--listen", listen,
-            *(word for flag, value in optional.items() if value is not None for word in (flag, str(value))),
-            *(word for override in sets for word in ("--set", override)), *extra]
+    return SyncLine(listen=listen, preset=preset, learners=learners, tokens=tokens, init=init, port_file=port_file,
+                    state_dir=state_dir, http_port=http_port, sets=tuple(sets), log_level=log_level).words(*extra)
 
 
 SHORT_LEASES = ("protocol.lease_s=2.0", "protocol.heartbeat_s=0.3")

@@ -5,7 +5,9 @@ ended with their parent.
 - :mod:`~ddiloco.runtime.launch.launcher`: ``ddiloco run --runtime processes``: start, watch and
   evaluate a run, returning the virtual cluster's summary and metrics rows;
 - :mod:`~ddiloco.runtime.launch.local_run`: the pieces a run on one machine shares with real data
-  parallel and ``ddiloco chaos``: its files, command lines, threads, ports, the global evaluator;
+  parallel, ``ddiloco chaos`` and ``ddiloco launch``: its files, threads, ports, the global evaluator;
+- :mod:`~ddiloco.runtime.launch.command_lines`: ``ddiloco sync``'s and ``ddiloco learner``'s command
+  lines, built once for every launcher and the tests' harness;
 - :mod:`~ddiloco.runtime.launch.processes`: the children of a run: they die with their parent and
   are stopped in order (learners first, the synchronizer last);
 - :mod:`~ddiloco.runtime.launch.child`: the entry every child starts through, which asks the kernel

@@ -29,6 +29,7 @@ from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.core.shared.protocol_config import Mode
 from ddiloco.outputs.reporting import ProgressFn, summarize
 from ddiloco.runtime.client import CallRefused, Unreachable
+from ddiloco.runtime.launch.command_lines import learner_command
 from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
     NETNS_HTTP_PORT,
@@ -38,7 +39,6 @@ from ddiloco.runtime.launch.local_run import (
     RunFiles,
     announce,
     free_port,
-    learner_command,
     learner_names,
     learner_threads,
     prepare_files,

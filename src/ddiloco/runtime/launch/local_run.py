@@ -1,7 +1,7 @@
 """The pieces of a run on one machine, shared by :func:`~ddiloco.runtime.launch.launcher.run_processes`,
-real data parallel (:mod:`~ddiloco.baseline.data_parallel`) and ``ddiloco chaos``: the run's
-files, the command lines of its processes, their threads and ports, and the evaluator of the
-global model.
+real data parallel (:mod:`~ddiloco.baseline.data_parallel`), ``ddiloco chaos`` and ``ddiloco launch``
+(:mod:`~ddiloco.runtime.launch.supervise`): the run's files, the synchronizer's command line per
+shard, its port once bound, the learners' threads, and the evaluator of the global model.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.core.shared.fragments import unflatten_into
 from ddiloco.outputs.reporting import write_config
+from ddiloco.runtime.launch.command_lines import SyncLine
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import sync_names
 from ddiloco.runtime.launch.processes import Processes, StopSignals
@@ -52,11 +53,7 @@ class RunFiles:
 def prepare_files(config: Config, out: Path) -> RunFiles:
     """Create ``out`` and ``out/logs``, write the configuration; forget the logs, ports and checkpoints of a
     previous run."""
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
-    for old in logs.glob("*.log"):
-        old.unlink()
+    logs = fresh_logs(out)
     config_file = out / "runtime-config.toml"
     write_config(config_file, config)
     names = sync_names(config.protocol.shards)
@@ -68,6 +65,15 @@ def prepare_files(config: Config, out: Path) -> RunFiles:
     return files
 
 
+def fresh_logs(out: Path) -> Path:
+    """``out/logs``, made if missing, without the logs of a previous run (a restarted child appends to its own)."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for old in logs.glob("*.log"):
+        old.unlink()
+    return logs
+
+
 def state_dirs(out: Path, shards: int) -> list[Path]:
     """Each synchronizer's --state-dir in a run's directory: ``sync-state``, or ``sync-state-<i>`` per shard."""
     return [out / name.replace(SYNC_HOST, "sync-state", 1) for name in sync_names(shards)]
@@ -77,26 +83,9 @@ def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: 
                  http_port: int | None = None, resume: bool = False, token_file: Path | None = None) -> list[str]:
     """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
     shards = len(files.port_files)
-    return ["sync", "--config", str(files.config_file), "--listen", f"{host}:{port}",
-            *([] if shards == 1 else ["--shard", f"{shard}/{shards}"]),
-            "--port-file", str(files.port_files[shard]), "--state-dir", str(files.state_dirs[shard]),
-            *([] if http_port is None else ["--http-port", str(http_port)]),
-            *(["--resume"] if resume else []), *(["--token-file", str(token_file)] if token_file else [])]
-
-
-def learner_command(addresses: list[str], learner_id: str, threads: int, device: str,
-                    min_step_s: float = 0.0, *, token_file: Path | None = None,
-                    progress_file: Path | None = None, batch_log: Path | None = None) -> list[str]:
-    """``ddiloco learner`` taking the synchronizer's configuration (same model, shards and data order).
-
-    ``min_step_s`` pads every inner step (``--min-step-s``): slower hardware, or CPU left over
-    for restarts when chaos runs many processes on a small machine.
-    """
-    return ["learner", "--connect", ",".join(addresses), "--id", learner_id, "--threads", str(threads),
-            "--device", device, *(["--min-step-s", str(min_step_s)] if min_step_s else []),
-            *(["--token-file", str(token_file)] if token_file else []),
-            *(["--progress-file", str(progress_file)] if progress_file else []),
-            *(["--batch-log", str(batch_log)] if batch_log else [])]
+    return SyncLine(listen=f"{host}:{port}", config=files.config_file, shard=None if shards == 1 else (shard, shards),
+                    port_file=files.port_files[shard], state_dir=files.state_dirs[shard], http_port=http_port,
+                    resume=resume, token_file=token_file).words()
 
 
 def learner_names(learners: int) -> list[str]:
@@ -141,6 +130,10 @@ class GlobalEvaluator:
         return self.workload.evaluate(self.model), [f.version for f in state.fragments]
 
 
+class StartFailed(DdilocoError):
+    """A synchronizer exited before it wrote its port: its own error is the last lines of its log."""
+
+
 def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignals | None = None) -> int:
     """The port the synchronizer ``name`` bound, once it has written ``port_file``; fails if it exits first."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -152,6 +145,6 @@ def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignal
             if text:
                 return int(text)
         if procs.children[name].poll() is not None:
-            raise DdilocoError(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
+            raise StartFailed(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
         time.sleep(0.05)
     raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))

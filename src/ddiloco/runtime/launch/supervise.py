@@ -15,13 +15,24 @@ import shlex
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddiloco.core.shared.errors import ConfigError, DdilocoError
+from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime import script_env
 from ddiloco.runtime.launch.child import EXEC
-from ddiloco.runtime.launch.local_run import LEAVE_TIMEOUT_S, POLL_S, announce, learner_names, learner_threads
+from ddiloco.runtime.launch.command_lines import SyncLine
+from ddiloco.runtime.launch.local_run import (
+    LEAVE_TIMEOUT_S,
+    POLL_S,
+    StartFailed,
+    announce,
+    fresh_logs,
+    learner_names,
+    learner_threads,
+    wait_for_port,
+)
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 
 if TYPE_CHECKING:
@@ -41,7 +52,7 @@ class Launch:
     """One launched run: start with ``with``, then :meth:`run` until it ends; every child is
     killed when the block is left, whatever happened."""
 
-    def __init__(self, out: Path, command: list[str], learners: int, sync_args: list[str], *,
+    def __init__(self, out: Path, command: list[str], learners: int, sync: SyncLine, *,
                  token: str | None = None, max_restarts: int = 3, http_port: int | None = None) -> None:
         self.out = out
         self.new_out = not out.exists()
@@ -50,11 +61,11 @@ class Launch:
         self.port_file = out / PORT_FILE
         self.command = command
         self.names = learner_names(learners)
-        self.sync_args = sync_args
+        self.sync = sync
         self.token = token if token is not None else os.environ.get(script_env.TOKEN) or None
         self.max_restarts = max_restarts
         self.http_port = http_port
-        """The synchronizer's status page (given to it in ``sync_args``), announced at the start."""
+        """The synchronizer's status page (given to it in ``sync``), announced at the start."""
         self.restarts = {name: 0 for name in self.names}
         self.joined: set[str] = set()
         self.exited: dict[str, int] = {}
@@ -62,11 +73,7 @@ class Launch:
         self.late: set[str] = set()
         """Copies still starting when the run's budget was spent, stopped by the launcher: not failures
         (a copy slow to start on a busy machine finds the run over; the others spent the budget)."""
-        logs = out / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        for old in logs.glob("*.log"):
-            old.unlink()
-        self.procs = Processes(logs)
+        self.procs = Processes(fresh_logs(out))
         self._stop = StopSignals()
         self._echoed = {name: 0 for name in self.names}
         """How much of each learner's log is already on the launcher's stdout."""
@@ -109,20 +116,13 @@ class Launch:
             return self._supervise(client, address, threads)
 
     def _start_sync(self) -> str:
-        port_file = self.port_file
-        port_file.unlink(missing_ok=True)
-        self.procs.start(SYNC, ["sync", *self.sync_args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
+        self.port_file.unlink(missing_ok=True)
+        self.procs.start(SYNC, replace(self.sync, listen="127.0.0.1:0", port_file=self.port_file).words(),
                          env={"OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 120.0
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if self._stop.requested is not None:
-                raise KeyboardInterrupt
-            if not self.procs.running(SYNC):
-                raise ConfigError(f"the synchronizer did not start: {self._last_line(SYNC)}")
-            if time.monotonic() > deadline:
-                raise DdilocoError(f"the synchronizer did not start within 120s (its log: {self.procs.logs}/sync.log)")
-            time.sleep(0.05)
-        return f"127.0.0.1:{int(port_file.read_text())}"
+        try:
+            return f"127.0.0.1:{wait_for_port(self.port_file, self.procs, SYNC, self._stop)}"
+        except StartFailed:
+            raise ConfigError(f"the synchronizer did not start: {self._last_line(SYNC)}") from None
 
     def _start_learner(self, name: str, index: int, address: str, threads: int) -> None:
         variables = {script_env.CONNECT: address, script_env.LEARNER_ID: name, script_env.DATA_SHARD: str(index),
