@@ -19,8 +19,7 @@ from typing import Callable
 from ddiloco.chaos.proxy import ProxyHost
 from ddiloco.chaos.schedule import Fault
 from ddiloco.runtime.launch.command_lines import learner_command
-from ddiloco.runtime.launch.local_run import RunFiles, sync_command
-from ddiloco.runtime.launch.netns import SYNC_HOST
+from ddiloco.runtime.launch.local_run import RunFiles, Synchronizers
 from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes
 from ddiloco.settings.fault_kinds import FaultKind
@@ -31,39 +30,37 @@ BATCH_LOGS = "batches"
 
 @dataclass
 class ChaosCluster:
-    """Processes, proxies and hosts of one chaos run; ``ports[i]`` is shard i's gRPC port once bound."""
+    """Processes, proxies and hosts of one chaos run."""
 
     procs: Processes
     proxies: ProxyHost
-    files: RunFiles
-    place: Placement
-    http_ports: list[int]
+    synchronizers: Synchronizers
     threads: int
-    ports: list[int] = field(default_factory=list)
     learner_cmds: dict[str, list[str]] = field(default_factory=dict)
     links: dict[str, list[str]] = field(default_factory=dict)
     """Learner -> the names of its proxies (one per synchronizer shard)."""
 
     @property
+    def files(self) -> RunFiles:
+        return self.synchronizers.files
+
+    @property
+    def place(self) -> Placement:
+        return self.synchronizers.place
+
+    @property
     def syncs(self) -> list[str]:
-        return self.files.sync_names
+        return self.synchronizers.names
 
     def sync_address(self, shard: int) -> str:
-        return f"{self.place.sync_listen(shard)[0]}:{self.ports[shard]}"
+        return self.synchronizers.address(shard)
 
     def status_url(self, shard: int = 0) -> str:
-        return f"http://{self.place.sync_listen(shard)[0]}:{self.http_ports[shard]}/"
+        return self.synchronizers.status_url(shard)
 
     def start_sync(self, shard: int, *, resume: bool) -> None:
         """Start shard ``shard``; a restart (``resume``) binds the port its learners' proxies forward to."""
-        self.files.port_files[shard].unlink(missing_ok=True)
-        host, port = self.place.sync_listen(shard)
-        if resume:
-            port = self.ports[shard]
-        self.procs.start(self.syncs[shard], sync_command(self.files, shard, host=host, port=port,
-                                                         http_port=self.http_ports[shard], resume=resume,
-                                                         token_file=self.place.token_file),
-                         env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
+        self.synchronizers.start(shard, resume=resume)
 
     def batch_log(self, name: str) -> Path:
         """Learner ``name``'s batch log (``runtime/batch_log.py``): every process of it appends there."""
@@ -72,10 +69,10 @@ class ChaosCluster:
     def add_learner(self, name: str, device: str, min_step_s: float) -> None:
         """A proxy per shard in front of ``name``'s connections, and its command line."""
         host, _ = self.place.sync_listen(0)
-        self.links[name] = [name if len(self.ports) == 1 else f"{name}/{sync}" for sync in self.syncs]
+        self.links[name] = [name if len(self.syncs) == 1 else f"{name}/{sync}" for sync in self.syncs]
         gateway = self.place.gateway
         addresses = [f"{gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=gateway)}"
-                     for proxy, port in zip(self.links[name], self.ports)]
+                     for proxy, port in zip(self.links[name], self.synchronizers.ports)]
         self.learner_cmds[name] = learner_command(addresses, name, self.threads, device, min_step_s,
                                                   token_file=self.place.token_file, batch_log=self.batch_log(name))
 

@@ -29,12 +29,10 @@ from ddiloco.runtime.batch_log import read_batch_log
 from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
-    NETNS_HTTP_PORT,
     GlobalEvaluator,
-    free_port,
+    Synchronizers,
     learner_threads,
     prepare_files,
-    wait_for_port,
 )
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import placed
@@ -130,10 +128,8 @@ class ChaosRun:
             old.unlink()
         learners = [learner_name(i) for i in range(self.m)]
         with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
-            shards = len(files.sync_names)
-            http_ports = [free_port() if place.net is None else NETNS_HTTP_PORT + i for i in range(shards)]
-            cluster = ChaosCluster(Processes(files.logs), ProxyHost(), files, place, http_ports,
-                                   learner_threads(self.m))
+            procs = Processes(files.logs)
+            cluster = ChaosCluster(procs, ProxyHost(), Synchronizers(files, place, procs), learner_threads(self.m))
             self.cluster = cluster
             try:
                 return self._run(cluster, stop)
@@ -146,11 +142,7 @@ class ChaosRun:
     def _run(self, cluster: ChaosCluster, stop: StopSignals) -> ChaosOutcome:
         procs, files, place = cluster.procs, cluster.files, cluster.place
         launched = time.monotonic()
-        for i in range(len(cluster.syncs)):
-            cluster.start_sync(i, resume=False)
-        cluster.ports = [wait_for_port(pf, procs, name, stop) for pf, name in zip(files.port_files, cluster.syncs)]
-        for i, name in enumerate(cluster.syncs):
-            address = cluster.sync_address(i)
+        for name, address in zip(cluster.syncs, cluster.synchronizers.start_all(stop)):
             self._shards[name] = _Shard(ShardedClient([address], token=place.token), address)
         for i in range(self.m):
             cluster.add_learner(learner_name(i), self.device, self.min_step_s)

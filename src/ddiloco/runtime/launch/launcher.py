@@ -14,8 +14,9 @@ the same hosts instead: :mod:`ddiloco.baseline.data_parallel`, from the same pie
 
 SIGINT or SIGTERM stops the run cleanly: learners first (they flush), then the final model
 is read and evaluated, then the synchronizer (its final checkpoint); the summary says which
-signal stopped it. The pieces (the command lines, the evaluator of the global model) are
-public: ``ddiloco chaos`` (:mod:`ddiloco.chaos.runner`) runs the same processes and breaks them.
+signal stopped it. The pieces (the run's files, its synchronizers, the evaluator of the global
+model: :mod:`~ddiloco.runtime.launch.local_run`) are public: ``ddiloco chaos``
+(:mod:`ddiloco.chaos.runner`) starts the same processes from them and breaks them.
 """
 
 from __future__ import annotations
@@ -32,18 +33,15 @@ from ddiloco.runtime.client import CallRefused, Unreachable
 from ddiloco.runtime.launch.command_lines import learner_command
 from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
-    NETNS_HTTP_PORT,
     POLL_S,
     START_TIMEOUT_S,
     GlobalEvaluator,
     RunFiles,
+    Synchronizers,
     announce,
-    free_port,
     learner_names,
     learner_threads,
     prepare_files,
-    sync_command,
-    wait_for_port,
 )
 from ddiloco.runtime.launch.netns import SYNC_HOST
 from ddiloco.runtime.launch.placement import Placement, placed
@@ -97,7 +95,11 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
     """Start the synchronizers, then the learners; watch the run to its end or a signal; stop the
     learners before the last evaluation and the synchronizers after it."""
     started = time.monotonic()
-    addresses = _start_synchronizers(files, place, procs, stop)
+    syncs = Synchronizers(files, place, procs)
+    addresses = syncs.start_all(stop)
+    for i, name in enumerate(syncs.names):
+        announce(f"{name}: status page at {syncs.status_url(i)}"
+                 + (f" (?token= the one in {place.token_file})" if place.token_file else ""))
     client = ShardedClient(addresses, token=place.token)
     try:
         evaluations = _Evaluations(config, GlobalEvaluator(config, client), started, progress)
@@ -141,22 +143,6 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
         **place.describe(),
     )
     return summary, evaluations.rows
-
-
-def _start_synchronizers(files: RunFiles, place: Placement, procs: Processes, stop: StopSignals) -> list[str]:
-    """One ``ddiloco sync`` per shard, each announcing its status page; returns their addresses
-    once each has written the port it listens on."""
-    syncs = files.sync_names
-    for i, name in enumerate(syncs):
-        host, port = place.sync_listen(i)
-        http_port = free_port() if place.net is None else NETNS_HTTP_PORT + i
-        procs.start(name, sync_command(files, i, host=host, port=port, http_port=http_port,
-                                       token_file=place.token_file),
-                    env={"OMP_NUM_THREADS": "1"}, prefix=place.prefix(SYNC_HOST))
-        announce(f"{name}: status page at http://{host}:{http_port}/"
-                 + (f" (?token= the one in {place.token_file})" if place.token_file else ""))
-    return [f"{place.sync_listen(i)[0]}:{wait_for_port(pf, procs, name, stop)}"
-            for i, (pf, name) in enumerate(zip(files.port_files, syncs))]
 
 
 def _start_learners(names: list[str], timeline: RunTimeline, procs: Processes, place: Placement, addresses: list[str],

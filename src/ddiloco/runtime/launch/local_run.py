@@ -20,7 +20,7 @@ from ddiloco.core.shared.fragments import unflatten_into
 from ddiloco.outputs.reporting import write_config
 from ddiloco.runtime.launch.command_lines import SyncLine
 from ddiloco.runtime.launch.netns import SYNC_HOST
-from ddiloco.runtime.launch.placement import sync_names
+from ddiloco.runtime.launch.placement import Placement, sync_names
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 from ddiloco.runtime.layout import reference_layout
 from ddiloco.runtime.sharded import ShardedClient
@@ -148,3 +148,40 @@ def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignal
             raise StartFailed(f"the synchronizer {name} failed to start:\n" + procs.tail(name))
         time.sleep(0.05)
     raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))
+
+
+class Synchronizers:
+    """A run's synchronizer processes, one per shard, started and restarted alike by
+    ``ddiloco run --runtime processes`` and ``ddiloco chaos``: each on its host of the placement,
+    with its status page, its state directory and the run's token; a restart resumes its state
+    and binds the port its learners already know."""
+
+    def __init__(self, files: RunFiles, place: Placement, procs: Processes) -> None:
+        self.files, self.place, self.procs = files, place, procs
+        self.names = files.sync_names
+        self.http_ports = [free_port() if place.net is None else NETNS_HTTP_PORT + i for i in range(len(self.names))]
+        self.ports: list[int] = []
+        """Each shard's gRPC port, once :meth:`start_all` has read them."""
+
+    def start(self, shard: int, *, resume: bool = False) -> None:
+        """Start shard ``shard``; a restart (``resume``) binds the port it had."""
+        self.files.port_files[shard].unlink(missing_ok=True)
+        host, port = self.place.sync_listen(shard)
+        self.procs.start(self.names[shard], sync_command(self.files, shard, host=host,
+                                                         port=self.ports[shard] if resume else port,
+                                                         http_port=self.http_ports[shard], resume=resume,
+                                                         token_file=self.place.token_file),
+                         env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
+
+    def start_all(self, stop: StopSignals) -> list[str]:
+        """Start every shard; their addresses once each has written the port it listens on."""
+        for shard in range(len(self.names)):
+            self.start(shard)
+        self.ports = [wait_for_port(pf, self.procs, name, stop) for pf, name in zip(self.files.port_files, self.names)]
+        return [self.address(shard) for shard in range(len(self.names))]
+
+    def address(self, shard: int) -> str:
+        return f"{self.place.sync_listen(shard)[0]}:{self.ports[shard]}"
+
+    def status_url(self, shard: int = 0) -> str:
+        return f"http://{self.place.sync_listen(shard)[0]}:{self.http_ports[shard]}/"
