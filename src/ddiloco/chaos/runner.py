@@ -31,7 +31,6 @@ from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
     GlobalEvaluator,
     Synchronizers,
-    learner_threads,
     prepare_files,
 )
 from ddiloco.runtime.launch.netns import SYNC_HOST
@@ -129,7 +128,7 @@ class ChaosRun:
         learners = [learner_name(i) for i in range(self.m)]
         with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
             procs = Processes(files.logs)
-            cluster = ChaosCluster(procs, ProxyHost(), Synchronizers(files, place, procs), learner_threads(self.m))
+            cluster = ChaosCluster(procs, ProxyHost(), Synchronizers(files, place, procs), files.threads)
             self.cluster = cluster
             try:
                 return self._run(cluster, stop)

@@ -39,8 +39,6 @@ from ddiloco.runtime.launch.local_run import (
     RunFiles,
     Synchronizers,
     announce,
-    learner_names,
-    learner_threads,
     prepare_files,
 )
 from ddiloco.runtime.launch.netns import SYNC_HOST
@@ -76,10 +74,9 @@ def run_processes(
     if not Mode(config.run.mode).uses_protocol:
         raise DdilocoError(f"run_processes runs modes {Mode.DECOUPLED} and {Mode.DILOCO}, not {config.run.mode!r}")
     files = prepare_files(config, out)
-    learners = learner_names(config.run.learners)
-    with StopSignals() as stop, placed(topology, [SYNC_HOST, *learners], out) as place:
+    with StopSignals() as stop, placed(topology, [SYNC_HOST, *files.learners], out) as place:
         procs = Processes(files.logs)
-        timeline = RunTimeline(out, learners, place)
+        timeline = RunTimeline(out, files.learners, place)
         try:
             return _run(config, files, place, procs, timeline, stop, progress, timeout_s, device, min_step_s)
         finally:
@@ -103,10 +100,9 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
     client = ShardedClient(addresses, token=place.token)
     try:
         evaluations = _Evaluations(config, GlobalEvaluator(config, client), started, progress)
-        threads = learner_threads(config.run.learners)
 
         def start(names: list[str]) -> None:
-            _start_learners(names, timeline, procs, place, addresses, threads, device, min_step_s)
+            _start_learners(names, timeline, procs, place, addresses, files.threads, device, min_step_s)
 
         late = _LateLearners(timeline.learners, config.cluster.arrivals_s(len(timeline.learners)), start)
         evaluations.evaluate(_first_status(files, procs, client))

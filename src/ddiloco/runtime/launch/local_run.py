@@ -36,13 +36,17 @@ NETNS_HTTP_PORT = 8080
 
 @dataclass(frozen=True)
 class RunFiles:
-    """Where one local run keeps its configuration, logs, port files and checkpoints."""
+    """What a local run takes from its configuration before anything starts: where it keeps its
+    configuration, logs, port files and checkpoints, and its learners' names and torch threads."""
 
     out: Path
     logs: Path
     config_file: Path
     port_files: list[Path]
     state_dirs: list[Path]
+    learners: list[str]
+    threads: int
+    """Torch threads per learner (:func:`learner_threads`)."""
 
     @property
     def sync_names(self) -> list[str]:
@@ -58,7 +62,8 @@ def prepare_files(config: Config, out: Path) -> RunFiles:
     write_config(config_file, config)
     names = sync_names(config.protocol.shards)
     files = RunFiles(out, logs, config_file, [out / f"{name}.port" for name in names],
-                     state_dirs(out, config.protocol.shards))
+                     state_dirs(out, config.protocol.shards), learner_names(config.run.learners),
+                     learner_threads(config.run.learners))
     for port_file, state_dir in zip(files.port_files, files.state_dirs):
         port_file.unlink(missing_ok=True)
         (state_dir / "synchronizer.safetensors").unlink(missing_ok=True)
