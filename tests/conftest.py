@@ -23,14 +23,6 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, each group in its collected order: on the suite's two workers the
-    minute-long real-process runs start early and the short tests fill in at the end, so that
-    neither worker idles while the other finishes a long run (longest first, the old rule for
-    packing jobs onto machines)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 UNMARKED_SLOW_S = 5.0
 """A test that takes longer than this without ``@pytest.mark.slow`` keeps the quick check
 (``-m "not slow"``, README) from being quick: the suite names it at its end."""
