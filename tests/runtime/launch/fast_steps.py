@@ -2,7 +2,10 @@
 
 ``python fast_steps.py init FILE`` writes the initial weights; ``python fast_steps.py learner`` trains
 as the copy ``ddiloco launch`` started (``LearnerRuntime.from_env``) until the run's budget is
-spent, on random regression data seeded by its data shard. No logging is configured, as in a
+spent, on random regression data: one task for every copy (as shards of one corpus are), each
+copy's own samples drawn by its data shard. (A target per shard made the copies' tasks disagree:
+one that started late under load found the global model fitted to the other's and sent outer
+gradients a hundred times the fragment's median, which the norm bound refuses.) No logging is configured, as in a
 script that never thought of it: what the runtime warns about reaches stderr all the same.
 """
 
@@ -28,8 +31,8 @@ def build_model() -> nn.Module:
 def learner() -> None:
     torch.set_num_threads(1)
     model = build_model()
+    target = torch.randn(WIDTH, 1, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(int(os.environ.get("DDILOCO_DATA_SHARD", "0")))
-    target = torch.randn(WIDTH, 1, generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = 0
     with LearnerRuntime.from_env(model, tokens_per_step=BATCH) as runtime:
