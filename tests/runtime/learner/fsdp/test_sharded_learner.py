@@ -114,32 +114,6 @@ def check_ranks_hold_the_global_model(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_two_rank_fsdp2_learner_trains_against_a_real_synchronizer(tmp_path: Path) -> None:
-    sync, port = start_sync(tmp_path)
-    try:
-        run = torchrun(port, 60, tmp_path)
-        assert run.returncode == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
-        status = status_of(port)
-        assert status is not None
-        versions = [f["version"] for f in status["fragments"]]
-        assert min(versions) >= 3, versions  # the learner's contributions were merged
-        assert "slice_mismatch" not in status["rejections"], status["rejections"]
-        (learner,) = status["learners"]
-        assert learner["id"] == "island-a"
-        ranks = check_ranks_hold_the_global_model(tmp_path)
-        assert ranks[0]["bytes_up"] > 0 and ranks[1]["bytes_up"] > 0  # each rank sent its own slices
-        assert [len(r["helpers"]) for r in ranks] == [1, 1]  # through a link helper process of its own
-        down = [r["bytes_down"] for r in ranks]  # each its own slices: about half each (a whole would fail to decode)
-        assert all(0.3 * sum(down) < d < 0.7 * sum(down) for d in down), down
-        # The cores decide by one clock, rank 0's: on their own clocks they would part at a boundary
-        # (one rank's slice sent, its sibling's held for its update).
-        assert ranks[0]["next_deadline"] is not None and ranks[0]["next_deadline"] == ranks[1]["next_deadline"]
-    finally:
-        sync.terminate()
-        sync.wait(timeout=60)
-
-
-@pytest.mark.slow
 def test_a_sharded_learner_in_synchronous_diloco_waits_for_each_update_on_every_rank_alike(tmp_path: Path) -> None:
     """Synchronous DiLoCo: a learner blocks after each send until the round that merges it. Each rank's
     core says when to wait and when to train on; told one clock, they say it at the same exchange."""
@@ -224,7 +198,10 @@ def test_a_rank_killed_mid_run_restarts_the_learner_whose_next_contributions_are
 
 
 @pytest.mark.slow
-def test_a_rank_s_link_helper_killed_mid_run_is_replaced_and_the_learner_trains_on(tmp_path: Path) -> None:
+def test_a_two_rank_learner_trains_each_rank_its_slices_and_a_rank_s_helper_killed_mid_run_is_replaced(
+        tmp_path: Path) -> None:
+    """A 2-rank FSDP2 learner against a real synchronizer, each rank through a link helper of its own
+    that sends and receives only the rank's slices; rank 1's helper killed at step 30 of 80."""
     # A slice lost with the helper holds its fragment's next send until the update says whether it
     # was merged, at most a lease: a short one, so the ranks need not train on for 10 s.
     sync, port = start_sync(tmp_path, "--set", "protocol.lease_s=2")
@@ -238,8 +215,17 @@ def test_a_rank_s_link_helper_killed_mid_run_is_replaced_and_the_learner_trains_
         assert [len(r["helpers"]) for r in ranks] == [1, 1]
         after, before = ranks[1]["versions"], ranks[1]["versions_at_kill"]
         assert all(a > b for a, b in zip(after, before)), (before, after)  # merged after the kill, every fragment
+        assert ranks[0]["bytes_up"] > 0 and ranks[1]["bytes_up"] > 0  # each rank sent its own slices
+        down = [r["bytes_down"] for r in ranks]  # each its own slices: about half each (a whole would fail to decode)
+        assert all(0.3 * sum(down) < d < 0.7 * sum(down) for d in down), down
+        # The cores decide by one clock, rank 0's: on their own clocks they would part at a boundary
+        # (one rank's slice sent, its sibling's held for its update).
+        assert ranks[0]["next_deadline"] is not None and ranks[0]["next_deadline"] == ranks[1]["next_deadline"]
         status = status_of(port)
         assert status is not None
+        (learner,) = status["learners"]
+        assert learner["id"] == "island-a"
+        assert min(f["version"] for f in status["fragments"]) >= 3, status["fragments"]
         assert "slice_mismatch" not in status["rejections"], status["rejections"]
     finally:
         sync.terminate()
