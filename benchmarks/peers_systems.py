@@ -31,10 +31,10 @@ from ddiloco.runtime.launch.command_lines import learner_command
 from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
     GlobalEvaluator,
+    Synchronizers,
     prepare_files,
-    sync_command,
-    wait_for_port,
 )
+from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes
 from ddiloco.runtime.progress import read_progress
 from ddiloco.runtime.sharded import ShardedClient
@@ -270,9 +270,7 @@ class _Ddiloco(_Side):
     servers = ["sync"]
 
     def start_servers(self) -> None:
-        self.procs.start("sync", sync_command(self.files, 0), env={"OMP_NUM_THREADS": "1"})
-        port = wait_for_port(self.files.port_files[0], self.procs, "sync")
-        self.address = f"127.0.0.1:{port}"
+        (self.address,) = Synchronizers.of_run(self.files, Placement(None, None), self.procs, pages=False).start_all()
         self.client = ShardedClient([self.address])
         self.evaluator = GlobalEvaluator(self.config, self.client)
         self.versions = -1

@@ -34,15 +34,12 @@ class ChaosCluster:
 
     procs: Processes
     proxies: ProxyHost
+    files: RunFiles
     synchronizers: Synchronizers
     threads: int
     learner_cmds: dict[str, list[str]] = field(default_factory=dict)
     links: dict[str, list[str]] = field(default_factory=dict)
     """Learner -> the names of its proxies (one per synchronizer shard)."""
-
-    @property
-    def files(self) -> RunFiles:
-        return self.synchronizers.files
 
     @property
     def place(self) -> Placement:

@@ -128,7 +128,7 @@ class ChaosRun:
         learners = [learner_name(i) for i in range(self.m)]
         with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
             procs = Processes(files.logs)
-            cluster = ChaosCluster(procs, ProxyHost(), Synchronizers(files, place, procs), files.threads)
+            cluster = ChaosCluster(procs, ProxyHost(), files, Synchronizers.of_run(files, place, procs), files.threads)
             self.cluster = cluster
             try:
                 return self._run(cluster, stop)

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.http_port = free_port()
     with Launch(out, command, args.learners, _sync_line(args, out / STATE_DIR), token=token,
-                max_restarts=args.max_restarts, http_port=args.http_port) as launch:
+                max_restarts=args.max_restarts) as launch:
         code = launch.run()
     export = (f"ddiloco export {shlex.quote(str(out / STATE_DIR))} OUT.safetensors"
               + (f" --init {shlex.quote(args.init)}" if args.init else ""))

@@ -5,7 +5,8 @@ ended with their parent.
 - :mod:`~ddiloco.runtime.launch.launcher`: ``ddiloco run --runtime processes``: start, watch and
   evaluate a run, returning the virtual cluster's summary and metrics rows;
 - :mod:`~ddiloco.runtime.launch.local_run`: the pieces a run on one machine shares with real data
-  parallel, ``ddiloco chaos`` and ``ddiloco launch``: its files, threads, ports, the global evaluator;
+  parallel, ``ddiloco chaos`` and ``ddiloco launch``: its files, its synchronizer processes, the
+  global evaluator;
 - :mod:`~ddiloco.runtime.launch.command_lines`: ``ddiloco sync``'s and ``ddiloco learner``'s command
   lines, built once for every launcher and the tests' harness;
 - :mod:`~ddiloco.runtime.launch.processes`: the children of a run: they die with their parent and

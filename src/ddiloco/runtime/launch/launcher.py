@@ -92,7 +92,7 @@ def _run(config: Config, files: RunFiles, place: Placement, procs: Processes, ti
     """Start the synchronizers, then the learners; watch the run to its end or a signal; stop the
     learners before the last evaluation and the synchronizers after it."""
     started = time.monotonic()
-    syncs = Synchronizers(files, place, procs)
+    syncs = Synchronizers.of_run(files, place, procs)
     addresses = syncs.start_all(stop)
     for i, name in enumerate(syncs.names):
         announce(f"{name}: status page at {syncs.status_url(i)}"

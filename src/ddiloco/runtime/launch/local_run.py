@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,15 +84,6 @@ def state_dirs(out: Path, shards: int) -> list[Path]:
     return [out / name.replace(SYNC_HOST, "sync-state", 1) for name in sync_names(shards)]
 
 
-def sync_command(files: RunFiles, shard: int, *, host: str = "127.0.0.1", port: int = 0,
-                 http_port: int | None = None, resume: bool = False, token_file: Path | None = None) -> list[str]:
-    """``ddiloco sync`` for shard ``shard`` of the run in ``files`` (port 0: any free port, read from its port file)."""
-    shards = len(files.port_files)
-    return SyncLine(listen=f"{host}:{port}", config=files.config_file, shard=None if shards == 1 else (shard, shards),
-                    port_file=files.port_files[shard], state_dir=files.state_dirs[shard], http_port=http_port,
-                    resume=resume, token_file=token_file).words()
-
-
 def learner_names(learners: int) -> list[str]:
     return [f"learner-{i}" for i in range(learners)]
 
@@ -156,33 +147,51 @@ def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignal
 
 
 class Synchronizers:
-    """A run's synchronizer processes, one per shard, started and restarted alike by
-    ``ddiloco run --runtime processes`` and ``ddiloco chaos``: each on its host of the placement,
-    with its status page, its state directory and the run's token; a restart resumes its state
-    and binds the port its learners already know."""
+    """A run's synchronizer processes, one per shard, each started from its :class:`SyncLine` on its
+    host of the placement, with the placement's token and a status page: started and restarted
+    alike by ``ddiloco run --runtime processes``, ``ddiloco chaos`` and ``ddiloco launch``. A
+    restart resumes its state and binds the port its learners already know."""
 
-    def __init__(self, files: RunFiles, place: Placement, procs: Processes) -> None:
-        self.files, self.place, self.procs = files, place, procs
-        self.names = files.sync_names
-        self.http_ports = [free_port() if place.net is None else NETNS_HTTP_PORT + i for i in range(len(self.names))]
+    def __init__(self, lines: list[SyncLine], place: Placement, procs: Processes, *, pages: bool = True) -> None:
+        """``lines[i]``: shard i's command line, less where it listens; ``pages``: give a shard whose
+        line names no status page one (a free port, or a fixed one in a network namespace)."""
+        self.lines, self.place, self.procs = lines, place, procs
+        self.names = sync_names(len(lines))
+        self.http_ports = [line.http_port if line.http_port is not None or not pages
+                           else free_port() if place.net is None else NETNS_HTTP_PORT + i
+                           for i, line in enumerate(lines)]
         self.ports: list[int] = []
         """Each shard's gRPC port, once :meth:`start_all` has read them."""
 
+    @classmethod
+    def of_run(cls, files: RunFiles, place: Placement, procs: Processes, *, pages: bool = True) -> "Synchronizers":
+        """The synchronizers of the run in ``files``: its configuration, a state directory and a port file each."""
+        shards = len(files.port_files)
+        return cls([SyncLine(config=files.config_file, shard=None if shards == 1 else (i, shards),
+                             port_file=files.port_files[i], state_dir=files.state_dirs[i]) for i in range(shards)],
+                   place, procs, pages=pages)
+
+    def _port_file(self, shard: int) -> Path:
+        port_file = self.lines[shard].port_file
+        if port_file is None:
+            raise DdilocoError(f"{self.names[shard]}'s command line names no --port-file to read its port from")
+        return port_file
+
     def start(self, shard: int, *, resume: bool = False) -> None:
         """Start shard ``shard``; a restart (``resume``) binds the port it had."""
-        self.files.port_files[shard].unlink(missing_ok=True)
+        line = self.lines[shard]
+        self._port_file(shard).unlink(missing_ok=True)
         host, port = self.place.sync_listen(shard)
-        self.procs.start(self.names[shard], sync_command(self.files, shard, host=host,
-                                                         port=self.ports[shard] if resume else port,
-                                                         http_port=self.http_ports[shard], resume=resume,
-                                                         token_file=self.place.token_file),
-                         env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
+        words = replace(line, listen=f"{host}:{self.ports[shard] if resume else port}",
+                        http_port=self.http_ports[shard], resume=resume or line.resume,
+                        token_file=self.place.token_file or line.token_file).words()
+        self.procs.start(self.names[shard], words, env={"OMP_NUM_THREADS": "1"}, prefix=self.place.prefix(SYNC_HOST))
 
-    def start_all(self, stop: StopSignals) -> list[str]:
+    def start_all(self, stop: StopSignals | None = None) -> list[str]:
         """Start every shard; their addresses once each has written the port it listens on."""
         for shard in range(len(self.names)):
             self.start(shard)
-        self.ports = [wait_for_port(pf, self.procs, name, stop) for pf, name in zip(self.files.port_files, self.names)]
+        self.ports = [wait_for_port(self._port_file(i), self.procs, name, stop) for i, name in enumerate(self.names)]
         return [self.address(shard) for shard in range(len(self.names))]
 
     def address(self, shard: int) -> str:

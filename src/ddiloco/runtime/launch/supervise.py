@@ -27,12 +27,13 @@ from ddiloco.runtime.launch.local_run import (
     LEAVE_TIMEOUT_S,
     POLL_S,
     StartFailed,
+    Synchronizers,
     announce,
     fresh_logs,
     learner_names,
     learner_threads,
-    wait_for_port,
 )
+from ddiloco.runtime.launch.placement import Placement
 from ddiloco.runtime.launch.processes import Processes, StopSignals
 
 if TYPE_CHECKING:
@@ -53,19 +54,20 @@ class Launch:
     killed when the block is left, whatever happened."""
 
     def __init__(self, out: Path, command: list[str], learners: int, sync: SyncLine, *,
-                 token: str | None = None, max_restarts: int = 3, http_port: int | None = None) -> None:
+                 token: str | None = None, max_restarts: int = 3) -> None:
         self.out = out
         self.new_out = not out.exists()
         self.state_dir = out / STATE_DIR
         self.new_state = not self.state_dir.exists()
         self.port_file = out / PORT_FILE
+        self.procs = Processes(fresh_logs(out))
         self.command = command
         self.names = learner_names(learners)
-        self.sync = sync
+        self.syncs = Synchronizers([replace(sync, port_file=self.port_file)], Placement(None, None), self.procs,
+                                   pages=False)
+        """The synchronizer (on loopback; its status page only where ``sync`` names one)."""
         self.token = token if token is not None else os.environ.get(script_env.TOKEN) or None
         self.max_restarts = max_restarts
-        self.http_port = http_port
-        """The synchronizer's status page (given to it in ``sync``), announced at the start."""
         self.restarts = {name: 0 for name in self.names}
         self.joined: set[str] = set()
         self.exited: dict[str, int] = {}
@@ -73,7 +75,6 @@ class Launch:
         self.late: set[str] = set()
         """Copies still starting when the run's budget was spent, stopped by the launcher: not failures
         (a copy slow to start on a busy machine finds the run over; the others spent the budget)."""
-        self.procs = Processes(fresh_logs(out))
         self._stop = StopSignals()
         self._echoed = {name: 0 for name in self.names}
         """How much of each learner's log is already on the launcher's stdout."""
@@ -108,7 +109,7 @@ class Launch:
         address = self._start_sync()
         announce(f"launch: synchronizer at {address}, {len(self.names)} x `{shlex.join(self.command)}`; "
                  f"logs in {self.procs.logs}/"
-                 + ("" if self.http_port is None else f"; status page at http://127.0.0.1:{self.http_port}/"))
+                 + ("" if self.syncs.http_ports[0] is None else f"; status page at {self.syncs.status_url()}"))
         threads = learner_threads(len(self.names))
         for i, name in enumerate(self.names):
             self._start_learner(name, i, address, threads)
@@ -116,13 +117,11 @@ class Launch:
             return self._supervise(client, address, threads)
 
     def _start_sync(self) -> str:
-        self.port_file.unlink(missing_ok=True)
-        self.procs.start(SYNC, replace(self.sync, listen="127.0.0.1:0", port_file=self.port_file).words(),
-                         env={"OMP_NUM_THREADS": "1"})
         try:
-            return f"127.0.0.1:{wait_for_port(self.port_file, self.procs, SYNC, self._stop)}"
+            (address,) = self.syncs.start_all(self._stop)
         except StartFailed:
             raise ConfigError(f"the synchronizer did not start: {self._last_line(SYNC)}") from None
+        return address
 
     def _start_learner(self, name: str, index: int, address: str, threads: int) -> None:
         variables = {script_env.CONNECT: address, script_env.LEARNER_ID: name, script_env.DATA_SHARD: str(index),
