@@ -142,3 +142,21 @@ def test_every_deadline_is_defined_once():
         if divides_by(tree, "min_link_bytes_per_s"):
             floor.append(str(path.relative_to(SRC)))
     assert again == [] and floor == []
+
+
+def test_tests_and_benchmarks_import_helpers_never_a_test_file_nor_edit_sys_path():
+    """What tests share lives in helper modules (``protocol_helpers.py``, ``ddiloco.testing``): a test file
+    that imports another runs that file's module code and ties the two together; ``sys.path`` edits
+    hide where an import comes from (pytest's ``pythonpath`` in pyproject.toml names the folders)."""
+    root = SRC.parent
+    found = []
+    for path in sorted([*(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.relative_to(root)} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                found.append(f"{path.relative_to(root)} uses sys.path")
+    assert not found, found

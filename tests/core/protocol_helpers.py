@@ -6,7 +6,15 @@ import numpy as np
 import torch
 
 from ddiloco.core.learner_side.learner_core import Learner
-from ddiloco.core.shared.actions import Admitted, Broadcast, Refused, SendHeartbeat, SendJoin, StateDelivered
+from ddiloco.core.shared.actions import (
+    Admitted,
+    Broadcast,
+    Refused,
+    RoundClosed,
+    SendHeartbeat,
+    SendJoin,
+    StateDelivered,
+)
 from ddiloco.core.shared.fragments import flatten, plan_fragments
 from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.accumulate import RoundAccumulator
@@ -90,3 +98,47 @@ def deliver(actions, cores, now: float = 0.0) -> int:
 def refused(actions) -> Refused | None:
     """The reply refusing the request, if the first action is one."""
     return actions[0] if actions and isinstance(actions[0], Refused) else None
+
+
+BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
+
+
+def contributions_for(cores, params, fragment, seed=0):
+    """Have every learner step until ``fragment`` falls due; return its contributions.
+
+    The other fragments' contributions are never delivered (the learner is told so, and folds
+    them into its next ones, sent once the wait for their updates is over: the learner's clock
+    is its steps of 1 s); the learner is told its call for ``fragment`` was answered (a learner
+    holds a fragment's next send while the last one is unanswered)."""
+    out = []
+    for m, (core, p) in enumerate(zip(cores, params)):
+        for _ in range(100):
+            local_step(p, seed=seed * 100 + m * 10 + core.step)
+            now = float(core.step)
+            due = step(core, tokens=100, duration_s=1.0, now=now)
+            for c in due:
+                if c.fragment != fragment:
+                    core.on_undelivered(c, now)
+            match = [c for c in due if c.fragment == fragment]
+            if match:
+                core.on_accepted(match[0], 0.0)
+                out.append(match[0])
+                break
+        else:
+            raise AssertionError(f"fragment {fragment} never fell due for {core.learner_id}")
+    return out
+
+
+def closed(actions):
+    return [a for a in actions if isinstance(a, RoundClosed)]
+
+
+def one_learner_sent(config):
+    """One learner after three steps: the synchronizer, the learner, what it sent, and a zero
+    update's payload for the fragment of its first send."""
+    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
+    sent = []
+    for s in range(1, 4):
+        local_step(params, seed=s)
+        sent += step(core, 10, 1.0)
+    return plan, sync, core, sent, torch.zeros(plan.fragments[sent[0].fragment].numel).numpy().tobytes()

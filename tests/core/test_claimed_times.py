@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from protocol_helpers import make_cluster
-from test_hostile_members import BASE
-from test_synchronizer import contributions_for
+from protocol_helpers import BASE, contributions_for, make_cluster
 
 from ddiloco.core.shared.actions import Refused, RoundClosed
 from ddiloco.core.sync_side.claims import ClaimLimits, ClipReason, plausible_timing

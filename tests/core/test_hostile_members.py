@@ -9,8 +9,18 @@ import dataclasses
 
 import pytest
 import torch
-from protocol_helpers import deliver, join, local_step, make_cluster, make_params, make_sync, refused, step
-from test_synchronizer import contributions_for
+from protocol_helpers import (
+    BASE,
+    contributions_for,
+    deliver,
+    join,
+    local_step,
+    make_cluster,
+    make_params,
+    make_sync,
+    refused,
+    step,
+)
 
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.shared.actions import (
@@ -25,10 +35,7 @@ from ddiloco.core.shared.actions import (
     Tick,
 )
 from ddiloco.core.shared.messages import MAX_ID_CHARS, Heartbeat, Join, Leave, Progress, Session
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase
-
-BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
 
 
 def a_contribution(cores, params):

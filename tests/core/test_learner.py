@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from protocol_helpers import deliver, local_step, make_cluster, step
+from protocol_helpers import deliver, local_step, make_cluster, one_learner_sent, step
 
 from ddiloco.core.learner_side.learner_core import Learner
 from ddiloco.core.learner_side.learner_phase import LearnerPhase, LoopMove, UpdateResult
@@ -201,17 +201,6 @@ def test_refusals_that_mean_a_lost_state_make_the_learner_join_again(reason):
     assert core.on_refused(sent[1], RejectReason(reason), 3.0) == []  # one join is enough
     assert core.between_steps(3.0) is LoopMove.STEP  # it holds a state: it trains on while it rejoins
     assert [s.fragment for s in core.record_step(10, 1.0, 4.0)] == []  # ... but sends nothing from it
-
-
-def one_learner_sent(config):
-    """One learner after three steps: the synchronizer, the learner, what it sent, and a zero
-    update's payload for the fragment of its first send."""
-    plan, sync, (core,), (params,) = make_cluster(config, learners=1)
-    sent = []
-    for s in range(1, 4):
-        local_step(params, seed=s)
-        sent += step(core, 10, 1.0)
-    return plan, sync, core, sent, torch.zeros(plan.fragments[sent[0].fragment].numel).numpy().tobytes()
 
 
 def test_stale_refusals_while_updates_arrive_in_order_do_not_make_the_learner_join_again():

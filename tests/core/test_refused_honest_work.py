@@ -12,10 +12,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from protocol_helpers import deliver, make_cluster, make_sync, refused
-from test_hostile_members import BASE
-from test_learner import one_learner_sent
-from test_synchronizer import contributions_for
+from protocol_helpers import (
+    BASE,
+    contributions_for,
+    deliver,
+    make_cluster,
+    make_sync,
+    one_learner_sent,
+    refused,
+)
 
 from ddiloco.core.shared.actions import Admitted, RoundClosed, Stale, StateDelivered, Tick
 from ddiloco.core.shared.messages import FragmentUpdate, Join, RejectReason, Session

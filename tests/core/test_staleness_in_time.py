@@ -15,9 +15,7 @@ import math
 
 import pytest
 import torch
-from protocol_helpers import deliver, make_cluster, refused
-from test_hostile_members import BASE
-from test_synchronizer import closed, contributions_for
+from protocol_helpers import BASE, closed, contributions_for, deliver, make_cluster, refused
 
 from ddiloco.core.shared.actions import Tick
 from ddiloco.core.shared.errors import ConfigError

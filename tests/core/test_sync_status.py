@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from protocol_helpers import make_cluster, refused
-from test_synchronizer import BASE, contributions_for
+from protocol_helpers import BASE, contributions_for, make_cluster, refused
 
 from ddiloco.core.shared.actions import Tick
 from ddiloco.core.shared.messages import Heartbeat, Leave, Progress, Session

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from protocol_helpers import deliver, local_step, make_cluster, refused, step
+from protocol_helpers import BASE, closed, contributions_for, deliver, make_cluster, refused
 
 from ddiloco.core.shared.actions import (
     Accepted,
@@ -16,49 +16,15 @@ from ddiloco.core.shared.actions import (
     Checkpoint,
     Finished,
     LeaseExpired,
-    RoundClosed,
     StateDelivered,
     StopLearners,
     Tick,
 )
 from ddiloco.core.shared.codecs import get_codec
 from ddiloco.core.shared.messages import Heartbeat, Join, Leave, Progress, Session
-from ddiloco.core.shared.protocol_config import ProtocolConfig
 from ddiloco.core.sync_side.rounds import RoundPhase
 from ddiloco.core.sync_side.run_state import RunLimits, RunPhase
 from ddiloco.core.sync_side.synchronizer import Synchronizer
-
-BASE = ProtocolConfig(fragments=3, period=3, quorum=2, grace_max_s=5.0, lease_s=10.0, overlap=2, space_rounds=False)
-
-
-def contributions_for(cores, params, fragment, seed=0):
-    """Have every learner step until ``fragment`` falls due; return its contributions.
-
-    The other fragments' contributions are never delivered (the learner is told so, and folds
-    them into its next ones, sent once the wait for their updates is over: the learner's clock
-    is its steps of 1 s); the learner is told its call for ``fragment`` was answered (a learner
-    holds a fragment's next send while the last one is unanswered)."""
-    out = []
-    for m, (core, p) in enumerate(zip(cores, params)):
-        for _ in range(100):
-            local_step(p, seed=seed * 100 + m * 10 + core.step)
-            now = float(core.step)
-            due = step(core, tokens=100, duration_s=1.0, now=now)
-            for c in due:
-                if c.fragment != fragment:
-                    core.on_undelivered(c, now)
-            match = [c for c in due if c.fragment == fragment]
-            if match:
-                core.on_accepted(match[0], 0.0)
-                out.append(match[0])
-                break
-        else:
-            raise AssertionError(f"fragment {fragment} never fell due for {core.learner_id}")
-    return out
-
-
-def closed(actions):
-    return [a for a in actions if isinstance(a, RoundClosed)]
 
 
 def test_every_request_gets_one_reply_first():

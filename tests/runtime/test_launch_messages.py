@@ -18,7 +18,7 @@ from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.sync.resume import Resume
 from ddiloco.runtime.sync.service import ServiceOptions
 from ddiloco.testing import InProcessSync
-from test_own_model_layout import TiedLM, tiny_config
+from own_models import TiedLM, tiny_config
 
 COMMAND = ["--learners", "2", "--", "python", "train.py"]
 

@@ -20,27 +20,8 @@ from ddiloco.runtime.learner.runtime import (
     save_initial_state,
 )
 from ddiloco.runtime.sync.service import ServiceOptions
-from ddiloco.settings.config_sources import build_config
 from ddiloco.testing import InProcessSync
-
-
-class TiedLM(nn.Module):
-    """Embedding and output layer sharing one tensor, as GPT-2 and most HF causal LMs do."""
-
-    def __init__(self, *, tied: bool = True) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 32, bias=False)
-        if tied:
-            self.head.weight = self.embed.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.hidden(self.embed(x))))
-
-
-def tiny_config() -> object:
-    return build_config(preset="tiny", overrides=("run.learners=2",))
+from own_models import TiedLM, tiny_config
 
 
 def saved(path) -> tuple[set[str], list[str]]:

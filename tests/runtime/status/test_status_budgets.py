@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from test_status_page import CHROMIUM, api_status, browse
+from page_client import CHROMIUM, api_status, browse
 
 from ddiloco import cli
 from ddiloco.core.shared.messages import Heartbeat, Join, Progress

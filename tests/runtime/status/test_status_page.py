@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from page_client import CHROMIUM, api_status, browse, get
 
 from ddiloco.core.shared.errors import ConfigError
 from ddiloco.runtime.auth import Address
@@ -28,22 +26,6 @@ from ddiloco.testing import DEADLINE_S, free_port, learner_args, process_state, 
 
 PACE = ("--min-step-s", "0.02")
 """Pace the tiny learners so that two of them, a synchronizer and a browser share 2 cores calmly."""
-
-
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0, b""
-
-
-def api_status(http_port: int) -> dict | None:
-    code, body = get(f"http://127.0.0.1:{http_port}/api/status")
-    return json.loads(body) if code == 200 else None
 
 
 def max_version(status: dict | None) -> int:
@@ -129,19 +111,6 @@ def test_api_status_versions_advance(procs) -> None:
                        "two history samples")
     assert [h["t"] for h in history] == sorted(h["t"] for h in history)
     assert max(history[-1]["versions"].values()) >= max(history[0]["versions"].values())
-
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def browse(url: str, profile: Path, *extra: str) -> str:
-    """Load ``url`` in headless Chromium, let its scripts run, return stdout (the DOM with --dump-dom)."""
-    assert CHROMIUM is not None
-    done = subprocess.run([CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
-                           f"--user-data-dir={profile}", "--virtual-time-budget=3000", *extra, url],
-                          capture_output=True, text=True, timeout=DEADLINE_S)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
 
 
 def dom_versions(dom: str) -> list[int]:
