@@ -42,3 +42,23 @@ def test_only_a_full_pool_asks_which_sessions_live_and_the_ended_ones_make_way()
     admission.admit(InFlight("c", NEW, 0))
     ended = admission.not_live(admission.crowded(), [False, True])
     assert [(e.upload.learner, e.reason) for e in ended] == [("a", RejectReason.UNKNOWN_LEARNER)]
+
+
+def test_the_questions_come_in_one_order_for_both_drivers():
+    """``consider`` then ``with_live``, as the service (``call_limits.py``) and the simulator
+    (``sim/sync_node.py``) both ask: older sessions end first; a busy upload is refused before any
+    session is asked about; only a full pool asks, and only then do ended sessions make way."""
+    admission = UploadAdmission(max_learners=1)
+    admission.admit(InFlight("a", OLD, 0))
+    admission.admit(InFlight("b", OLD, 0))  # every place taken
+    busy = admission.consider("b", OLD, 0)
+    assert busy.refused[0] is RejectReason.BUSY and busy.check == [] and busy.ended == []
+    renewed = admission.consider("a", NEW, 1)  # a's older session's upload ends: a place is free
+    assert [e.upload for e in renewed.ended] == [InFlight("a", OLD, 0)]
+    assert renewed.refused is None and renewed.check == []
+    admission.admit(InFlight("a", NEW, 1))
+    crowded = admission.consider("c", NEW, 0)
+    assert crowded.refused is None and crowded.check == [InFlight("b", OLD, 0), InFlight("a", NEW, 1)]
+    settled = admission.with_live("c", 0, crowded.check, [False, True])
+    assert [(e.upload.learner, e.reason) for e in settled.ended] == [("b", RejectReason.UNKNOWN_LEARNER)]
+    assert settled.refused is None and settled.check == []

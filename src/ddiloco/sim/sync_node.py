@@ -125,12 +125,14 @@ class SyncNode:
                 return True  # a whole upload: the core refuses it itself, and counts it, with its body
             self._reply(host, caller, c, problem.reason, problem.detail)  # a header: refused on the wire
             return False
-        self._end(host, self.uploads.superseded(c.learner_id, c.session))
-        if holders := self.uploads.crowded():
-            live = [self.core.session_problem(u.learner, u.session) is None for u in holders]
-            self._end(host, self.uploads.not_live(holders, live))
-        if (refused := self.uploads.refusal(c.learner_id, c.fragment)) is not None:
-            self._reply(host, caller, c, *refused)
+        verdict = self.uploads.consider(c.learner_id, c.session, c.fragment)
+        self._end(host, verdict.ended)
+        if verdict.check:
+            live = [self.core.session_problem(u.learner, u.session) is None for u in verdict.check]
+            verdict = self.uploads.with_live(c.learner_id, c.fragment, verdict.check, live)
+            self._end(host, verdict.ended)
+        if verdict.refused is not None:
+            self._reply(host, caller, c, *verdict.refused)
             return False
         return True
 

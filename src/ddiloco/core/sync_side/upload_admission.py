@@ -6,8 +6,10 @@ here: at most one per learner and fragment and :data:`UPLOADS_PER_LEARNER` per l
 (``busy`` beyond: the learner retries, or folds the work into its next contribution), and room
 for as many for every lease the registry grants. A learner that registered again ends its older
 session's uploads (``superseded``); when every place is taken, the uploads of sessions no longer
-live make way (``unknown_learner``). The driver holds the buffers and the streams
-(``runtime/sync/call_limits.py``) and asks the core which sessions are live; it decides nothing.
+live make way (``unknown_learner``). The order of these questions is decided here, once
+(:meth:`UploadAdmission.consider`, then :meth:`UploadAdmission.with_live`); the drivers (the
+service's ``runtime/sync/call_limits.py``, the simulator's ``sim/sync_node.py``) hold the buffers
+and the streams and ask the core which sessions are live in between; they decide nothing.
 """
 
 from __future__ import annotations
@@ -40,11 +42,37 @@ class Ended:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the admission made of an upload's header so far."""
+
+    ended: list[Ended]
+    """Uploads ended to make way: their streams are closed with why."""
+    refused: tuple[RejectReason, str] | None
+    """This upload refused (``busy``), or None."""
+    check: list[InFlight]
+    """Every place taken: ask the core which of these uploads' sessions are live, then
+    :meth:`UploadAdmission.with_live`; empty: nothing to ask."""
+
+
 class UploadAdmission:
     def __init__(self, max_learners: int) -> None:
         self.total = UPLOADS_PER_LEARNER * max_learners
         """Room for every lease the registry grants: live sessions alone never fill it."""
         self.in_flight: list[InFlight] = []
+
+    def consider(self, learner: str, session: Session, fragment: int) -> Verdict:
+        """A header of ``session`` (that the core just called live) for ``fragment``: its learner's older
+        sessions' uploads end; a ``busy`` refusal needs no other question; with every place taken,
+        the holders whose sessions the core must be asked about."""
+        ended = self.superseded(learner, session)
+        refused = self.refusal(learner, fragment)
+        return Verdict(ended, refused, [] if refused else self.crowded())
+
+    def with_live(self, learner: str, fragment: int, check: list[InFlight], live: list[bool]) -> Verdict:
+        """The core's answer for ``check`` (:attr:`Verdict.check`): the uploads of ended sessions make
+        way; the upload is refused if it is ``busy`` now (the same upload may have come again meanwhile)."""
+        return Verdict(self.not_live(check, live), self.refusal(learner, fragment), [])
 
     def superseded(self, learner: str, session: Session) -> list[Ended]:
         """A header of ``session``: the uploads of ``learner``'s older sessions end."""

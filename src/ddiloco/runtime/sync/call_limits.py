@@ -42,7 +42,7 @@ import grpc
 from ddiloco.core.shared import deadlines
 from ddiloco.core.shared.messages import RejectReason, Session
 from ddiloco.core.shared.protocol_config import ProtocolConfig
-from ddiloco.core.sync_side.upload_admission import Ended, InFlight, UploadAdmission
+from ddiloco.core.sync_side.upload_admission import InFlight, UploadAdmission, Verdict
 from ddiloco.runtime.sync.boundary import Abort
 from ddiloco.runtime.wire import MAX_MESSAGE_BYTES
 
@@ -166,11 +166,10 @@ class UploadSlots:
 
     async def take(self, learner: str, session: Session, fragment: int, live: Liveness) -> PoolSlot:
         """A slot for an upload of a session the core just called live, or :class:`Abort` (``busy``)."""
-        self._evict(self.admission.superseded(learner, session))
-        self._refuse_busy(learner, fragment)
-        if holders := self.admission.crowded():
-            self._evict(self.admission.not_live(holders, await live([(u.learner, u.session) for u in holders])))
-            self._refuse_busy(learner, fragment)  # the same upload may have come again during the wait
+        verdict = self._carry_out(self.admission.consider(learner, session, fragment))
+        if verdict.check:
+            answers = await live([(u.learner, u.session) for u in verdict.check])
+            self._carry_out(self.admission.with_live(learner, fragment, verdict.check, answers))
         slot = self.pool.take()
         upload = InFlight(learner, session, fragment)
         self.admission.admit(upload)
@@ -183,14 +182,14 @@ class UploadSlots:
             self.admission.end(upload)
         slot.release()
 
-    def _refuse_busy(self, learner: str, fragment: int) -> None:
-        if (refused := self.admission.refusal(learner, fragment)) is not None:
-            raise Abort(*refused)
-
-    def _evict(self, ended: list[Ended]) -> None:
-        for e in ended:
+    def _carry_out(self, verdict: Verdict) -> Verdict:
+        """Close the streams of the uploads ended to make way; :class:`Abort` if this one is refused."""
+        for e in verdict.ended:
             if (slot := self.held.pop(e.upload, None)) is not None:
                 slot.evict(Abort(e.reason, e.detail))
+        if verdict.refused is not None:
+            raise Abort(*verdict.refused)
+        return verdict
 
     def __len__(self) -> int:
         return len(self.held)
