@@ -36,7 +36,6 @@ class ChaosCluster:
     proxies: ProxyHost
     files: RunFiles
     synchronizers: Synchronizers
-    threads: int
     learner_cmds: dict[str, list[str]] = field(default_factory=dict)
     links: dict[str, list[str]] = field(default_factory=dict)
     """Learner -> the names of its proxies (one per synchronizer shard)."""
@@ -49,16 +48,6 @@ class ChaosCluster:
     def syncs(self) -> list[str]:
         return self.synchronizers.names
 
-    def sync_address(self, shard: int) -> str:
-        return self.synchronizers.address(shard)
-
-    def status_url(self, shard: int = 0) -> str:
-        return self.synchronizers.status_url(shard)
-
-    def start_sync(self, shard: int, *, resume: bool) -> None:
-        """Start shard ``shard``; a restart (``resume``) binds the port its learners' proxies forward to."""
-        self.synchronizers.start(shard, resume=resume)
-
     def batch_log(self, name: str) -> Path:
         """Learner ``name``'s batch log (``runtime/batch_log.py``): every process of it appends there."""
         return self.files.out / BATCH_LOGS / f"{name}.log"
@@ -70,11 +59,11 @@ class ChaosCluster:
         gateway = self.place.gateway
         addresses = [f"{gateway}:{self.proxies.add(proxy, port, upstream_host=host, listen_host=gateway)}"
                      for proxy, port in zip(self.links[name], self.synchronizers.ports)]
-        self.learner_cmds[name] = learner_command(addresses, name, self.threads, device, min_step_s,
+        self.learner_cmds[name] = learner_command(addresses, name, self.files.threads, device, min_step_s,
                                                   token_file=self.place.token_file, batch_log=self.batch_log(name))
 
     def start_learner(self, name: str) -> None:
-        self.procs.start(name, self.learner_cmds[name], env={"OMP_NUM_THREADS": str(self.threads)},
+        self.procs.start(name, self.learner_cmds[name], env={"OMP_NUM_THREADS": str(self.files.threads)},
                          prefix=self.place.prefix(name))
 
     # ---- link faults ---------------------------------------------------------------------------

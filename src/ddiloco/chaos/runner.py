@@ -128,7 +128,7 @@ class ChaosRun:
         learners = [learner_name(i) for i in range(self.m)]
         with StopSignals() as stop, placed(self.topology, [SYNC_HOST, *learners], self.out) as place:
             procs = Processes(files.logs)
-            cluster = ChaosCluster(procs, ProxyHost(), files, Synchronizers.of_run(files, place, procs), files.threads)
+            cluster = ChaosCluster(procs, ProxyHost(), files, Synchronizers.of_run(files, place, procs))
             self.cluster = cluster
             try:
                 return self._run(cluster, stop)
@@ -174,7 +174,7 @@ class ChaosRun:
                 failure = f"the run did not finish within {FINISH_SLACK_S:.0f}s of its budget"
                 break
             if self.on_sample is not None:
-                self.on_sample(self._live(status, cluster.status_url()))
+                self.on_sample(self._live(status, cluster.synchronizers.status_url()))
             time.sleep(POLL_S)
         eval_loss = None
         if stop.requested is not None:
@@ -200,7 +200,7 @@ class ChaosRun:
             final_status=status,
             eval_loss=eval_loss,
             wall_s=time.monotonic() - launched,
-            status_url=cluster.status_url(),
+            status_url=cluster.synchronizers.status_url(),
             sync_names=tuple(cluster.syncs),
             proxy_bytes=cluster.proxies.call(lambda: {n: dict(p.bytes) for n, p in cluster.proxies.proxies.items()}),
             link_bytes={name: {d: last_links[name][d] - first_links[name][d] for d in ("up", "down")}
@@ -358,7 +358,7 @@ class ChaosRun:
                       + {FaultKind.SYNC_CRASH: ": restarting it with --resume",
                          FaultKind.LEARNER_CRASH: ": restarting it", FaultKind.FREEZE: ": SIGCONT"}.get(f.kind, ""))
         if f.kind is FaultKind.SYNC_CRASH:
-            cluster.start_sync(cluster.syncs.index(f.target), resume=True)
+            cluster.synchronizers.start(cluster.syncs.index(f.target), resume=True)
         elif f.kind is FaultKind.LEARNER_CRASH:
             cluster.start_learner(f.target)
         elif f.kind is FaultKind.FREEZE:

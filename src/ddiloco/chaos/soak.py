@@ -267,7 +267,7 @@ class SoakSampler:
             state_dir_bytes=size, state_dir_files=files,
             state_dir_settled_bytes=settled, harness_rss_kib=own.rss_kib if own else None,
             learners_alive=state.alive, learner_rss_kib=learners, helper_rss_kib=helpers)
-        addresses = [cluster.sync_address(i) for i in range(len(cluster.syncs))]
+        addresses = [cluster.synchronizers.address(i) for i in range(len(cluster.syncs))]
         try:
             with ShardedClient(addresses, token=cluster.place.token) as client:
                 status = client.status_dict(timeout_s=5.0)
