@@ -25,6 +25,9 @@ from ddiloco.testing import (
 )
 
 TINY = ["--preset", "tiny", "--set", "protocol.lease_s=5", "--set", "protocol.heartbeat_s=0.5"]
+PACE = ["--min-step-s", "0.05"]
+"""Inner steps of at least 50 ms (the tiny model's take 2 ms): the runs test faults, not speed, and
+learners that spin take the cores the rest of the suite runs on."""
 
 
 def chaos(*args: str, out: Path) -> subprocess.Popen:
@@ -93,16 +96,10 @@ fault = "sync_crash"
 duration = 0.5
 
 [[fault]]
-time = 9
+time = 12
 fault = "freeze"
 target = "learner-2"
 duration = 6
-
-[[fault]]
-time = 9
-fault = "partition"
-target = "learner-0"
-duration = 3
 
 [[fault]]
 time = 13
@@ -116,13 +113,24 @@ fault = "bandwidth"
 target = "learner-1"
 duration = 3
 rate_bytes_per_s = 4000
+
+[[fault]]
+time = 19
+fault = "partition"
+target = "learner-0"
+duration = 3
 """
+"""Every kind once in 22 s, as a seeded schedule lays them out (``chaos/schedule.py``): one learner
+always healthy (quorum 1), and quiet seconds after the synchronizer's kill for every learner to join
+again, so the pause bound is what is judged, not an outage the schedule made unavoidable. (It once
+froze learner-2 and cut learner-0 off at once, 2 s after the kill, while learner-1 was still joining
+again: under a loaded suite nobody could merge for 5.7 s.)"""
 
 
 @pytest.mark.slow
 def test_a_short_run_with_every_fault_kind_keeps_its_promises(tmp_path) -> None:
     out = tmp_path / "out"
-    proc = chaos(*TINY, "--learners", "3", "--time", "18", "--settle", "10", "--no-baseline",
+    proc = chaos(*TINY, "--learners", "3", "--time", "22", "--settle", "8", "--no-baseline", *PACE,
                  "--schedule", schedule(tmp_path, E2E_SCHEDULE), out=out)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout + stderr
@@ -215,7 +223,7 @@ def test_a_sharded_run_in_namespaces_survives_a_shard_kill_and_faults_on_real_li
     # An 8 s lease: a restarted shard (python, torch, numba) took 4.1 s to answer once under the
     # full suite's load, and its first merge came 5.5 s into the pause, past a 5 s lease's bound.
     proc = chaos(*TINY, "--set", "protocol.lease_s=8", "--set", "protocol.shards=2", "--learners", "2", "--time", "13",
-                 "--settle", "10",
+                 "--settle", "10", *PACE,
                  "--no-baseline", "--hosts", "netns", "--link-rate", "5mbit",
                  "--schedule", schedule(tmp_path, NETNS_SCHEDULE), out=out)
     stdout, stderr = proc.communicate(timeout=600)

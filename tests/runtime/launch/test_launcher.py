@@ -76,7 +76,9 @@ def test_a_late_learner_process_joins_the_run_under_way_and_its_work_reaches_the
     learner) and trains its own shard."""
     config = build_config(preset="tiny", overrides=("run.learners=3", "run.time_s=20", "cluster.late_learners=1",
                                                     "cluster.late_join_s=8"))
-    summary, _ = run_processes(config, tmp_path, timeout_s=240)
+    # Paced (50 ms steps, the tiny model's take a few): a 20 s run of learners that spin takes the cores
+    # the rest of the suite runs on, and the late join needs only that the others have merged.
+    summary, _ = run_processes(config, tmp_path, timeout_s=240, min_step_s=0.05)
     log = (tmp_path / "logs" / "learner-2.log").read_text()
     adopted = re.search(r"adopted the global state at versions \[([\d, ]+)\]", log)
     assert adopted and min(int(v) for v in adopted.group(1).split(",")) > 0, log[:2000]  # merged without it
