@@ -82,7 +82,11 @@ class InProcessSync:
 
 
 class Honest:
-    """A learner training the reference workload in a thread, as a user's loop would."""
+    """A learner training the reference workload in a thread, as a user's loop would, each inner step
+    padded to :data:`STEP_S`: the tests watch the service, and a learner spinning on the tiny model's
+    2 ms steps takes the cores (and the GIL, in process) from the service it shares them with."""
+
+    STEP_S = 0.02
 
     def __init__(self, config: Any, port: int, name: str, index: int, **credentials: str) -> None:
         from ddiloco.runtime.learner.runtime import LearnerRuntime
@@ -102,7 +106,11 @@ class Honest:
         trainer = self.workload.new_trainer(self.model)
         sampler = self.workload.sampler(self.index)
         try:
+            started = 0.0
             while not self.stop.is_set() and not self.runtime.should_stop:
+                # The pad before the step, not after: a failure that comes meanwhile is raised by the step.
+                self.stop.wait(self.STEP_S - (time.perf_counter() - started))
+                started = time.perf_counter()
                 x, y = sampler.next_batch()
                 trainer.step(x, y)
                 self.runtime.step(tokens=x.numel())

@@ -18,6 +18,9 @@ from ddiloco.core.shared.deadlines import stop_deadline_s
 from ddiloco.testing import DEADLINE_S, Procs, free_port, learner_args, status_of, sync_args, wait_for
 
 FLOOD_JOINS = 1500
+PACE = ("--min-step-s", "0.02")
+"""The learners' steps padded to 20 ms: the flood, not their speed, is under test, and spinning they
+take the cores the synchronizer and the rest of the suite run on."""
 STOPPED = re.compile(r"final checkpoint written to \S+ at fragment versions (\[[\d, ]+\])")
 RESUMED = re.compile(r"resumed from \S+: fragment versions (\[[\d, ]+\])")
 
@@ -34,7 +37,7 @@ def test_a_flood_of_abandoned_joins_stops_neither_the_merges_nor_a_rejoin_nor_th
     try:
         sync = procs.start("sync", *run)
         for i in range(2):
-            procs.start(f"learner-{i}", *learner_args(port, f"learner-{i}"))
+            procs.start(f"learner-{i}", *learner_args(port, f"learner-{i}", *PACE))
         wait_for(lambda: (s := status_of(port)) and sum(lr["alive"] for lr in s["learners"]) == 2, "both learners")
         before = wait_for(lambda: versions(port), "the first status")
         wait_for(lambda: min(v - b for v, b in zip(versions(port), before)) >= 2, "merges before the flood")
@@ -45,7 +48,7 @@ def test_a_flood_of_abandoned_joins_stops_neither_the_merges_nor_a_rejoin_nor_th
         flood.start()
         assert started.wait(DEADLINE_S)
         procs.kill9("learner-1")  # an honest learner dies during the flood, and its operator restarts it
-        procs.start("learner-1", *learner_args(port, "learner-1"))
+        procs.start("learner-1", *learner_args(port, "learner-1", *PACE))
         flood.join(timeout=4 * DEADLINE_S)
         assert not flood.is_alive() and sum(ended.values()) == FLOOD_JOINS and ended.get("abandoned"), ended
 
