@@ -23,11 +23,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from byte_text import ByteBatches, TextError, learner_seed, load_bytes
+from byte_text import ByteBatches, learner_seed, load_bytes
 from own_loop import build_model, build_parser, lm_loss
+from roles import run_role
 from torch.distributed.fsdp import fully_shard
 
-from ddiloco.core.shared.errors import DdilocoError
 from ddiloco.runtime.learner.ranks import init_group, leave_group
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 
@@ -35,9 +35,6 @@ PROG = "fsdp_loop.py"
 
 
 def learner(args: argparse.Namespace) -> None:
-    if args.lr <= 0 or args.log_every < 1 or (args.max_steps is not None and args.max_steps < 0):
-        raise DdilocoError(f"need --lr > 0, --log-every >= 1, --max-steps >= 0; got {args.lr}, {args.log_every}, "
-                           f"{args.max_steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
@@ -81,19 +78,7 @@ def learner(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    parser.prog = PROG
-    args = parser.parse_args(argv)
-    if args.role == "learner":
-        args.func = learner
-    try:
-        args.func(args)
-    except (DdilocoError, TextError, OSError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_role(build_parser(PROG, learner), argv)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,11 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from byte_text import ByteBatches, TextError, learner_seed, load_bytes
+from byte_text import ByteBatches, learner_seed, load_bytes
+from roles import roles_parser, run_role
 from torch import nn
 from transformers import (
     GPT2Config,
@@ -111,9 +111,6 @@ def init(args: argparse.Namespace) -> None:
 
 
 def learner(args: argparse.Namespace) -> None:
-    if args.lr <= 0 or args.log_every < 1 or (args.max_steps is not None and args.max_steps < 0):
-        raise DdilocoError(f"need --lr > 0, --log-every >= 1, --max-steps >= 0; got {args.lr}, {args.log_every}, "
-                           f"{args.max_steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.id = args.id or os.environ.get("DDILOCO_LEARNER_ID", "")
@@ -162,39 +159,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
-    p_init = roles.add_parser("init", help="write the initial weights for `ddiloco sync --init`")
-    p_init.add_argument("out", type=Path, metavar="OUT.safetensors")
-    add_model_options(p_init)
-    p_init.set_defaults(func=init)
-    p_learn = roles.add_parser("learner", help="train one learner against `ddiloco sync`")
-    p_learn.add_argument("--connect", metavar="HOST:PORT",
-                         help="the synchronizer's address (under `ddiloco launch`: given through the environment)")
-    p_learn.add_argument("--id", help="this learner's id, stable across restarts (under `ddiloco launch`: given)")
-    add_model_options(p_learn)
-    p_learn.add_argument("--text", type=Path, help="training text: a file or a directory (default: Python's stdlib)")
-    p_learn.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
-    p_learn.add_argument("--lr", type=float, default=1e-3, help="inner AdamW learning rate (default 1e-3)")
-    p_learn.add_argument("--max-steps", type=int, help="leave after N steps even if the budget is not spent")
-    p_learn.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p_learn.add_argument("--token-file", type=Path, help="shared auth token (else $DDILOCO_TOKEN)")
-    p_learn.add_argument("--join-timeout", type=float, help="give up if the synchronizer stays unreachable (s)")
-    p_learn.add_argument("--log-every", type=int, default=20, help="print the mean loss every N steps")
-    p_learn.set_defaults(func=learner)
-    return parser
+    return roles_parser(PROG, __doc__.splitlines()[0], add_model_options, init, learner, lr=1e-3)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (DdilocoError, TextError, OSError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_role(build_parser(), argv)
 
 
 if __name__ == "__main__":
