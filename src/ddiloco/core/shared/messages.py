@@ -175,8 +175,8 @@ class Join:
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """Renews the lease of a session and reports progress."""
+class SessionReport:
+    """What a heartbeat and a leave both carry: whose session, and its progress."""
 
     learner_id: str
     session: Session
@@ -187,15 +187,13 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
-class Leave:
+class Heartbeat(SessionReport):
+    """Renews the lease of a session and reports progress."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(SessionReport):
     """A learner is done: the synchronizer stops waiting for it at once."""
-
-    learner_id: str
-    session: Session
-    progress: Progress
-
-    def __post_init__(self) -> None:
-        check_id(self.learner_id, "learner id")
 
 
 @dataclass(frozen=True, slots=True)
