@@ -36,7 +36,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_path) -> None:
-    config = build_config(preset="tiny", overrides=("run.learners=2", "run.tokens=12288"))
+    # 96 steps of the tiny model, not 48: where one learner starts ~70 ms after the other, the outer
+    # momentum of so short a run can overshoot on its last merges (the virtual cluster, tiny, 12288 tokens,
+    # cluster.step_time_s=0.005, cluster.latency_s=0.01, cluster.late_learners=1, cluster.late_join_s=0.07:
+    # one merge at the stop takes the eval loss from 3.09 to 6.62; 3 of 72 such worlds end above the start,
+    # none of them at 24576 tokens; under a loaded suite this run ended at 6.65 and 7.63 in 2 of about 40).
+    config = build_config(preset="tiny", overrides=("run.learners=2", "run.tokens=24576"))
     seen = []
     # Unpaced: the tiny model steps every 6 ms, faster than an update comes back. The send schedule
     # once held a send for two periods of steps only, and this run diverged (eval loss 5.48 -> 8.08):
@@ -44,7 +49,7 @@ def test_process_run_writes_what_a_virtual_run_writes_from_the_same_start(tmp_pa
     summary, rows = run_processes(config, tmp_path, lambda fraction, row: seen.append(fraction), timeout_s=240)
     assert set(SUMMARY_KEYS) <= set(summary)
     assert summary["runtime"] == "processes" and summary["learners"] == 2
-    assert summary["tokens"] >= 12288 and min(summary["fragment_versions"]) >= 1
+    assert summary["tokens"] >= 24576 and min(summary["fragment_versions"]) >= 1
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0 and 0 < summary["goodput"] <= 1
     # The final loss above the first (8.08 against 5.48) is what double-counted Δs do: say what the run did.
     story = {k: summary.get(k) for k in ("steps_per_learner", "own_steps_per_learner", "rounds_closed", "rejections",
