@@ -14,13 +14,13 @@ module                        what it holds
                               :func:`session_pids`, :func:`finish`, :func:`stop_session`),
                               :func:`netns_unavailable`
 :mod:`.in_process`            :class:`InProcessSync`, :class:`Honest`, :func:`train_steps`,
-                              :func:`status_of`, :func:`versions`
+                              :func:`train_until_updates`, :func:`status_of`, :func:`versions`
 ============================  =====================================================================
 """
 
 from ddiloco.runtime.launch.local_run import free_port
 from ddiloco.testing.commands import ddiloco_argv, learner_args, sync_args, sync_argv
-from ddiloco.testing.in_process import Honest, InProcessSync, status_of, train_steps, versions
+from ddiloco.testing.in_process import Honest, InProcessSync, status_of, train_steps, train_until_updates, versions
 from ddiloco.testing.subprocesses import (
     Procs,
     SyncProcess,
@@ -37,5 +37,6 @@ from ddiloco.testing.waiting import DEADLINE_S, port_from_file, wait_for
 __all__ = [
     "DEADLINE_S", "Honest", "InProcessSync", "Procs", "SyncProcess", "ddiloco_argv", "ddiloco_session", "finish",
     "free_port", "learner_args", "netns_unavailable", "port_from_file", "process_state", "session_pids", "status_of",
-    "stop_session", "sync_args", "sync_argv", "train_steps", "versions", "wait_for", "wait_until_running",
+    "stop_session", "sync_args", "sync_argv", "train_steps", "train_until_updates", "versions", "wait_for",
+    "wait_until_running",
 ]

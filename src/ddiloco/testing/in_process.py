@@ -42,6 +42,16 @@ def train_steps(runtime: Any, workload: Any, model: Any, index: int, steps: int,
     return trainer
 
 
+def train_until_updates(runtime: Any, workload: Any, model: Any, updates: int, deadline_s: float = 90.0) -> None:
+    """Learner 0's steps for two periods, then until ``updates`` updates have landed (or ``deadline_s``
+    passes); the runtime is closed whatever happens, so its helper never outlives the test."""
+    try:
+        train_steps(runtime, workload, model, 0, 2 * runtime.plan.period, deadline_s=deadline_s,
+                    until=lambda: runtime.stats.updates_applied >= updates)
+    finally:
+        runtime.close()
+
+
 class InProcessSync:
     """A :class:`~ddiloco.runtime.sync.service.SyncService` on its own event-loop thread inside the
     calling process."""

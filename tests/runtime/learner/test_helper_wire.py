@@ -24,7 +24,7 @@ from ddiloco.runtime.learner.helper_wire import Msg, Pipe, PipeClosed, SendFrame
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotLayout
 from ddiloco.settings.config_sources import build_config
-from ddiloco.testing import train_steps
+from ddiloco.testing import train_until_updates
 from ddiloco.workload.workload import Workload
 
 FRAMES = SendFrames("learner-7", "int4", "0123456789ab")
@@ -140,11 +140,7 @@ def test_a_step_reaches_the_helper_in_one_system_call(inproc_sync, monkeypatch):
         assert os.sched_getscheduler(runtime.link.calls.helper.pid) == os.SCHED_BATCH
     monkeypatch.setattr(runtime, "step", counted)
     monkeypatch.setattr(Pipe, "send_frames", send)
-    try:
-        train_steps(runtime, workload, model, 0, 2 * config.protocol.period, deadline_s=90,
-                    until=lambda: runtime.stats.updates_applied >= 2)
-    finally:
-        runtime.close()
+    train_until_updates(runtime, workload, model, 2)
     assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
     assert max(calls) == 1  # the announces of one step: one send
 

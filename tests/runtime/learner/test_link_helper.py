@@ -23,7 +23,7 @@ from ddiloco.runtime.learner import helper_process
 from ddiloco.runtime.learner.runtime import LearnerRuntime
 from ddiloco.runtime.learner.slots import Slot, SlotArea, SlotError, SlotLayout
 from ddiloco.settings.config_sources import build_config
-from ddiloco.testing import train_steps, wait_for
+from ddiloco.testing import train_steps, train_until_updates, wait_for
 from ddiloco.workload.workload import Workload
 
 CONFIG = build_config(preset="tiny", overrides=("run.learners=1",))
@@ -126,11 +126,7 @@ def test_a_delta_the_helper_compresses_and_updates_it_decodes_reach_both_sides(i
     model = workload.new_model()
     runtime = LearnerRuntime(model, f"127.0.0.1:{s.port}", "learner-0", join_timeout_s=60)
     assert not any(runtime.core.decodes_updates(p) for p in range(len(runtime.plan.fragments)))
-    try:
-        train_steps(runtime, workload, model, 0, 2 * config.protocol.period, deadline_s=90,
-                    until=lambda: runtime.stats.updates_applied >= 2)
-    finally:
-        runtime.close()
+    train_until_updates(runtime, workload, model, 2)
     assert runtime.stats.contributions_sent >= 2 and runtime.stats.updates_applied >= 2
     numels = {f.numel for f in runtime.plan.fragments}
     assert runtime.stats.bytes_up >= 4 * min(numels) * runtime.stats.contributions_sent  # fp32 on the wire
