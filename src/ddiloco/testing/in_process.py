@@ -93,7 +93,7 @@ class InProcessSync:
 
 class Honest:
     """A learner training the reference workload in a thread, as a user's loop would, each inner step
-    padded to :data:`STEP_S`: the tests watch the service, and a learner spinning on the tiny model's
+    padded to :attr:`STEP_S`: the tests watch the service, and a learner spinning on the tiny model's
     2 ms steps takes the cores (and the GIL, in process) from the service it shares them with."""
 
     STEP_S = 0.02

@@ -7,7 +7,11 @@ different things, because the two tools watch different things:
 - **pause**: while learners train and the synchronizer answers, no fragment goes longer than
   :func:`pause_bound_s` without a merge. A round waits for a dead learner at most until its
   lease expires (then the effective quorum drops), and for stragglers at most one grace
-  window. ``ddiloco chaos`` reads its pauses from the synchronizer's status.
+  window. ``ddiloco chaos`` reads its pauses from the synchronizer's status. The premise is
+  that enough learners stay healthy to meet the quorum: faults that take every learner out at
+  once (with quorum 1, one frozen, one cut off and the third still joining again after a
+  synchronizer's restart) stop merges for as long as they last, which no bound on the protocol
+  covers; the seeded schedules keep one learner healthy at all times, and so does the CI's.
 - **catch-up**: once the last fault has ended, every learner that is up trains in the
   synchronizer's current incarnation, holding every fragment at least at the version the
   synchronizer had then, within :func:`catch_up_bound_s`. ``ddiloco simtest`` sees every
