@@ -7,12 +7,15 @@ copy's own samples drawn by its data shard. (A target per shard made the copies'
 one that started late under load found the global model fitted to the other's and sent outer
 gradients a hundred times the fragment's median, which the norm bound refuses.) No logging is configured, as in a
 script that never thought of it: what the runtime warns about reaches stderr all the same.
+``FAST_STEPS_PAD_S`` in the environment pads every step to at least that long (a test of what is said
+about refused work needs the refusals, not the speed).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -35,8 +38,10 @@ def learner() -> None:
     g = torch.Generator().manual_seed(int(os.environ.get("DDILOCO_DATA_SHARD", "0")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = 0
+    pad_s = float(os.environ.get("FAST_STEPS_PAD_S", "0"))
     with LearnerRuntime.from_env(model, tokens_per_step=BATCH) as runtime:
         while not runtime.should_stop:
+            started = time.perf_counter()
             x = torch.randn(BATCH, WIDTH, generator=g)
             loss = nn.functional.mse_loss(model(x), x @ target)
             loss.backward()
@@ -44,6 +49,7 @@ def learner() -> None:
             opt.zero_grad(set_to_none=True)
             runtime.step(tokens=BATCH)
             steps += 1
+            time.sleep(max(0.0, pad_s - (time.perf_counter() - started)))
     print(f"done after {steps} steps", flush=True)
 
 

@@ -25,14 +25,16 @@ SCRIPT = Path(__file__).with_name("fast_steps.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def launch(tmp_path: Path, *options: str, stderr: Path | None = None) -> subprocess.Popen:
-    """``ddiloco launch`` of two copies of the script; its stderr to ``stderr`` if given (read while it runs)."""
+def launch(tmp_path: Path, *options: str, stderr: Path | None = None, pad_s: float = 0.0) -> subprocess.Popen:
+    """``ddiloco launch`` of two copies of the script, each step padded to ``pad_s``; its stderr to
+    ``stderr`` if given (read while it runs)."""
     init = tmp_path / "init.safetensors"
     subprocess.run([sys.executable, str(SCRIPT), "init", str(init)], check=True, env=ENV)
     return subprocess.Popen(
         [sys.executable, "-m", "ddiloco.cli", "launch", "--learners", "2", "--init", str(init), "--preset", "tiny",
          "--out", str(tmp_path / "out"), *options, "--", sys.executable, str(SCRIPT), "learner"],
-        stdout=subprocess.PIPE, stderr=open(stderr, "w") if stderr else subprocess.PIPE, text=True, env=ENV,
+        stdout=subprocess.PIPE, stderr=open(stderr, "w") if stderr else subprocess.PIPE, text=True,
+        env={**ENV, "FAST_STEPS_PAD_S": str(pad_s)},
         start_new_session=True)
 
 
@@ -56,7 +58,9 @@ def test_every_contribution_of_a_1_ms_step_script_is_accepted(tmp_path: Path) ->
 def test_work_refused_is_said_on_the_launchers_output_the_learners_log_and_in_status(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     said = tmp_path / "launch.err"
-    proc = launch(tmp_path, "--time", "25", "--set", "protocol.min_step_s=1", stderr=said)  # refused at once
+    # Refused at once: 50 ms steps claim twenty times what a protocol.min_step_s of 1 s allows (unpadded,
+    # two copies at 1 ms steps spun through the whole test for nothing it checks).
+    proc = launch(tmp_path, "--time", "25", "--set", "protocol.min_step_s=1", stderr=said, pad_s=0.05)
     try:
         log = tmp_path / "out" / "logs" / "learner-0.log"
         wait_for(lambda: log.exists() and "the synchronizer refused this learner's contribution" in log.read_text(),
