@@ -20,8 +20,20 @@ from types import ModuleType
 from typing import NoReturn, Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import (bandwidth, chaos, compare, export, fingerprint, goodput, launch, learner, run, simtest,
-                              status, sync)
+from ddiloco.commands import (
+    bandwidth,
+    chaos,
+    compare,
+    export,
+    fingerprint,
+    goodput,
+    launch,
+    learner,
+    run,
+    simtest,
+    status,
+    sync,
+)
 from ddiloco.commands import eval as eval_command
 from ddiloco.core.shared.errors import DdilocoError
 
