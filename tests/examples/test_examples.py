@@ -162,6 +162,18 @@ def test_example_two_learners_spend_the_budget_and_improve_the_global_model(name
     assert sync.stop(DEADLINE_S) == 0, sync.log.read_text()
 
 
+@pytest.mark.parametrize("script", ["own_loop.py", "hf_causal_lm.py", "fsdp_loop.py"])
+@pytest.mark.parametrize(("option", "value"), [("--lr", "0"), ("--log-every", "0"), ("--max-steps", "-1")])
+def test_a_learner_given_a_bad_value_says_so_in_one_line_and_exits_2_before_it_starts(
+        script: str, option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The examples' shared command line (``examples/roles.py``) checks the learner's values before
+    anything starts: nothing to connect to is given, so getting past the check would fail otherwise."""
+    assert example_module(script).main(["learner", option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"{script}: error: need --lr > 0, --log-every >= 1, --max-steps >= 0")
+
+
 @pytest.mark.parametrize(("options", "served_head", "embedding"), [
     (("--arch", "gpt2"), None, "transformer.wte.weight"),
     (("--arch", "llama"), None, "model.embed_tokens.weight"),
