@@ -49,6 +49,7 @@ def learner() -> None:
             opt.zero_grad(set_to_none=True)
             runtime.step(tokens=BATCH)
             steps += 1
+            # The script's own step time (a slower device, as --min-step-s pads ddiloco's learner), not a wait.
             time.sleep(max(0.0, pad_s - (time.perf_counter() - started)))
     print(f"done after {steps} steps", flush=True)
 

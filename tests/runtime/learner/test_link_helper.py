@@ -140,7 +140,7 @@ TRAINER = textwrap.dedent("""
     config = build_config(preset="tiny", overrides=("run.learners=1",))
     runtime = LearnerRuntime(Workload.build(config).new_model(), sys.argv[1], "learner-0", join_timeout_s=60)
     print(runtime.link.calls.helper.pid, flush=True)
-    time.sleep(600)
+    time.sleep(600)  # the trainer only has to stay alive: the test kills it, and waits on events, not on this
 """)
 
 
