@@ -24,6 +24,7 @@ from ddiloco.testing import (
     free_port,
     learner_args,
     session_pids,
+    status_of,
     stop_session,
     sync_args,
     wait_for,
@@ -158,6 +159,10 @@ def test_kill_9_of_the_launcher_leaves_no_process_behind(tmp_path) -> None:
 def test_sigterm_of_the_launcher_stops_the_run_cleanly(tmp_path) -> None:
     out = tmp_path / "out"
     proc = _running_run(out, "--time", "120")
+    # a learner joined is not yet a merge: the summary's tokens are what reached the global model, so
+    # stop once some have (under a loaded suite the first round can close after the signal otherwise)
+    port = int((out / "sync.port").read_text())
+    wait_for(lambda: (s := status_of(port)) and s["tokens"] > 0, "a first merge", timeout_s=180)
     stdout, stderr = stop_session(proc, signal.SIGTERM)
     assert proc.returncode == 130, stdout + stderr
     assert "ddiloco: interrupted by SIGTERM: stopped cleanly" in stderr and "Traceback" not in stderr
