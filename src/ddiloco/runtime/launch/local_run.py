@@ -146,6 +146,14 @@ def wait_for_port(port_file: Path, procs: Processes, name: str, stop: StopSignal
     raise DdilocoError(f"the synchronizer {name} did not start within {START_TIMEOUT_S:.0f}s:\n" + procs.tail(name))
 
 
+def _page_port(line: SyncLine, shard: int, place: Placement, pages: bool) -> int | None:
+    """Shard ``shard``'s status page: the one its line names; else, with ``pages``, a free port (a
+    fixed one in a network namespace, where the host cannot ask for a free one); else none."""
+    if line.http_port is not None or not pages:
+        return line.http_port
+    return free_port() if place.net is None else NETNS_HTTP_PORT + shard
+
+
 class Synchronizers:
     """A run's synchronizer processes, one per shard, each started from its :class:`SyncLine` on its
     host of the placement, with the placement's token and a status page: started and restarted
@@ -157,9 +165,10 @@ class Synchronizers:
         line names no status page one (a free port, or a fixed one in a network namespace)."""
         self.lines, self.place, self.procs = lines, place, procs
         self.names = sync_names(len(lines))
-        self.http_ports = [line.http_port if line.http_port is not None or not pages
-                           else free_port() if place.net is None else NETNS_HTTP_PORT + i
-                           for i, line in enumerate(lines)]
+        if missing := [name for name, line in zip(self.names, lines) if line.port_file is None]:
+            raise DdilocoError(f"{missing[0]}'s command line names no --port-file to read its port from")
+        self.port_files: list[Path] = [line.port_file for line in lines]
+        self.http_ports = [_page_port(line, i, place, pages) for i, line in enumerate(lines)]
         self.ports: list[int] = []
         """Each shard's gRPC port, once :meth:`start_all` has read them."""
 
@@ -171,16 +180,10 @@ class Synchronizers:
                              port_file=files.port_files[i], state_dir=files.state_dirs[i]) for i in range(shards)],
                    place, procs, pages=pages)
 
-    def _port_file(self, shard: int) -> Path:
-        port_file = self.lines[shard].port_file
-        if port_file is None:
-            raise DdilocoError(f"{self.names[shard]}'s command line names no --port-file to read its port from")
-        return port_file
-
     def start(self, shard: int, *, resume: bool = False) -> None:
         """Start shard ``shard``; a restart (``resume``) binds the port it had."""
         line = self.lines[shard]
-        self._port_file(shard).unlink(missing_ok=True)
+        self.port_files[shard].unlink(missing_ok=True)
         host, port = self.place.sync_listen(shard)
         words = replace(line, listen=f"{host}:{self.ports[shard] if resume else port}",
                         http_port=self.http_ports[shard], resume=resume or line.resume,
@@ -191,7 +194,7 @@ class Synchronizers:
         """Start every shard; their addresses once each has written the port it listens on."""
         for shard in range(len(self.names)):
             self.start(shard)
-        self.ports = [wait_for_port(self._port_file(i), self.procs, name, stop) for i, name in enumerate(self.names)]
+        self.ports = [wait_for_port(pf, self.procs, name, stop) for pf, name in zip(self.port_files, self.names)]
         return [self.address(shard) for shard in range(len(self.names))]
 
     def address(self, shard: int) -> str:
